@@ -1,0 +1,49 @@
+"""The `edgechat` command: parsing and dispatch only; each command family lives in its own module."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from edgechat import __version__
+from edgechat.cli.common import data_dir_option, run_guarded
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="edgechat")
+@click.option("-m", "--model", default=None, help="Model: short name, path to a .gguf, or Hub reference.")
+@click.option("--url", default=None, help="Chat through an OpenAI-compatible server instead of a local model.")
+@click.option("--api-key", default=None, envvar="EDGECHAT_API_KEY", help="API key for --url.")
+@data_dir_option
+@click.pass_context
+def cli(ctx: click.Context, model: str | None, url: str | None, api_key: str | None, data_dir: str | None) -> None:
+    """Offline LLM chat on your own machine. With no command, opens the chat app."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from edgechat.cli.chat import open_app
+
+    open_app(model=model, url=url, api_key=api_key, data_dir=data_dir)
+
+
+def _register() -> None:
+    from edgechat.cli import models, run
+
+    cli.add_command(run.run_cmd)
+    cli.add_command(models.models_cmd)
+    cli.add_command(models.doctor_cmd)
+    for optional in ("sessions", "serve", "quantize", "bench"):
+        try:
+            module = __import__(f"edgechat.cli.{optional}", fromlist=["register"])
+        except ModuleNotFoundError as exc:
+            if exc.name != f"edgechat.cli.{optional}":
+                raise
+            continue
+        module.register(cli)
+
+
+_register()
+
+
+def main() -> None:
+    run_guarded(cli, sys.argv[1:])

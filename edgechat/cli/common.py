@@ -1,0 +1,69 @@
+"""Options shared by several commands, defined once, and the one place user errors become a line."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from edgechat.errors import EdgechatError
+
+data_dir_option = click.option(
+    "--data-dir",
+    envvar="EDGECHAT_DATA_DIR",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Keep conversations, snapshots and caches under this directory (env: EDGECHAT_DATA_DIR).",
+)
+
+
+def model_options(func):
+    """-m/--model, --ctx, --threads: how a command loads its model."""
+    func = click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: physical cores).")(func)
+    func = click.option("--ctx", type=click.IntRange(min=64), default=None, help="Context size in tokens (default: largest that fits, capped).")(func)
+    func = click.option("-m", "--model", default=None, help="Model: short name, path to a .gguf, or Hub reference.")(func)
+    return func
+
+
+def sampling_options(func):
+    """The sampling knobs every generating command accepts."""
+    opts = [
+        click.option("--temperature", type=click.FloatRange(min=0.0), default=None, help="0 = greedy."),
+        click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=None),
+        click.option("--top-k", type=click.IntRange(min=0), default=None),
+        click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=None),
+        click.option("--repeat-penalty", type=click.FloatRange(min=0.0), default=None),
+        click.option("--seed", type=int, default=None, help="Same seed and prompt give the same text."),
+        click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Most tokens in the answer."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-text (benchmarks)."),
+    ]
+    for opt in reversed(opts):
+        func = opt(func)
+    return func
+
+
+def fail(message: str, code: int = 1) -> None:
+    click.echo(f"edgechat: error: {message}", err=True)
+    sys.exit(code)
+
+
+def run_guarded(group: click.Group, args: list[str]) -> None:
+    """Run the CLI; EdgechatError and Ctrl+C become one line and an exit status, never a traceback."""
+    try:
+        group.main(args=args, prog_name="edgechat", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        click.echo("\nedgechat: interrupted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except EdgechatError as exc:
+        fail(str(exc), exc.exit_code)
+    except BrokenPipeError:
+        sys.exit(0)

@@ -1,0 +1,62 @@
+"""Where edgechat keeps its files, and the user's settings (TOML under the XDG config home)."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+
+from edgechat.errors import UsageError
+
+#: one variable moves every edgechat directory under one root (tests, scripts, portable installs)
+DATA_DIR_ENV = "EDGECHAT_DATA_DIR"
+
+
+@dataclass(frozen=True)
+class Paths:
+    data: Path  # conversations, KV snapshots
+    cache: Path  # assembled and downloaded models, fixtures
+    config: Path  # config.toml
+
+    @property
+    def config_file(self) -> Path:
+        return self.config / "config.toml"
+
+    @property
+    def models_cache(self) -> Path:
+        return self.cache / "models"
+
+    @property
+    def database(self) -> Path:
+        return self.data / "edgechat.sqlite3"
+
+    @property
+    def snapshots(self) -> Path:
+        return self.data / "snapshots"
+
+
+def get_paths(data_dir: str | os.PathLike | None = None) -> Paths:
+    """Resolve the directories: explicit argument, then $EDGECHAT_DATA_DIR, then XDG homes."""
+    root = data_dir or os.environ.get(DATA_DIR_ENV)
+    if root:
+        base = Path(root).expanduser().resolve()
+        return Paths(data=base, cache=base / "cache", config=base / "config")
+    return Paths(
+        data=Path(platformdirs.user_data_dir("edgechat", appauthor=False)),
+        cache=Path(platformdirs.user_cache_dir("edgechat", appauthor=False)),
+        config=Path(platformdirs.user_config_dir("edgechat", appauthor=False)),
+    )
+
+
+def load_settings(paths: Paths) -> dict:
+    """The user's config.toml as a dict ({} when absent); a broken file is a one-line error."""
+    try:
+        with open(paths.config_file, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        return {}
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{paths.config_file} is not valid TOML ({exc}); fix or delete it") from None

@@ -1,0 +1,43 @@
+"""Errors a user can cause. Each front end renders them as one line; only bugs give tracebacks."""
+
+
+class EdgechatError(Exception):
+    """Base class: the message is complete, one line, and says what to do."""
+
+    #: process exit status the CLI uses for this error
+    exit_code = 1
+
+
+class UsageError(EdgechatError):
+    """A bad argument or value (negative max tokens, temperature < 0, empty prompt)."""
+
+    exit_code = 2
+
+
+class ModelNotFoundError(EdgechatError):
+    """A model name, path or Hub reference that does not lead to a usable file."""
+
+
+class ModelFormatError(EdgechatError):
+    """A file that is not a GGUF llama.cpp can load: not GGUF, truncated, unknown architecture."""
+
+
+class ModelTooLargeError(EdgechatError):
+    """The planner found that the model cannot fit in the memory available."""
+
+
+class PromptTooLongError(EdgechatError):
+    """The prompt does not fit the context minus the room reserved for the answer."""
+
+    def __init__(self, message: str, prompt_tokens: int, limit: int):
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+
+class EngineBusyError(EdgechatError):
+    """The request queue is full; try again later."""
+
+
+class StoreError(EdgechatError):
+    """The conversation store cannot be opened or written."""

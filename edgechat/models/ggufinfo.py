@@ -1,0 +1,213 @@
+"""What a GGUF file holds, read from its header without loading weights (for planner, doctor, models)."""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgechat.errors import ModelFormatError, ModelNotFoundError
+
+GGUF_MAGIC = b"GGUF"
+
+# GGUF value types (gguf spec): id -> struct format; 8 is a string, 9 an array
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+#: arrays longer than this are skipped, not decoded (vocabularies, merges, scores)
+_MAX_ARRAY = 4096
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: Path
+    size_bytes: int
+    architecture: str
+    name: str
+    quant: str
+    n_params: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_embd: int
+    head_dim_k: int
+    head_dim_v: int
+    context_length: int
+    #: sliding-window size and which layers use it (None: every layer is global)
+    sliding_window: int | None
+    swa_layers: tuple[bool, ...]
+    chat_template: str | None
+
+    @property
+    def n_swa_layers(self) -> int:
+        return sum(self.swa_layers)
+
+    def kv_bytes_per_token(self, bytes_per_element: float = 2.0) -> float:
+        """K and V bytes one token costs in every full-attention layer (GQA-aware)."""
+        n_global = self.n_layer - self.n_swa_layers
+        return n_global * self.n_head_kv * (self.head_dim_k + self.head_dim_v) * bytes_per_element
+
+    def kv_cache_bytes(self, n_ctx: int, bytes_per_element: float = 2.0) -> float:
+        """KV memory for n_ctx tokens: full layers hold every token, sliding layers only their window."""
+        per_layer = self.n_head_kv * (self.head_dim_k + self.head_dim_v) * bytes_per_element
+        total = (self.n_layer - self.n_swa_layers) * per_layer * n_ctx
+        if self.sliding_window:
+            # llama.cpp keeps window + one ubatch of cells per SWA layer (llama-kv-cache-iswa).
+            swa_cells = min(n_ctx, self.sliding_window + 512)
+            total += self.n_swa_layers * per_layer * swa_cells
+        return total
+
+
+def _check_file(path: Path) -> None:
+    if not path.exists():
+        raise ModelNotFoundError(f"model file not found: {path}")
+    if path.is_dir():
+        raise ModelNotFoundError(f"{path} is a directory, not a model file; pass the .gguf file inside it")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelFormatError(
+            f"{path} is not a GGUF model file; edgechat runs GGUF models (convert one with: edgechat quantize)"
+        )
+
+
+class _Cursor:
+    """Sequential reads over the mapped header; IndexError/struct.error mean truncation."""
+
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: str):
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        if self.pos + n > len(self.buf):
+            raise struct.error("string past end of file")
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def skip_string(self) -> None:
+        n = self.unpack("<Q")
+        self.pos += n
+
+    def value(self, vtype: int):
+        if vtype in _SCALARS:
+            return self.unpack(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            itype, n = self.unpack("<I"), self.unpack("<Q")
+            if n > _MAX_ARRAY:
+                if itype == _STRING:
+                    for _ in range(n):
+                        self.skip_string()
+                elif itype in _SCALARS:
+                    self.pos += n * struct.calcsize(_SCALARS[itype])
+                else:
+                    raise struct.error(f"unsupported nested array type {itype}")
+                return None
+            return [self.value(itype) for _ in range(n)]
+        raise struct.error(f"unknown GGUF value type {vtype}")
+
+
+def _parse(path: Path) -> tuple[dict, int]:
+    """Metadata fields, and where the last tensor's data ends (to detect truncation)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        cur = _Cursor(buf)
+        cur.pos = 4
+        version = cur.unpack("<I")
+        if version not in (2, 3):
+            raise ModelFormatError(f"{path} is GGUF version {version}; edgechat reads versions 2 and 3")
+        n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+        fields = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            fields[key] = cur.value(cur.unpack("<I"))
+        data_end = 0
+        for _ in range(n_tensors):
+            cur.skip_string()
+            n_dims = cur.unpack("<I")
+            n_elements = 1
+            for _ in range(n_dims):
+                n_elements *= cur.unpack("<Q")
+            ttype, offset = cur.unpack("<I"), cur.unpack("<Q")
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+            data_end = max(data_end, offset + n_elements // block * type_size)
+            fields.setdefault("_n_params", 0)
+            fields["_n_params"] += n_elements
+        align = int(fields.get("general.alignment", 32))
+        data_start = (cur.pos + align - 1) // align * align
+    return fields, data_start + data_end
+
+
+def read_model_info(path: str | Path) -> ModelInfo:
+    """Parse the header; raises a one-line ModelFormatError for anything llama.cpp would choke on."""
+    path = Path(path)
+    _check_file(path)
+    try:
+        fields, data_end = _parse(path)
+    except (struct.error, IndexError, ValueError, KeyError, OverflowError) as exc:
+        raise ModelFormatError(f"{path} is a damaged or truncated GGUF file ({type(exc).__name__}); download it again") from None
+    size = path.stat().st_size
+    if data_end > size:
+        raise ModelFormatError(f"{path} is truncated ({size} of {data_end} bytes); download it again")
+    arch = fields.get("general.architecture")
+    if not arch:
+        raise ModelFormatError(f"{path} has no general.architecture; it is not a model GGUF")
+
+    def get(key: str, default=None):
+        return fields.get(f"{arch}.{key}", default)
+
+    n_layer = int(get("block_count", 0))
+    n_head = get("attention.head_count", 0)
+    n_head_kv = get("attention.head_count_kv", n_head)
+    # per-layer arrays exist for some architectures; the planner needs one number
+    if isinstance(n_head, list):
+        n_head = max(n_head)
+    if isinstance(n_head_kv, list):
+        n_head_kv = max(n_head_kv)
+    n_embd = int(get("embedding_length", 0))
+    head_k = int(get("attention.key_length", n_embd // max(int(n_head), 1)))
+    head_v = int(get("attention.value_length", head_k))
+    window = get("attention.sliding_window")
+    swa_layers: tuple[bool, ...] = (False,) * n_layer
+    if window:
+        pattern = get("attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            swa_layers = tuple(bool(x) for x in pattern[:n_layer])
+        else:
+            # llama.cpp's default for Gemma 3: every 6th layer is global, the rest slide
+            period = int(pattern) if pattern else (6 if arch == "gemma3" else 0)
+            if period > 1:
+                swa_layers = tuple((i % period) < (period - 1) for i in range(n_layer))
+    from gguf import LlamaFileType
+
+    ftype = fields.get("general.file_type")
+    try:
+        quant = LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_") if ftype is not None else "?"
+    except ValueError:
+        quant = str(ftype)
+    return ModelInfo(
+        path=path,
+        size_bytes=size,
+        architecture=str(arch),
+        name=str(fields.get("general.name") or path.stem),
+        quant=quant,
+        n_params=int(fields.get("_n_params", 0)),
+        n_layer=n_layer,
+        n_head=int(n_head),
+        n_head_kv=int(n_head_kv),
+        n_embd=n_embd,
+        head_dim_k=head_k,
+        head_dim_v=head_v,
+        context_length=int(get("context_length", 2048)),
+        sliding_window=int(window) if window else None,
+        swa_layers=swa_layers,
+        chat_template=fields.get("tokenizer.chat_template"),
+    )
