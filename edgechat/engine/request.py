@@ -1,0 +1,194 @@
+"""A request to the engine, its status, and the events the engine sends back.
+
+Every front end (TUI, `edgechat run`, the HTTP server) builds a ChatRequest, submits it to
+engine.Engine and consumes the events from the RequestHandle it gets back.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Union
+
+
+@dataclass
+class SamplingParams:
+    """llama.cpp's native sampler chain settings. temperature 0 means greedy."""
+
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
+    #: None: a fresh random seed per request
+    seed: int | None = None
+
+
+class ContextPolicy(str, enum.Enum):
+    """What to do when a conversation outgrows the context window (see engine.kvcache)."""
+
+    SHIFT = "shift"
+    TRUNCATE = "truncate"
+    SUMMARIZE = "summarize"
+
+
+@dataclass
+class ChatRequest:
+    """One generation: either chat `messages` (rendered with the model's template) or a raw `prompt`."""
+
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    #: None: until end of text or the context's answer reserve runs out
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    #: a conversation id: its KV sequence is kept between turns for prefix reuse
+    session: str | None = None
+    context_policy: ContextPolicy = ContextPolicy.SHIFT
+    #: messages (by index) kept in context under eviction besides the system prompt
+    pinned: frozenset[int] = frozenset()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"  # end of text or a stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens reached
+    FINISHED_CANCELLED = "finished_cancelled"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+#: the one map from terminal status to the finish reason every front end reports
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_CANCELLED: "cancelled",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class RequestMetrics:
+    """Lifecycle timings of one request, in seconds unless named otherwise."""
+
+    queue_wait: float = 0.0
+    tokenize: float = 0.0
+    prefill: float = 0.0
+    ttft: float = 0.0
+    #: inter-token gaps after the first token
+    tpot_mean: float = 0.0
+    tpot_p50: float = 0.0
+    tpot_p95: float = 0.0
+    decode: float = 0.0
+    total: float = 0.0
+    prompt_tokens: int = 0
+    #: prompt tokens that came from the KV cache (live sequence or snapshot), not prefilled
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    #: tokens in the sequence's context after the request
+    context_tokens: int = 0
+    context_size: int = 0
+
+    @property
+    def prefill_tps(self) -> float:
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill if self.prefill > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # the first token comes out of prefill; decode speed counts the rest
+        n = self.completion_tokens - 1
+        return n / self.decode if self.decode > 0 and n > 0 else 0.0
+
+
+@dataclass
+class TextDelta:
+    text: str
+
+
+@dataclass
+class Evicted:
+    """Part of a conversation left the KV cache (never the stored history)."""
+
+    messages: int
+    tokens: int
+    policy: str
+    note: str  # e.g. "3 oldest messages left the context"
+
+
+@dataclass
+class Metrics:
+    metrics: RequestMetrics
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop" | "length" | "cancelled" | "error"
+    text: str  # the whole answer
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+Event = Union[TextDelta, Evicted, Metrics, Finished]
+
+
+class RequestHandle:
+    """What submit() returns: iterate for events (blocking), cancel() from any thread."""
+
+    def __init__(self, request: ChatRequest, on_event: Callable[[Event], None] | None = None):
+        self.request = request
+        self.status = RequestStatus.WAITING
+        self._cancel = threading.Event()
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._on_event = on_event
+        self.finished: Finished | None = None
+        self._done = threading.Event()
+
+    # engine side
+    def emit(self, event: Event) -> None:
+        if isinstance(event, Finished):
+            self.finished = event
+        if self._on_event is not None:
+            self._on_event(event)
+        else:
+            self._events.put(event)
+        if isinstance(event, Finished):
+            self._done.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    # client side
+    def cancel(self) -> None:
+        """Stop generation; the engine checks before every token and finishes with reason 'cancelled'."""
+        self._cancel.set()
+
+    def __iter__(self) -> Iterator[Event]:
+        if self._on_event is not None:
+            raise RuntimeError("this handle delivers events to its on_event callback")
+        while True:
+            event = self._events.get()
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    def result(self, timeout: float | None = None) -> Finished:
+        """Wait for the end and return the Finished event (text, reason, metrics)."""
+        if self._on_event is None:
+            for _ in self:
+                pass
+        elif not self._done.wait(timeout):
+            raise TimeoutError("request still running")
+        assert self.finished is not None
+        return self.finished
