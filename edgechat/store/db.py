@@ -1,0 +1,417 @@
+"""The conversation store: SQLite in WAL mode, every write committed at once."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from edgechat.config import Paths
+from edgechat.errors import StoreError
+from edgechat.store.migrations import migrate
+
+DEFAULT_TITLE = "New chat"
+MESSAGE_STATUSES = ("complete", "interrupted", "error")
+_TITLE_CHARS = 60
+
+
+@dataclass
+class Conversation:
+    id: str
+    name: str | None
+    title: str
+    model: str | None
+    settings: dict = field(default_factory=dict)
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    parent_id: str | None = None
+    parent_message_id: int | None = None
+
+
+@dataclass
+class Message:
+    id: int
+    conversation_id: str
+    role: str
+    content: str
+    status: str = "complete"
+    #: answer stats and the like: ttft, tok/s, finish reason, model
+    meta: dict = field(default_factory=dict)
+    created_at: float = 0.0
+
+
+class SearchHit(NamedTuple):
+    conversation: Conversation
+    message: Message
+    #: the matching words in context, matches wrapped in [ and ]
+    snippet: str
+
+
+def title_from(text: str) -> str:
+    """A conversation title from its first message: first non-empty line, shortened at a word."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    if not line:
+        return DEFAULT_TITLE
+    if len(line) <= _TITLE_CHARS:
+        return line
+    cut = line[:_TITLE_CHARS].rsplit(" ", 1)[0] or line[:_TITLE_CHARS]
+    return cut.rstrip(" ,.;:") + "…"
+
+
+def _conversation(row: sqlite3.Row) -> Conversation:
+    return Conversation(
+        id=row["id"],
+        name=row["name"],
+        title=row["title"],
+        model=row["model"],
+        settings=json.loads(row["settings"]),
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        parent_id=row["parent_id"],
+        parent_message_id=row["parent_message_id"],
+    )
+
+
+def _message(row: sqlite3.Row) -> Message:
+    return Message(
+        id=row["id"],
+        conversation_id=row["conversation_id"],
+        role=row["role"],
+        content=row["content"],
+        status=row["status"],
+        meta=json.loads(row["meta"]),
+        created_at=row["created_at"],
+    )
+
+
+class Store:
+    """Conversations and their messages. Safe to share between threads (one lock, short writes)."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+        self._lock = threading.RLock()
+
+    # -- lifecycle ---------------------------------------------------------
+
+    @classmethod
+    def connect(cls, path: str | Path) -> "Store":
+        """Open (creating if needed) and migrate a database; ':memory:' for tests."""
+        try:
+            # isolation_level=None: autocommit, so each write is on disk when the call returns.
+            db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10)
+            db.row_factory = sqlite3.Row
+            if str(path) != ":memory:":
+                db.execute("PRAGMA journal_mode=WAL")
+                # NORMAL under WAL survives a killed process; only power loss can drop the last commit.
+                db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA foreign_keys=ON")
+            migrate(db)
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"cannot open the conversation store {path}: {exc}") from None
+        return cls(db)
+
+    def close(self) -> None:
+        with self._lock:
+            self.db.close()
+
+    def _tx(self):
+        return _Transaction(self)
+
+    # -- conversations -----------------------------------------------------
+
+    def create_conversation(
+        self,
+        title: str = DEFAULT_TITLE,
+        model: str | None = None,
+        settings: dict | None = None,
+        name: str | None = None,
+        *,
+        parent_id: str | None = None,
+        parent_message_id: int | None = None,
+        id: str | None = None,
+    ) -> Conversation:
+        now = time.time()
+        conv = Conversation(
+            id=id or secrets.token_hex(6),
+            name=name,
+            title=title,
+            model=model,
+            settings=dict(settings or {}),
+            created_at=now,
+            updated_at=now,
+            parent_id=parent_id,
+            parent_message_id=parent_message_id,
+        )
+        with self._lock:
+            try:
+                self.db.execute(
+                    "INSERT INTO conversations (id, name, title, model, settings, created_at, updated_at,"
+                    " parent_id, parent_message_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (conv.id, name, title, model, json.dumps(conv.settings), now, now, parent_id, parent_message_id),
+                )
+            except sqlite3.IntegrityError:
+                raise StoreError(f"a conversation named '{name}' already exists") from None
+        return conv
+
+    def get_conversation(self, conv_id: str) -> Conversation | None:
+        with self._lock:
+            row = self.db.execute("SELECT * FROM conversations WHERE id = ?", (conv_id,)).fetchone()
+        return _conversation(row) if row else None
+
+    def conversation_by_name(self, name: str, create: bool = True) -> Conversation | None:
+        with self._lock:
+            row = self.db.execute("SELECT * FROM conversations WHERE name = ?", (name,)).fetchone()
+            if row:
+                return _conversation(row)
+            return self.create_conversation(title=name, name=name) if create else None
+
+    def list_conversations(self) -> list[Conversation]:
+        """Most recently updated first."""
+        with self._lock:
+            rows = self.db.execute("SELECT * FROM conversations ORDER BY updated_at DESC, rowid DESC").fetchall()
+        return [_conversation(r) for r in rows]
+
+    def update_conversation(
+        self,
+        conv_id: str,
+        title: str | None = None,
+        settings: dict | None = None,
+        model: str | None = None,
+    ) -> Conversation:
+        sets, args = ["updated_at = ?"], [time.time()]
+        if title is not None:
+            sets.append("title = ?")
+            args.append(title.strip() or DEFAULT_TITLE)
+        if settings is not None:
+            sets.append("settings = ?")
+            args.append(json.dumps(settings))
+        if model is not None:
+            sets.append("model = ?")
+            args.append(model)
+        with self._lock:
+            cur = self.db.execute(f"UPDATE conversations SET {', '.join(sets)} WHERE id = ?", (*args, conv_id))
+            if cur.rowcount == 0:
+                raise StoreError(f"no conversation with id {conv_id}")
+            return self.get_conversation(conv_id)
+
+    def delete_conversation(self, conv_id: str) -> None:
+        with self._lock:
+            self.db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,))
+
+    # -- messages ----------------------------------------------------------
+
+    def messages(self, conv_id: str, limit: int | None = None) -> list[Message]:
+        """Oldest first; with `limit`, only the newest `limit` messages (long chats open fast)."""
+        with self._lock:
+            if limit is None:
+                rows = self.db.execute(
+                    "SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conv_id,)
+                ).fetchall()
+            else:
+                rows = self.db.execute(
+                    "SELECT * FROM (SELECT * FROM messages WHERE conversation_id = ? ORDER BY id DESC LIMIT ?)"
+                    " ORDER BY id",
+                    (conv_id, limit),
+                ).fetchall()
+        return [_message(r) for r in rows]
+
+    def count_messages(self, conv_id: str) -> int:
+        with self._lock:
+            return self.db.execute("SELECT count(*) FROM messages WHERE conversation_id = ?", (conv_id,)).fetchone()[0]
+
+    def get_message(self, msg_id: int) -> Message | None:
+        with self._lock:
+            row = self.db.execute("SELECT * FROM messages WHERE id = ?", (msg_id,)).fetchone()
+        return _message(row) if row else None
+
+    def add_message(
+        self, conv_id: str, role: str, content: str, status: str = "complete", meta: dict | None = None
+    ) -> Message:
+        """Store a message now. The first user message of an untitled conversation titles it."""
+        if status not in MESSAGE_STATUSES:
+            raise ValueError(f"unknown message status {status!r}")
+        now = time.time()
+        with self._tx() as db:
+            conv = db.execute("SELECT title FROM conversations WHERE id = ?", (conv_id,)).fetchone()
+            if conv is None:
+                raise StoreError(f"no conversation with id {conv_id}")
+            cur = db.execute(
+                "INSERT INTO messages (conversation_id, role, content, status, meta, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (conv_id, role, content, status, json.dumps(meta or {}), now),
+            )
+            if role == "user" and conv["title"] == DEFAULT_TITLE:
+                first = db.execute(
+                    "SELECT count(*) FROM messages WHERE conversation_id = ? AND role = 'user'", (conv_id,)
+                ).fetchone()[0]
+                if first == 1:
+                    db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title_from(content), conv_id))
+            db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conv_id))
+        return Message(cur.lastrowid, conv_id, role, content, status, dict(meta or {}), now)
+
+    def update_message(
+        self, msg_id: int, content: str | None = None, status: str | None = None, meta: dict | None = None
+    ) -> None:
+        """Change an answer as it streams or ends; `meta` is merged into what is there."""
+        if status is not None and status not in MESSAGE_STATUSES:
+            raise ValueError(f"unknown message status {status!r}")
+        with self._tx() as db:
+            row = db.execute("SELECT meta FROM messages WHERE id = ?", (msg_id,)).fetchone()
+            if row is None:
+                raise StoreError(f"no message with id {msg_id}")
+            if content is not None:
+                db.execute("UPDATE messages SET content = ? WHERE id = ?", (content, msg_id))
+            if status is not None:
+                db.execute("UPDATE messages SET status = ? WHERE id = ?", (status, msg_id))
+            if meta is not None:
+                merged = {**json.loads(row["meta"]), **meta}
+                db.execute("UPDATE messages SET meta = ? WHERE id = ?", (json.dumps(merged), msg_id))
+
+    def delete_messages_from(self, conv_id: str, msg_id: int) -> int:
+        """Drop a message and everything after it (regenerate, edit and resend); returns how many."""
+        with self._lock:
+            cur = self.db.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conv_id, msg_id))
+            return cur.rowcount
+
+    # -- search, branch, export/import ------------------------------------
+
+    def search(self, query: str, limit: int = 50) -> list[SearchHit]:
+        """Full-text search over every message, best matches first. Words are matched as prefixes."""
+        terms = [t.replace('"', '""') for t in query.split()]
+        if not terms:
+            return []
+        # Each word quoted: the user's text is never FTS5 syntax (a stray '-' or ':' is not an error).
+        fts_query = " ".join(f'"{t}"*' for t in terms)
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT m.*, snippet(messages_fts, 0, '[', ']', '…', 12) AS snip"
+                " FROM messages_fts JOIN messages m ON m.id = messages_fts.rowid"
+                " WHERE messages_fts MATCH ? ORDER BY rank LIMIT ?",
+                (fts_query, limit),
+            ).fetchall()
+            hits = []
+            convs: dict[str, Conversation] = {}
+            for row in rows:
+                cid = row["conversation_id"]
+                if cid not in convs:
+                    convs[cid] = self.get_conversation(cid)
+                hits.append(SearchHit(convs[cid], _message(row), row["snip"]))
+        return hits
+
+    def branch(self, conv_id: str, at_message_id: int) -> Conversation:
+        """Fork: a new conversation with copies of the messages up to and including `at_message_id`."""
+        src = self.get_conversation(conv_id)
+        if src is None:
+            raise StoreError(f"no conversation with id {conv_id}")
+        with self._tx() as db:
+            found = db.execute(
+                "SELECT 1 FROM messages WHERE id = ? AND conversation_id = ?", (at_message_id, conv_id)
+            ).fetchone()
+            if not found:
+                raise StoreError(f"message {at_message_id} is not in conversation {conv_id}")
+            new = self.create_conversation(
+                title=f"{src.title} (branch)",
+                model=src.model,
+                settings=src.settings,
+                parent_id=conv_id,
+                parent_message_id=at_message_id,
+            )
+            db.execute(
+                "INSERT INTO messages (conversation_id, role, content, status, meta, created_at)"
+                " SELECT ?, role, content, status, meta, created_at FROM messages"
+                " WHERE conversation_id = ? AND id <= ? ORDER BY id",
+                (new.id, conv_id, at_message_id),
+            )
+        return new
+
+    def export_conversation(self, conv_id: str) -> dict:
+        """Everything about a conversation as plain JSON-able data (export, undo of a delete)."""
+        conv = self.get_conversation(conv_id)
+        if conv is None:
+            raise StoreError(f"no conversation with id {conv_id}")
+        return {
+            "id": conv.id,
+            "name": conv.name,
+            "title": conv.title,
+            "model": conv.model,
+            "settings": conv.settings,
+            "created_at": conv.created_at,
+            "updated_at": conv.updated_at,
+            "parent_id": conv.parent_id,
+            "parent_message_id": conv.parent_message_id,
+            "messages": [
+                {
+                    "role": m.role,
+                    "content": m.content,
+                    "status": m.status,
+                    "meta": m.meta,
+                    "created_at": m.created_at,
+                }
+                for m in self.messages(conv_id)
+            ],
+        }
+
+    def import_conversation(self, data: dict) -> Conversation:
+        """Recreate a conversation from export_conversation() output, keeping its id and times."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO conversations (id, name, title, model, settings, created_at, updated_at,"
+                " parent_id, parent_message_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    data["id"],
+                    data.get("name"),
+                    data["title"],
+                    data.get("model"),
+                    json.dumps(data.get("settings") or {}),
+                    data["created_at"],
+                    data["updated_at"],
+                    data.get("parent_id"),
+                    data.get("parent_message_id"),
+                ),
+            )
+            db.executemany(
+                "INSERT INTO messages (conversation_id, role, content, status, meta, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                [
+                    (data["id"], m["role"], m["content"], m.get("status", "complete"), json.dumps(m.get("meta") or {}),
+                     m.get("created_at", data["created_at"]))
+                    for m in data["messages"]
+                ],
+            )
+        return self.get_conversation(data["id"])
+
+
+class _Transaction:
+    """`with store._tx() as db:` one BEGIN IMMEDIATE ... COMMIT under the store lock (re-entrant)."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.outer = False
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.store._lock.acquire()
+        self.outer = not self.store.db.in_transaction
+        if self.outer:
+            self.store.db.execute("BEGIN IMMEDIATE")
+        return self.store.db
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if self.outer:
+                self.store.db.execute("ROLLBACK" if exc_type else "COMMIT")
+        finally:
+            self.store._lock.release()
+
+
+def open_store(paths: Paths) -> Store:
+    """The user's conversation store under paths.data, created and migrated as needed."""
+    try:
+        paths.data.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot create {paths.data}: {exc.strerror}") from None
+    return Store.connect(paths.database)

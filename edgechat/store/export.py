@@ -1,0 +1,57 @@
+"""Writing a conversation out as Markdown or JSON, atomically (temp file in the same folder, then rename)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from edgechat.store.db import Store
+
+_ROLE_HEADINGS = {"user": "You", "assistant": "Assistant", "system": "System"}
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` to `path` so that readers see the old file or the whole new one, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def to_markdown(data: dict) -> str:
+    """Markdown of an export_conversation() dict: title, settings worth knowing, then each message."""
+    lines = [f"# {data['title']}", ""]
+    created = time.strftime("%Y-%m-%d %H:%M", time.localtime(data["created_at"]))
+    lines.append(f"*{created}" + (f" · model {data['model']}" if data.get("model") else "") + "*")
+    system = (data.get("settings") or {}).get("system_prompt")
+    if system:
+        lines += ["", f"> **System:** {system}"]
+    for m in data["messages"]:
+        heading = _ROLE_HEADINGS.get(m["role"], m["role"].title())
+        if m.get("status", "complete") != "complete":
+            heading += f" ({m['status']})"
+        lines += ["", f"## {heading}", "", m["content"].rstrip()]
+    return "\n".join(lines) + "\n"
+
+
+def export_conversation(store: Store, conv_id: str, path: str | os.PathLike, fmt: str | None = None) -> Path:
+    """Write a conversation to `path` as Markdown (.md) or JSON (.json, or fmt='json')."""
+    data = store.export_conversation(conv_id)
+    fmt = fmt or ("json" if str(path).endswith(".json") else "markdown")
+    if fmt == "json":
+        text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+    else:
+        text = to_markdown(data)
+    return atomic_write_text(path, text)

@@ -1,0 +1,113 @@
+"""Schema history of the conversation store: an append-only list of numbered migrations.
+
+Never edit a migration that has shipped; add the next one. `migrate(db)` records each one it
+applies in `_migrations`, so running it again on an up-to-date database does nothing.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from typing import Callable
+
+Migration = Callable[[sqlite3.Connection], None]
+MIGRATIONS: list[Migration] = []
+
+
+def migration(func: Migration) -> Migration:
+    MIGRATIONS.append(func)
+    return func
+
+
+@migration
+def m001_initial(db: sqlite3.Connection) -> None:
+    db.execute(
+        """
+        CREATE TABLE conversations (
+            id TEXT PRIMARY KEY,
+            name TEXT UNIQUE,
+            title TEXT NOT NULL,
+            model TEXT,
+            settings TEXT NOT NULL DEFAULT '{}',
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        )
+        """
+    )
+    db.execute(
+        """
+        CREATE TABLE messages (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            role TEXT NOT NULL,
+            content TEXT NOT NULL,
+            status TEXT NOT NULL DEFAULT 'complete',
+            meta TEXT NOT NULL DEFAULT '{}',
+            created_at REAL NOT NULL
+        )
+        """
+    )
+    db.execute("CREATE INDEX messages_by_conversation ON messages(conversation_id, id)")
+    db.execute("CREATE INDEX conversations_by_update ON conversations(updated_at)")
+
+
+@migration
+def m002_message_search(db: sqlite3.Connection) -> None:
+    # External-content FTS5 index over messages.content, kept in step by triggers.
+    db.execute("CREATE VIRTUAL TABLE messages_fts USING fts5(content, content='messages', content_rowid='id')")
+    db.execute(
+        """
+        CREATE TRIGGER messages_ai AFTER INSERT ON messages BEGIN
+            INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+        END
+        """
+    )
+    db.execute(
+        """
+        CREATE TRIGGER messages_ad AFTER DELETE ON messages BEGIN
+            INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+        END
+        """
+    )
+    # Only content changes touch the index: streaming updates of status/meta stay cheap.
+    db.execute(
+        """
+        CREATE TRIGGER messages_au AFTER UPDATE OF content ON messages BEGIN
+            INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+            INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+        END
+        """
+    )
+    db.execute("INSERT INTO messages_fts(messages_fts) VALUES ('rebuild')")
+
+
+@migration
+def m003_branch_origin(db: sqlite3.Connection) -> None:
+    # Where a branched conversation came from, so the sidebar can say so.
+    db.execute("ALTER TABLE conversations ADD COLUMN parent_id TEXT")
+    db.execute("ALTER TABLE conversations ADD COLUMN parent_message_id INTEGER")
+
+
+def applied(db: sqlite3.Connection) -> list[str]:
+    db.execute("CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+    return [row[0] for row in db.execute("SELECT name FROM _migrations ORDER BY rowid")]
+
+
+def migrate(db: sqlite3.Connection) -> list[str]:
+    """Apply every migration not yet recorded, each in its own transaction; return the names applied."""
+    done = set(applied(db))
+    ran = []
+    for func in MIGRATIONS:
+        if func.__name__ in done:
+            continue
+        # Explicit BEGIN: the connection runs in autocommit mode, and a migration is all or nothing.
+        db.execute("BEGIN")
+        try:
+            func(db)
+            db.execute("INSERT INTO _migrations (name, applied_at) VALUES (?, ?)", (func.__name__, time.time()))
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        ran.append(func.__name__)
+    return ran

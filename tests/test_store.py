@@ -1,0 +1,281 @@
+"""The conversation store: migrations, CRUD, search, branch, export, durability."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from edgechat.errors import StoreError
+from edgechat.store import (
+    DEFAULT_TITLE,
+    MIGRATIONS,
+    Store,
+    atomic_write_text,
+    export_conversation,
+    migrate,
+    open_store,
+    title_from,
+)
+from edgechat.store import migrations as mig
+
+
+@pytest.fixture
+def store():
+    s = Store.connect(":memory:")
+    yield s
+    s.close()
+
+
+def _db():
+    return sqlite3.connect(":memory:", isolation_level=None)
+
+
+def _columns(db, table):
+    return {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+
+
+# -- migrations -------------------------------------------------------------
+
+
+def test_migrations_are_numbered_in_order_and_unique():
+    names = [m.__name__ for m in MIGRATIONS]
+    assert len(set(names)) == len(names)
+    numbers = [int(re.match(r"m(\d{3})_\w+$", n).group(1)) for n in names]
+    assert numbers == list(range(1, len(names) + 1))
+
+
+def test_migrate_records_and_is_rerunnable():
+    db = _db()
+    assert migrate(db) == [m.__name__ for m in MIGRATIONS]
+    assert migrate(db) == []
+    assert mig.applied(db) == [m.__name__ for m in MIGRATIONS]
+
+
+def test_m001_initial_creates_tables():
+    db = _db()
+    mig.m001_initial(db)
+    assert {"id", "name", "title", "model", "settings", "created_at", "updated_at"} <= _columns(db, "conversations")
+    assert {"id", "conversation_id", "role", "content", "status", "meta", "created_at"} <= _columns(db, "messages")
+
+
+def test_m002_indexes_messages_written_before_it():
+    db = _db()
+    mig.m001_initial(db)
+    db.execute("INSERT INTO conversations (id, title, created_at, updated_at) VALUES ('c', 't', 0, 0)")
+    db.execute("INSERT INTO messages (conversation_id, role, content, created_at) VALUES ('c', 'user', 'old zebra', 0)")
+    mig.m002_message_search(db)
+    assert db.execute("SELECT rowid FROM messages_fts WHERE messages_fts MATCH 'zebra'").fetchall() == [(1,)]
+    # the triggers keep it in step afterwards
+    db.execute("UPDATE messages SET content = 'new giraffe' WHERE id = 1")
+    assert db.execute("SELECT rowid FROM messages_fts WHERE messages_fts MATCH 'zebra'").fetchall() == []
+    assert db.execute("SELECT rowid FROM messages_fts WHERE messages_fts MATCH 'giraffe'").fetchall() == [(1,)]
+    db.execute("DELETE FROM messages")
+    assert db.execute("SELECT rowid FROM messages_fts WHERE messages_fts MATCH 'giraffe'").fetchall() == []
+
+
+def test_m003_adds_branch_origin_to_existing_rows():
+    db = _db()
+    mig.m001_initial(db)
+    db.execute("INSERT INTO conversations (id, title, created_at, updated_at) VALUES ('c', 't', 0, 0)")
+    mig.m003_branch_origin(db)
+    row = db.execute("SELECT parent_id, parent_message_id FROM conversations").fetchone()
+    assert tuple(row) == (None, None)
+
+
+def test_failed_migration_rolls_back_and_is_not_recorded(monkeypatch):
+    db = _db()
+
+    def m999_broken(db):
+        db.execute("CREATE TABLE half_done (x)")
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(mig, "MIGRATIONS", [*MIGRATIONS, m999_broken])
+    with pytest.raises(RuntimeError):
+        mig.migrate(db)
+    assert "m999_broken" not in mig.applied(db)
+    assert "half_done" not in {r[0] for r in db.execute("SELECT name FROM sqlite_master")}
+    assert mig.applied(db) == [m.__name__ for m in MIGRATIONS]
+
+
+def test_open_store_creates_dirs_and_uses_wal(isolated_dirs):
+    s = open_store(isolated_dirs)
+    assert isolated_dirs.database.is_file()
+    assert s.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    s.close()
+
+
+def test_open_store_on_garbage_is_a_store_error(isolated_dirs):
+    isolated_dirs.data.mkdir(parents=True)
+    isolated_dirs.database.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(StoreError, match="cannot open"):
+        open_store(isolated_dirs)
+
+
+# -- conversations and messages ----------------------------------------------
+
+
+def test_create_get_list_update_delete(store):
+    a = store.create_conversation(model="smollm2-135m-instruct", settings={"temperature": 0.2})
+    b = store.create_conversation(title="Second")
+    assert a.title == DEFAULT_TITLE and a.settings == {"temperature": 0.2}
+    assert store.get_conversation(a.id) == a
+    assert [c.id for c in store.list_conversations()] == [b.id, a.id]
+    store.update_conversation(a.id, title="Renamed", settings={"seed": 1})
+    got = store.get_conversation(a.id)
+    assert (got.title, got.settings, got.model) == ("Renamed", {"seed": 1}, "smollm2-135m-instruct")
+    assert [c.id for c in store.list_conversations()] == [a.id, b.id]  # updated moves it to the top
+    store.add_message(a.id, "user", "hi")
+    store.delete_conversation(a.id)
+    assert store.get_conversation(a.id) is None
+    assert store.messages(a.id) == []
+    with pytest.raises(StoreError):
+        store.update_conversation(a.id, title="x")
+
+
+def test_conversation_by_name(store):
+    assert store.conversation_by_name("work", create=False) is None
+    c = store.conversation_by_name("work")
+    assert c.name == "work" and c.title == "work"
+    assert store.conversation_by_name("work").id == c.id
+    with pytest.raises(StoreError, match="already exists"):
+        store.create_conversation(name="work")
+
+
+def test_messages_and_auto_title(store):
+    c = store.create_conversation()
+    u = store.add_message(c.id, "user", "\n  What is the capital of France?\nthanks")
+    a = store.add_message(c.id, "assistant", "", meta={"model": "m"})
+    store.add_message(c.id, "user", "another question")
+    assert store.get_conversation(c.id).title == "What is the capital of France?"
+    store.update_message(a.id, content="Paris.", status="interrupted", meta={"ttft": 0.1})
+    msgs = store.messages(c.id)
+    assert [m.role for m in msgs] == ["user", "assistant", "user"]
+    assert msgs[0].id == u.id
+    assert (msgs[1].content, msgs[1].status, msgs[1].meta) == ("Paris.", "interrupted", {"model": "m", "ttft": 0.1})
+    assert [m.content for m in store.messages(c.id, limit=2)] == ["Paris.", "another question"]
+    assert store.count_messages(c.id) == 3
+    with pytest.raises(ValueError):
+        store.add_message(c.id, "assistant", "x", status="bogus")
+    with pytest.raises(StoreError):
+        store.add_message("nope", "user", "x")
+
+
+def test_renamed_conversation_keeps_its_title(store):
+    c = store.create_conversation(title="Mine")
+    store.add_message(c.id, "user", "something else")
+    assert store.get_conversation(c.id).title == "Mine"
+
+
+def test_title_from_long_text():
+    t = title_from("word " * 40)
+    assert len(t) <= 61 and t.endswith("…")
+    assert title_from("   \n ") == DEFAULT_TITLE
+
+
+def test_delete_messages_from(store):
+    c = store.create_conversation()
+    ids = [store.add_message(c.id, r, str(i)).id for i, r in enumerate(["user", "assistant", "user", "assistant"])]
+    assert store.delete_messages_from(c.id, ids[2]) == 2
+    assert [m.content for m in store.messages(c.id)] == ["0", "1"]
+
+
+# -- search, branch, export -------------------------------------------------------
+
+
+def test_search_finds_words_across_conversations(store):
+    a = store.create_conversation()
+    b = store.create_conversation()
+    store.add_message(a.id, "user", "Tell me about the Eiffel tower in Paris")
+    store.add_message(b.id, "assistant", "Paris is the capital of France")
+    store.add_message(b.id, "user", "unrelated")
+    hits = store.search("paris")
+    assert {h.conversation.id for h in hits} == {a.id, b.id}
+    assert all("[Paris]" in h.snippet for h in hits)
+    assert [h.conversation.id for h in store.search("eiff")] == [a.id]  # prefix match
+    assert store.search("capital france")[0].message.role == "assistant"
+    # the user's text is never query syntax
+    assert store.search('paris" OR -x:') == []
+    assert store.search("   ") == []
+
+
+def test_branch_copies_up_to_message(store):
+    c = store.create_conversation(title="Trip", settings={"system_prompt": "be brief"})
+    msgs = [store.add_message(c.id, r, f"m{i}") for i, r in enumerate(["user", "assistant", "user", "assistant"])]
+    br = store.branch(c.id, msgs[1].id)
+    assert br.id != c.id and br.title == "Trip (branch)" and br.settings == {"system_prompt": "be brief"}
+    assert (br.parent_id, br.parent_message_id) == (c.id, msgs[1].id)
+    assert [m.content for m in store.messages(br.id)] == ["m0", "m1"]
+    assert len(store.messages(c.id)) == 4
+    other = store.create_conversation()
+    with pytest.raises(StoreError):
+        store.branch(other.id, msgs[0].id)
+
+
+def test_export_import_round_trip_restores_a_deleted_conversation(store):
+    c = store.create_conversation(settings={"seed": 3})
+    store.add_message(c.id, "user", "hello")
+    store.add_message(c.id, "assistant", "hi there", status="interrupted", meta={"tok_s": 90.0})
+    data = store.export_conversation(c.id)
+    store.delete_conversation(c.id)
+    back = store.import_conversation(data)
+    assert back.id == c.id and back.settings == {"seed": 3}
+    assert store.export_conversation(c.id) == data
+    assert store.search("hello")[0].conversation.id == c.id
+
+
+def test_export_files(store, tmp_path):
+    c = store.create_conversation(model="smollm2", settings={"system_prompt": "You are terse."})
+    store.add_message(c.id, "user", "Say hi")
+    store.add_message(c.id, "assistant", "Hi", status="interrupted")
+    md = export_conversation(store, c.id, tmp_path / "out" / "chat.md")
+    text = md.read_text()
+    assert text.startswith("# Say hi\n")
+    assert "## You\n\nSay hi" in text and "## Assistant (interrupted)\n\nHi" in text
+    assert "You are terse." in text
+    js = export_conversation(store, c.id, tmp_path / "chat.json")
+    data = json.loads(js.read_text())
+    assert [m["content"] for m in data["messages"]] == ["Say hi", "Hi"]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["chat.md"]  # no temp files left
+
+
+def test_atomic_write_keeps_old_file_on_failure(tmp_path):
+    target = tmp_path / "f.txt"
+    atomic_write_text(target, "old")
+    with pytest.raises(TypeError):
+        atomic_write_text(target, 123)  # type: ignore[arg-type]
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+
+
+def test_writes_survive_a_killed_process(isolated_dirs):
+    """Every write is committed when the call returns: SIGKILL right after loses nothing."""
+    script = textwrap.dedent(
+        """
+        import os, signal, sys
+        from edgechat.config import get_paths
+        from edgechat.store import open_store
+        s = open_store(get_paths(sys.argv[1]))
+        c = s.conversation_by_name("k")
+        s.add_message(c.id, "user", "question")
+        m = s.add_message(c.id, "assistant", "part")
+        s.update_message(m.id, content="partial answer", status="interrupted")
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(isolated_dirs.data)], env=os.environ)
+    assert proc.returncode == -signal.SIGKILL
+    s = open_store(isolated_dirs)
+    c = s.conversation_by_name("k", create=False)
+    assert [(m.content, m.status) for m in s.messages(c.id)] == [
+        ("question", "complete"),
+        ("partial answer", "interrupted"),
+    ]
+    s.close()
