@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Build llama.cpp's own llama-bench and llama-server from the llama.cpp sources vendored in the
+# pinned llama-cpp-python sdist, so reference numbers come from exactly the code our engine runs.
+# Usage: bench/build_llama_bench.sh        (prints the llama-bench path on its last line)
+# Env:   EDGECHAT_BENCH_CACHE  cache root (default ~/.cache/edgechat-bench)
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ver="$(sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' "$repo_root/pyproject.toml")"
+if [[ -z "$ver" ]]; then
+    echo "error: no llama-cpp-python==VERSION pin found in $repo_root/pyproject.toml" >&2
+    exit 1
+fi
+
+prefix="${EDGECHAT_BENCH_CACHE:-$HOME/.cache/edgechat-bench}/llama.cpp-$ver"
+bin="$prefix/bin"
+if [[ -x "$bin/llama-bench" && -x "$bin/llama-server" ]]; then
+    echo "$bin/llama-bench"
+    exit 0
+fi
+
+# The work tree lives in the cache, not /tmp, so an interrupted build resumes where it stopped.
+work="$prefix/work"
+src="$work/llama_cpp_python-$ver"
+mkdir -p "$work"
+if [[ ! -f "$src/vendor/llama.cpp/CMakeLists.txt" ]]; then
+    pip download --no-deps --no-binary :all: "llama-cpp-python==$ver" -d "$work/sdist" >&2
+    tar -xzf "$work/sdist/llama_cpp_python-$ver.tar.gz" -C "$work"
+fi
+
+generator=()
+if command -v ninja >/dev/null; then
+    generator=(-G Ninja)
+fi
+
+# Same configuration as llama-cpp-python's CPU source build: Release, shared libraries, curl off,
+# GGML_NATIVE/OpenMP/llamafile at llama.cpp's defaults. GGML_NATIVE is pinned ON because its default
+# flips to OFF when SOURCE_DATE_EPOCH is set, and the reference must use the host's SIMD like the
+# engine. The web UI is neither built (npm) nor downloaded: the build must work offline.
+# $ORIGIN rpath: the binaries find the libllama/libggml copies installed next to them.
+cmake -S "$src/vendor/llama.cpp" -B "$work/build" "${generator[@]}" \
+    -DCMAKE_BUILD_TYPE=Release \
+    -DBUILD_SHARED_LIBS=ON \
+    -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF \
+    -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_BUILD_TOOLS=ON \
+    -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_UI=OFF \
+    -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
+    '-DCMAKE_INSTALL_RPATH=$ORIGIN' >&2
+cmake --build "$work/build" --target llama-bench llama-server -j"$(nproc)" >&2
+
+# Install into a temp dir and rename, so a half-copied bin/ never passes the check above.
+rm -rf "$prefix/bin.tmp"
+mkdir -p "$prefix/bin.tmp"
+cp -a "$work/build/bin/llama-bench" "$work/build/bin/llama-server" "$work/build/bin/"*.so* "$prefix/bin.tmp/"
+rm -rf "$bin"
+mv "$prefix/bin.tmp" "$bin"
+rm -rf "$work"
+echo "$bin/llama-bench"

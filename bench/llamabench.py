@@ -1,0 +1,95 @@
+"""llama.cpp's own llama-bench as the reference the engine benchmark is measured against.
+
+The binaries come from bench/build_llama_bench.sh, built from the llama.cpp sources vendored in
+the pinned llama-cpp-python sdist, so both sides run the same ggml code.
+
+    python -m bench.llamabench [MODEL_PATH ...]   # default: both embedded models, 2 threads
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BUILD_SCRIPT = Path(__file__).resolve().with_name("build_llama_bench.sh")
+
+
+def ensure_llama_bench() -> Path:
+    """Path of llama-bench, building it first if the cache lacks it (about 10 minutes on 2 cores)."""
+    # The script alone knows the pinned version and cache layout; when the binaries exist it only
+    # prints the path, so calling it every time costs milliseconds.
+    out = subprocess.run(
+        ["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True, check=True
+    ).stdout
+    path = Path(out.strip().splitlines()[-1])
+    if not path.is_file():
+        raise RuntimeError(f"{BUILD_SCRIPT.name} reported {path}, which does not exist")
+    return path
+
+
+def find_llama_server() -> Path:
+    """Path of llama-server, installed next to llama-bench by the same build."""
+    return ensure_llama_bench().with_name("llama-server")
+
+
+def run_llama_bench(
+    model_path: str | Path,
+    threads: int = 2,
+    n_prompt: int = 512,
+    n_gen: int = 128,
+    repetitions: int = 3,
+) -> dict:
+    """Run llama-bench with its defaults otherwise; tokens/s averaged over the repetitions.
+
+    Returns {"pp_tps": prefill t/s, "tg_tps": decode t/s, "raw": llama-bench's JSON records}.
+    pp_tps (tg_tps) is None when n_prompt (n_gen) is 0, since llama-bench then skips that test.
+    """
+    cmd = [
+        str(ensure_llama_bench()),
+        "-m", str(model_path),
+        "-t", str(threads),
+        "-p", str(n_prompt),
+        "-n", str(n_gen),
+        "-r", str(repetitions),
+        "-o", "json",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"llama-bench failed (exit {proc.returncode}) on {model_path}:\n{tail}")
+    records = json.loads(proc.stdout)
+    # pp and tg are separate tests: a prompt-only record and a generation-only record.
+    pp = [r["avg_ts"] for r in records if r["n_prompt"] > 0 and r["n_gen"] == 0]
+    tg = [r["avg_ts"] for r in records if r["n_gen"] > 0 and r["n_prompt"] == 0]
+    return {
+        "pp_tps": pp[0] if pp else None,
+        "tg_tps": tg[0] if tg else None,
+        "raw": records,
+    }
+
+
+def _embedded_models() -> list[Path]:
+    from edgechat.config import get_paths
+    from edgechat.models import resolve_model
+
+    paths = get_paths()
+    return [resolve_model(name, paths) for name in ("smollm2-135m-instruct", "gemma3-270m")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.llamabench", description=__doc__.split("\n")[0])
+    parser.add_argument("models", nargs="*", type=Path, help="GGUF files (default: the embedded models)")
+    parser.add_argument("-t", "--threads", type=int, default=2)
+    parser.add_argument("-r", "--repetitions", type=int, default=3)
+    args = parser.parse_args(argv)
+    for model in args.models or _embedded_models():
+        res = run_llama_bench(model, threads=args.threads, repetitions=args.repetitions)
+        print(f"{model.name}: pp512 {res['pp_tps']:.1f} t/s, tg128 {res['tg_tps']:.1f} t/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
