@@ -1,0 +1,92 @@
+"""`edgechat serve`: the OpenAI-compatible server on one engine."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+
+import click
+
+from edgechat.cli.common import data_dir_option, model_options
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@click.command("serve")
+@model_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on; anything but loopback exposes the model to your network.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--parallel", type=click.IntRange(1, 256), default=4, show_default=True, help="Sequences generated at once (continuous batching).")
+@click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True, help="KV cache element type.")
+@click.option("--api-key", default=None, envvar="EDGECHAT_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health (env: EDGECHAT_API_KEY).")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True, help="Requests that may wait for a sequence; more get 429.")
+@click.option("--max-input-tokens", type=click.IntRange(min=1), default=None, help="Longer prompts get 400 (default: what the context holds).")
+@click.option("--timeout", "request_timeout", type=click.FloatRange(min=1.0), default=600.0, show_default=True, help="Seconds before a request is cancelled.")
+@click.option("--degrade-queue-wait", type=click.FloatRange(min=0.0), default=10.0, show_default=True, help="Average queue wait (s) that caps max_tokens; 0 disables.")
+@click.option("--degrade-max-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="The max_tokens cap while degraded.")
+@data_dir_option
+def serve_cmd(
+    model: str | None,
+    ctx: int | None,
+    threads: int | None,
+    host: str,
+    port: int,
+    parallel: int,
+    kv_type: str,
+    api_key: str | None,
+    max_queue: int,
+    max_input_tokens: int | None,
+    request_timeout: float,
+    degrade_queue_wait: float,
+    degrade_max_tokens: int,
+    data_dir: str | None,
+) -> None:
+    """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
+    import uvicorn
+
+    from edgechat.config import get_paths
+    from edgechat.engine import Engine, EngineConfig
+    from edgechat.models import DEFAULT_MODEL
+    from edgechat.server import ServerSettings, create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    log = logging.getLogger("edgechat.server")
+    if not _is_loopback(host):
+        log.warning("listening on %s: other machines can reach this server%s", host, "" if api_key else " and it has no --api-key")
+    engine = Engine(
+        EngineConfig(
+            model=model or DEFAULT_MODEL,
+            n_ctx=ctx,
+            n_threads=threads,
+            n_parallel=parallel,
+            kv_type=kv_type,
+            max_queue=max_queue,
+            paths=get_paths(data_dir),
+        )
+    )
+    try:
+        if engine.template_mode != "chat":
+            log.warning("%s has no usable chat template: chat messages are joined as plain text", engine.model_name)
+        settings = ServerSettings(
+            api_key=api_key,
+            max_input_tokens=max_input_tokens,
+            request_timeout=request_timeout,
+            model_aliases=(model,) if model else (),
+            degrade_queue_wait=degrade_queue_wait or None,
+            degrade_max_tokens=degrade_max_tokens,
+        )
+        log.info("serving %s: %d sequences of %d tokens on http://%s:%d/v1", engine.model_name, parallel, engine.n_ctx, host, port)
+        uvicorn.run(create_app(settings, engine), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    finally:
+        engine.close()
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(serve_cmd)

@@ -1,0 +1,374 @@
+"""The OpenAI-compatible HTTP API on one Engine.
+
+create_app(settings, engine) builds a Starlette app whose state lives in one _Server object, so
+several apps (tests, a fallback model) can share a process. Each HTTP request becomes one
+engine.submit(); the engine calls back on its own thread and call_soon_threadsafe carries the
+events into the event loop. The engine does the batching; this layer parses, admits, streams,
+cancels on disconnect or timeout, and counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import time
+import uuid
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from edgechat.engine.request import Event, Finished, TextDelta
+from edgechat.errors import EdgechatError
+from edgechat.server.degrade import DegradeSwitch
+from edgechat.server.errors import ApiError, from_engine_error, prompt_too_long
+from edgechat.server.metrics import ServerMetrics
+from edgechat.server.schemas import ParsedRequest, decode_body, parse_chat, parse_completion
+from edgechat.server.settings import ServerSettings
+
+log = logging.getLogger("edgechat.server")
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+class _Generation:
+    """One submitted request as the event loop sees it; its end is counted here, exactly once."""
+
+    def __init__(self, server: _Server, loop: asyncio.AbstractEventLoop, deadline: float):
+        self._server = server
+        self._loop = loop
+        self.deadline = deadline
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.finished: asyncio.Future[Finished] = loop.create_future()
+        self.timed_out = False
+        self.handle = None
+
+    def on_event(self, event: Event) -> None:
+        """Called on the engine thread: hand over and return at once."""
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, event)
+        except RuntimeError:
+            # the loop is closed: the server is shutting down and nobody is listening
+            pass
+
+    def _deliver(self, event: Event) -> None:
+        self.events.put_nowait(event)
+        if isinstance(event, Finished) and not self.finished.done():
+            self.finished.set_result(event)
+            self._server.count_finished(event, self.timed_out)
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def time_out(self) -> None:
+        self.timed_out = True
+        self.handle.cancel()
+
+
+class _Server:
+    def __init__(self, settings: ServerSettings, engine):
+        self.settings = settings
+        self.engine = engine
+        self.metrics = ServerMetrics()
+        self.degrade = DegradeSwitch(
+            settings.degrade_queue_wait,
+            settings.degrade_max_tokens,
+            on_switch=lambda on: self.metrics.degrade_switches.inc() if on else None,
+        )
+        self.model_id = engine.model_name
+        names = [self.model_id, *settings.model_aliases, engine.model_info.path.stem, engine.model_info.path.name]
+        self._accepted_models = {n.lower() for n in names if n}
+        self.created = int(time.time())
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def count_finished(self, finished: Finished, timed_out: bool) -> None:
+        if finished.reason in ("stop", "length"):
+            outcome = "ok"
+            self.degrade.observe(finished.metrics.queue_wait)
+        elif finished.reason == "cancelled":
+            outcome = "timeout" if timed_out else "cancelled"
+        else:
+            outcome = "error"
+            log.error("generation failed: %s", finished.error)
+        self.metrics.observe_finished(finished.metrics, outcome)
+
+    def retry_after(self) -> int:
+        """Seconds a rejected client should wait: about what a queued request waits now."""
+        return min(60, max(self.settings.retry_after, math.ceil(self.degrade.avg_wait)))
+
+    def reject(self, error: ApiError) -> ApiError:
+        self.metrics.requests.labels("rejected").inc()
+        return error
+
+    # ---- plain endpoints ---------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        stats = self.engine.stats()
+        return JSONResponse({"status": "ok", "model": self.model_id, **stats, "degraded": self.degrade.active})
+
+    def _model_card(self) -> dict:
+        info = self.engine.model_info
+        return {
+            "id": self.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "edgechat",
+            "meta": {
+                "architecture": info.architecture,
+                "quant": info.quant,
+                "size_bytes": info.size_bytes,
+                "n_ctx": self.engine.n_ctx,
+                "template_mode": self.engine.template_mode,
+            },
+        }
+
+    async def list_models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, request: Request) -> Response:
+        self.check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        body = self.metrics.render(self.engine.stats(), self.degrade.active)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ---- generation --------------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        # a missing or empty model means "whatever is loaded", as llama-server does
+        if name and name.lower() not in self._accepted_models:
+            raise ApiError(
+                404,
+                f"the model '{name}' does not exist here; this server has '{self.model_id}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def read_body(self, request: Request) -> dict:
+        limit = self.settings.max_body_bytes
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        return decode_body(b"".join(chunks))
+
+    async def chat(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        parsed = parse_chat(await self.read_body(request))
+        return await self.generate(request, parsed, "chat", arrival)
+
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        parsed = parse_completion(await self.read_body(request))
+        return await self.generate(request, parsed, "text", arrival)
+
+    def clamp_max_tokens(self, max_tokens: int | None) -> int | None:
+        # no answer can outgrow the context; clamping keeps 10**9 from reaching C ints
+        if max_tokens is not None:
+            max_tokens = min(max_tokens, self.engine.n_ctx)
+        return self.degrade.cap(max_tokens)
+
+    async def generate(self, request: Request, parsed: ParsedRequest, kind: str, arrival: float) -> Response:
+        self.check_model(parsed.model)
+        req = parsed.request
+        self.degrade.on_admit(self.engine.stats()["waiting"])
+        req.max_tokens = self.clamp_max_tokens(req.max_tokens)
+        limit = self.settings.max_input_tokens
+        if limit is not None:
+            n = await run_in_threadpool(self.engine.count_tokens, req)
+            if n > limit:
+                raise self.reject(prompt_too_long(n, limit, "the server's --max-input-tokens"))
+        gen = _Generation(self, asyncio.get_running_loop(), arrival + self.settings.request_timeout)
+        try:
+            # submit tokenizes the prompt; keep that off the event loop
+            gen.handle = await run_in_threadpool(self.engine.submit, req, gen.on_event)
+        except EdgechatError as exc:
+            raise self.reject(from_engine_error(exc, self.retry_after())) from None
+        ids = (f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()))
+        if parsed.stream:
+            return StreamingResponse(self.stream(gen, parsed, kind, ids), media_type="text/event-stream", headers=_SSE_HEADERS)
+        finished = await self.wait(request, gen)
+        if finished is None:
+            # the client left; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(self.completion_body(finished, kind, ids))
+
+    async def wait(self, request: Request, gen: _Generation) -> Finished | None:
+        """The Finished event, or None if the client disconnected first (its sequence is cancelled)."""
+        disconnect = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait(
+                {gen.finished, disconnect}, timeout=gen.remaining(), return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            disconnect.cancel()
+        if gen.finished.done():
+            return _check_failed(gen.finished.result())
+        if disconnect in done:
+            gen.handle.cancel()
+            return None
+        gen.time_out()
+        raise ApiError(
+            504,
+            f"the request did not finish within {self.settings.request_timeout:g} s and was cancelled",
+            type="timeout",
+            code="timeout",
+        )
+
+    def _usage(self, finished: Finished) -> dict:
+        m = finished.metrics
+        return {
+            "prompt_tokens": m.prompt_tokens,
+            "completion_tokens": m.completion_tokens,
+            "total_tokens": m.prompt_tokens + m.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
+        }
+
+    def completion_body(self, finished: Finished, kind: str, ids: tuple[str, int]) -> dict:
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": finished.text}}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": finished.text}
+            obj = "text_completion"
+        choice.update(logprobs=None, finish_reason=finished.reason)
+        return {"id": ids[0], "object": obj, "created": ids[1], "model": self.model_id, "choices": [choice], "usage": self._usage(finished)}
+
+    def _chunk(self, kind: str, ids: tuple[str, int], text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        if kind == "chat":
+            delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or ""}
+            obj = "text_completion"
+        choice.update(logprobs=None, finish_reason=finish_reason)
+        return {"id": ids[0], "object": obj, "created": ids[1], "model": self.model_id, "choices": [choice]}
+
+    async def stream(self, gen: _Generation, parsed: ParsedRequest, kind: str, ids: tuple[str, int]) -> AsyncIterator[str]:
+        finished: Finished | None = None
+        try:
+            if kind == "chat":
+                yield _sse(self._chunk(kind, ids, None, None, role=True))
+            while finished is None:
+                try:
+                    event = await asyncio.wait_for(gen.events.get(), gen.remaining())
+                except asyncio.TimeoutError:
+                    gen.time_out()
+                    yield _sse(ApiError(504, "the request timed out and was cancelled", type="timeout", code="timeout").body())
+                    return
+                # under load several tokens queue up between two writes: send them as one chunk
+                text = []
+                while True:
+                    if isinstance(event, TextDelta):
+                        text.append(event.text)
+                    elif isinstance(event, Finished):
+                        finished = event
+                        break
+                    if gen.events.empty():
+                        break
+                    event = gen.events.get_nowait()
+                if any(text):
+                    yield _sse(self._chunk(kind, ids, "".join(text), None))
+            if finished.reason not in ("stop", "length"):
+                message = finished.error or f"the generation ended: {finished.reason}"
+                yield _sse(ApiError(500, message, type="server_error", code=finished.reason).body())
+                return
+            yield _sse(self._chunk(kind, ids, None, finished.reason))
+            if parsed.include_usage:
+                usage = {"id": ids[0], "object": self._chunk(kind, ids, None, None)["object"], "created": ids[1]}
+                yield _sse({**usage, "model": self.model_id, "choices": [], "usage": self._usage(finished)})
+            yield _sse("[DONE]")
+        finally:
+            if finished is None:
+                # client disconnected (the task was cancelled) or timed out: free the sequence now
+                gen.handle.cancel()
+
+
+def _check_failed(finished: Finished) -> Finished:
+    if finished.reason not in ("stop", "length"):
+        raise ApiError(500, finished.error or f"the generation ended: {finished.reason}", type="server_error", code=finished.reason)
+    return finished
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body is already read, so only disconnect can come)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _BearerAuth:
+    """Pure ASGI middleware: every path but /health needs `Authorization: Bearer <key>`."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.api_key is not None and scope["path"] != "/health":
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
+                error = ApiError(
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return ApiError(500, "internal server error", type="server_error").response()
+
+
+def create_app(settings: ServerSettings, engine) -> Starlette:
+    """The ASGI app serving `engine`; it does not own the engine (the caller closes it)."""
+    server = _Server(settings, engine)
+    routes = [
+        Route("/health", server.health, methods=["GET"]),
+        Route("/v1/models", server.list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", server.get_model, methods=["GET"]),
+        Route("/v1/chat/completions", server.chat, methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/metrics", server.metrics_endpoint, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(_BearerAuth, api_key=settings.api_key)],
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
+    )
+    app.state.server = server
+    return app
+

@@ -1,0 +1,62 @@
+"""The degrade switch: when requests keep waiting too long for a sequence, answer shorter.
+
+Queue wait is the signal because it is what an overloaded server adds for everyone; capping
+max_tokens shortens each running answer, so the queue drains faster. A moving average keeps one
+slow request from flipping it; hysteresis (off below half the threshold, or as soon as the
+queue is empty) keeps it from flapping.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+log = logging.getLogger("edgechat.server")
+
+
+class DegradeSwitch:
+    def __init__(
+        self,
+        threshold_s: float | None,
+        max_tokens_cap: int,
+        alpha: float = 0.3,
+        on_switch: Callable[[bool], None] | None = None,
+    ):
+        #: None or 0 disables the switch
+        self.threshold_s = threshold_s or None
+        self.max_tokens_cap = max_tokens_cap
+        self.alpha = alpha
+        self.avg_wait = 0.0
+        self.active = False
+        self._on_switch = on_switch
+
+    def observe(self, queue_wait: float) -> None:
+        """A request left the queue after `queue_wait` seconds."""
+        self.avg_wait += self.alpha * (queue_wait - self.avg_wait)
+        if self.threshold_s is None:
+            return
+        if not self.active and self.avg_wait > self.threshold_s:
+            self._set(True, f"queue wait averages {self.avg_wait:.1f} s, over {self.threshold_s:g} s")
+        elif self.active and self.avg_wait < self.threshold_s / 2:
+            self._set(False, f"queue wait averages {self.avg_wait:.1f} s")
+
+    def on_admit(self, waiting: int) -> None:
+        """A request arrives; with nobody queued the load has fallen whatever the average says."""
+        if waiting == 0:
+            self.avg_wait = min(self.avg_wait, (self.threshold_s or 0.0) / 2)
+            if self.active:
+                self._set(False, "the queue is empty")
+
+    def cap(self, max_tokens: int | None) -> int | None:
+        if not self.active:
+            return max_tokens
+        return self.max_tokens_cap if max_tokens is None else min(max_tokens, self.max_tokens_cap)
+
+    def _set(self, active: bool, why: str) -> None:
+        self.active = active
+        if self._on_switch is not None:
+            self._on_switch(active)
+        if active:
+            log.warning("degrade switch on (%s): max_tokens capped at %d", why, self.max_tokens_cap)
+        else:
+            log.warning("degrade switch off (%s)", why)

@@ -1,0 +1,69 @@
+"""OpenAI-shaped errors: one exception type carries the status and the body every client expects."""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+from edgechat.errors import EdgechatError, EngineBusyError, PromptTooLongError, UsageError
+
+
+class ApiError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def prompt_too_long(prompt_tokens: int, limit: int, why: str) -> ApiError:
+    # OpenAI's code for this case; clients (and the openai SDK's users) match on it
+    return ApiError(
+        400,
+        f"the prompt has {prompt_tokens} tokens, more than the {limit} allowed ({why})",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
+def overloaded(retry_after: int) -> ApiError:
+    return ApiError(
+        429,
+        "the server is at capacity: its request queue is full; retry later",
+        type="rate_limit_exceeded",
+        code="queue_full",
+        headers={"Retry-After": str(retry_after)},
+    )
+
+
+def from_engine_error(exc: EdgechatError, retry_after: int) -> ApiError:
+    """Map the engine's typed user errors (raised by submit before any compute) to HTTP."""
+    if isinstance(exc, PromptTooLongError):
+        return prompt_too_long(exc.prompt_tokens, exc.limit, "the context window less the room for the answer")
+    if isinstance(exc, EngineBusyError):
+        return overloaded(retry_after)
+    if isinstance(exc, UsageError):
+        return bad_request(str(exc))
+    return ApiError(500, str(exc), type="server_error", code="engine_error")

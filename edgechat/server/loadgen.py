@@ -1,0 +1,225 @@
+"""A load generator for any OpenAI-compatible server (edgechat serve, llama.cpp's llama-server, vLLM).
+
+Streams chat completions at a fixed concurrency with a long-tail mix of prompt lengths (mostly
+short, some long, as real chat traffic is) and reports TTFT, TPOT and end-to-end latency
+percentiles and output throughput.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+# Plain English words; prompts are random sequences of them so no two share more than the template.
+_WORDS = (
+    "river mountain quiet engine garden silver morning letter window market island winter "
+    "forest signal harbor lantern pocket thunder mirror velvet ladder circle meadow copper "
+    "whistle canyon ember feather marble orbit pepper saddle tunnel violet wander yellow anchor "
+    "basket candle desert falcon glacier hollow ivory jungle kettle lemon needle oyster puzzle "
+    "rocket shadow timber umbrella voyage walnut zephyr bridge cloud dragon echo fabric grain"
+).split()
+
+#: prompt lengths in tokens: a log-normal around 60 clipped to 20..400, as in the issue's reference run
+_MIN_TOKENS, _MAX_TOKENS, _MEDIAN_TOKENS, _SIGMA = 20, 400, 60, 0.8
+#: English words per token, roughly, for the tokenizers of small models
+_WORDS_PER_TOKEN = 0.75
+
+
+def prompt_token_targets(n: int, rng: random.Random) -> list[int]:
+    return [
+        int(min(_MAX_TOKENS, max(_MIN_TOKENS, rng.lognormvariate(math.log(_MEDIAN_TOKENS), _SIGMA)))) for _ in range(n)
+    ]
+
+
+def make_prompt(tokens: int, rng: random.Random) -> str:
+    words = [rng.choice(_WORDS) for _ in range(max(1, int(tokens * _WORDS_PER_TOKEN) - 8))]
+    return "Write a long story that uses these words: " + " ".join(words)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); 0.0 for no values."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+@dataclass
+class RequestResult:
+    prompt_tokens_target: int
+    status: int = 0
+    error: str | None = None
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass
+class Report:
+    url: str
+    model: str
+    concurrency: int
+    requests: int
+    ok: int
+    failed: int
+    duration_s: float
+    output_tokens: int
+    output_tok_s: float
+    ttft: dict = field(default_factory=dict)
+    tpot: dict = field(default_factory=dict)
+    e2e: dict = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def table(self) -> str:
+        lines = [
+            f"{self.url}  model {self.model}  concurrency {self.concurrency}",
+            f"requests {self.ok} ok / {self.failed} failed in {self.duration_s:.1f} s; "
+            f"{self.output_tokens} output tokens, {self.output_tok_s:.1f} tok/s",
+            f"{'':10}{'p50':>10}{'p95':>10}{'p99':>10}",
+        ]
+        for name, stats, scale, unit in (("TTFT", self.ttft, 1, "s"), ("TPOT", self.tpot, 1000, "ms"), ("E2E", self.e2e, 1, "s")):
+            cells = "".join(f"{stats[p] * scale:>8.3f}{unit:<2}" for p in ("p50", "p95", "p99"))
+            lines.append(f"{name:10}{cells}")
+        for err in self.errors[:5]:
+            lines.append(f"error: {err}")
+        return "\n".join(lines)
+
+
+def _base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+async def _one(client: httpx.AsyncClient, base: str, model: str, prompt: str, target: int, max_tokens: int, seed: int) -> RequestResult:
+    result = RequestResult(target)
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        # every request generates exactly max_tokens, so servers are compared on equal work
+        "ignore_eos": True,
+        "temperature": 0.7,
+        "top_p": 0.95,
+        "top_k": 40,
+        "min_p": 0.05,
+        "seed": seed,
+    }
+    start = time.perf_counter()
+    chunks = 0
+    usage_tokens = None
+    try:
+        async with client.stream("POST", f"{base}/chat/completions", json=body) as response:
+            result.status = response.status_code
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200].decode(errors='replace')}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = str(event["error"])[:200]
+                    break
+                if event.get("usage"):
+                    usage_tokens = event["usage"].get("completion_tokens")
+                for choice in event.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content") or choice.get("text")
+                    if text:
+                        if chunks == 0:
+                            result.ttft = time.perf_counter() - start
+                        chunks += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.e2e = time.perf_counter() - start
+    # a server may merge several tokens into one chunk; its usage count is the truth when it sends one
+    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    return result
+
+
+async def _model_id(client: httpx.AsyncClient, base: str) -> str:
+    response = await client.get(f"{base}/models")
+    response.raise_for_status()
+    data = response.json().get("data") or []
+    return data[0]["id"] if data else ""
+
+
+def _summary(values: list[float]) -> dict:
+    return {p: percentile(values, q) for p, q in (("p50", 50), ("p95", 95), ("p99", 99))}
+
+
+async def run_load(
+    url: str,
+    concurrency: int = 1,
+    requests: int = 16,
+    max_tokens: int = 128,
+    seed: int = 0,
+    api_key: str | None = None,
+    warmup: int = 1,
+    timeout: float = 900.0,
+) -> Report:
+    base = _base_url(url)
+    rng = random.Random(seed)
+    targets = prompt_token_targets(requests, rng)
+    prompts = [make_prompt(t, rng) for t in targets]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
+    async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
+        model = await _model_id(client, base)
+        for i in range(warmup):
+            await _one(client, base, model, make_prompt(_MIN_TOKENS, rng), _MIN_TOKENS, 8, seed + 10_000 + i)
+        pending = list(enumerate(zip(prompts, targets)))
+        pending.reverse()
+        results: list[RequestResult] = []
+
+        async def worker() -> None:
+            while pending:
+                i, (prompt, target) = pending.pop()
+                results.append(await _one(client, base, model, prompt, target, max_tokens, seed + i))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        duration = time.perf_counter() - start
+    ok = [r for r in results if r.ok]
+    out = sum(r.output_tokens for r in ok)
+    return Report(
+        url=url,
+        model=model,
+        concurrency=concurrency,
+        requests=requests,
+        ok=len(ok),
+        failed=len(results) - len(ok),
+        duration_s=duration,
+        output_tokens=out,
+        output_tok_s=out / duration if duration > 0 else 0.0,
+        ttft=_summary([r.ttft for r in ok]),
+        tpot=_summary([t for r in ok if (t := r.tpot) is not None]),
+        e2e=_summary([r.e2e for r in ok]),
+        errors=[r.error for r in results if r.error],
+    )

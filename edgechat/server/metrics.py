@@ -1,0 +1,68 @@
+"""Prometheus metrics of one server: its own registry, so two apps in one process never share counts."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from edgechat.engine.request import RequestMetrics
+
+#: what happened to a request, as counted in edgechat_requests_total{outcome=...}
+OUTCOMES = ("ok", "cancelled", "timeout", "rejected", "error")
+
+# From one token on a fast desktop to minutes of queueing on a phone.
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_wait = Histogram(
+            "edgechat_queue_wait_seconds", "Time from arrival to the start of prefill.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "edgechat_time_to_first_token_seconds", "Time from arrival to the first output token.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "edgechat_time_per_output_token_seconds", "Mean gap between output tokens after the first, per request.", buckets=_TPOT_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "edgechat_request_duration_seconds", "Time from arrival to the last token (end to end).", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter("edgechat_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.cached_tokens = Counter("edgechat_prompt_cached_tokens", "Prompt tokens taken from the KV cache instead of prefilled.", registry=r)
+        self.completion_tokens = Counter("edgechat_completion_tokens", "Generated tokens.", registry=r)
+        self.requests = Counter("edgechat_requests", "Generation requests by outcome.", ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.running = Gauge("edgechat_running_sequences", "Sequences being generated now.", registry=r)
+        self.queued = Gauge("edgechat_queued_requests", "Requests waiting for a sequence.", registry=r)
+        self.kv_used = Gauge("edgechat_kv_cells_used", "KV cache cells in use.", registry=r)
+        self.kv_total = Gauge("edgechat_kv_cells_total", "KV cache cells in the context.", registry=r)
+        self.degraded = Gauge("edgechat_degraded", "1 while the degrade switch caps max_tokens, else 0.", registry=r)
+        self.degrade_switches = Counter("edgechat_degrade_switches", "Times the degrade switch turned on.", registry=r)
+
+    def observe_finished(self, m: RequestMetrics, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+        self.prompt_tokens.inc(m.prompt_tokens)
+        self.cached_tokens.inc(m.cached_tokens)
+        self.completion_tokens.inc(m.completion_tokens)
+        if outcome != "ok":
+            # a cancelled request's latencies describe the client, not the server
+            return
+        self.queue_wait.observe(m.queue_wait)
+        if m.completion_tokens > 0:
+            self.ttft.observe(m.ttft)
+        if m.completion_tokens > 1:
+            self.tpot.observe(m.tpot_mean)
+        self.e2e.observe(m.total)
+
+    def render(self, stats: dict, degraded: bool) -> bytes:
+        """The text exposition, with the gauges read from the engine at scrape time."""
+        self.running.set(stats.get("running", 0))
+        self.queued.set(stats.get("waiting", 0))
+        self.kv_used.set(stats.get("kv_used", 0))
+        self.kv_total.set(stats.get("kv_total", 0))
+        self.degraded.set(1 if degraded else 0)
+        return generate_latest(self.registry)

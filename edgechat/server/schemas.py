@@ -1,0 +1,240 @@
+"""Turning an OpenAI request body into a ChatRequest, with a 400 naming the field for anything wrong.
+
+Unknown fields are ignored, as OpenAI does; known ones are type-checked strictly because a wrong
+type reaching the engine would be a crash, not a user error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from edgechat.engine.request import ChatRequest, SamplingParams
+from edgechat.server.errors import ApiError, bad_request
+
+#: roles the chat templates understand; OpenAI's newer "developer" role is a system prompt
+_ROLES = {"system", "user", "assistant", "tool", "developer"}
+_MAX_STOPS = 16
+
+
+@dataclass
+class ParsedRequest:
+    request: ChatRequest
+    model: str | None
+    stream: bool
+    include_usage: bool
+
+
+def decode_body(raw: bytes) -> dict:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def _type_error(name: str, expected: str, value: object) -> ApiError:
+    got = "null" if value is None else type(value).__name__
+    return bad_request(f"'{name}' must be {expected}, not {got}", param=name, code="invalid_type")
+
+
+def _text(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise _type_error(name, "a string", value)
+    try:
+        # lone surrogates are valid JSON escapes but cannot be tokenized
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"'{name}' contains invalid Unicode (a lone surrogate)", param=name) from None
+    return value
+
+
+def _opt_int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    # bool is an int subclass in Python; JSON true is not a number
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise _type_error(name, "an integer", value)
+    if lo is not None and value < lo:
+        raise bad_request(f"'{name}' must be at least {lo}, got {value}", param=name, code="invalid_value")
+    if hi is not None and value > hi:
+        raise bad_request(f"'{name}' must be at most {hi}, got {value}", param=name, code="invalid_value")
+    return value
+
+
+def _opt_float(body: dict, name: str, lo: float, hi: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _type_error(name, "a number", value)
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise bad_request(f"'{name}' must be between {lo} and {hi}, got {value}", param=name, code="invalid_value")
+    return float(value)
+
+
+def _opt_bool(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _type_error(name, "a boolean", value)
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list):
+        raise _type_error("stop", "a string or a list of strings", value)
+    if len(stops) > _MAX_STOPS:
+        raise bad_request(f"'stop' has {len(stops)} strings, at most {_MAX_STOPS} are allowed", param="stop")
+    out = [_text("stop", s) for s in stops]
+    if any(s == "" for s in out):
+        raise bad_request("'stop' strings must not be empty", param="stop")
+    return out
+
+
+def _content(index: int, content: object) -> str:
+    name = f"messages[{index}].content"
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return _text(name, content)
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad_request(f"{name}: only text parts are supported, got {kind!r}", param=name)
+            parts.append(_text(f"{name}.text", part.get("text")))
+        return "".join(parts)
+    raise _type_error(name, "a string or a list of text parts", content)
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if messages is None:
+        raise bad_request("'messages' is required", param="messages", code="missing_required_parameter")
+    if not isinstance(messages, list):
+        raise _type_error("messages", "a list", messages)
+    if not messages:
+        raise bad_request("'messages' must not be empty", param="messages", code="invalid_value")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise _type_error(f"messages[{i}]", "an object", message)
+        role = message.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise bad_request(
+                f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got {role!r}", param=f"messages[{i}].role"
+            )
+        out.append({"role": "system" if role == "developer" else role, "content": _content(i, message.get("content"))})
+    return out
+
+
+def _sampling(body: dict) -> SamplingParams:
+    params = SamplingParams()
+    for name, lo, hi in (
+        ("temperature", 0.0, 2.0),
+        ("top_p", 0.0, 1.0),
+        ("min_p", 0.0, 1.0),
+        ("presence_penalty", -2.0, 2.0),
+        ("frequency_penalty", -2.0, 2.0),
+        ("repeat_penalty", 0.0, 10.0),
+    ):
+        value = _opt_float(body, name, lo, hi)
+        if value is not None:
+            setattr(params, name, value)
+    top_k = _opt_int(body, "top_k", lo=0)
+    if top_k is not None:
+        params.top_k = top_k
+    # llama.cpp seeds are 32-bit; OpenAI clients send any integer
+    seed = _opt_int(body, "seed")
+    if seed is not None:
+        params.seed = seed & 0xFFFFFFFF
+    return params
+
+
+def _common(body: dict) -> tuple[str | None, bool, bool]:
+    """model, stream, include_usage, and the features we refuse rather than silently ignore."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _type_error("model", "a string", model)
+    n = _opt_int(body, "n", lo=1)
+    if n not in (None, 1):
+        raise bad_request("only n=1 is supported", param="n", code="invalid_value")
+    if _opt_bool(body, "logprobs") or body.get("top_logprobs"):
+        raise bad_request("logprobs are not supported by this server", param="logprobs")
+    stream = _opt_bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _type_error("stream_options", "an object", options)
+    include_usage = _opt_bool(options or {}, "include_usage")
+    return model, stream, include_usage
+
+
+def _max_tokens(body: dict, default: int | None) -> int | None:
+    value = _opt_int(body, "max_completion_tokens", lo=1)
+    if value is None:
+        value = _opt_int(body, "max_tokens", lo=1)
+    return default if value is None else value
+
+
+def parse_chat(body: dict) -> ParsedRequest:
+    model, stream, include_usage = _common(body)
+    tools = body.get("tools")
+    if tools:
+        raise bad_request("tool calling is not supported by this server", param="tools")
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        raise bad_request(f"response_format {fmt.get('type')!r} is not supported", param="response_format")
+    request = ChatRequest(
+        messages=_messages(body),
+        sampling=_sampling(body),
+        max_tokens=_max_tokens(body, None),
+        stop=_stop(body),
+        ignore_eos=_opt_bool(body, "ignore_eos"),
+    )
+    return ParsedRequest(request, model, stream, include_usage)
+
+
+def parse_completion(body: dict) -> ParsedRequest:
+    model, stream, include_usage = _common(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if prompt is None:
+        raise bad_request("'prompt' is required", param="prompt", code="missing_required_parameter")
+    if not isinstance(prompt, str):
+        raise _type_error("prompt", "a string (token arrays and batches are not supported)", prompt)
+    if prompt == "":
+        raise bad_request("'prompt' must not be empty", param="prompt", code="invalid_value")
+    if _opt_bool(body, "echo"):
+        raise bad_request("echo is not supported", param="echo")
+    if body.get("suffix"):
+        raise bad_request("suffix is not supported", param="suffix")
+    if _opt_int(body, "best_of", lo=1) not in (None, 1):
+        raise bad_request("only best_of=1 is supported", param="best_of")
+    request = ChatRequest(
+        prompt=_text("prompt", prompt),
+        sampling=_sampling(body),
+        # OpenAI's legacy endpoint answers 16 tokens unless told otherwise
+        max_tokens=_max_tokens(body, 16),
+        stop=_stop(body),
+        ignore_eos=_opt_bool(body, "ignore_eos"),
+    )
+    return ParsedRequest(request, model, stream, include_usage)

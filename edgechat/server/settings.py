@@ -1,0 +1,25 @@
+"""What one server instance is configured with (the engine's own settings live in EngineConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    #: every endpoint but /health then needs `Authorization: Bearer <api_key>`
+    api_key: str | None = None
+    #: prompts longer than this get 400 before any compute (None: only the context limits them)
+    max_input_tokens: int | None = None
+    #: a request still generating after this many seconds is cancelled
+    request_timeout: float = 600.0
+    #: names besides the engine's model name that requests may use for it (e.g. the -m argument)
+    model_aliases: tuple[str, ...] = ()
+    #: average queue wait (seconds) that turns the degrade switch on; None disables it
+    degrade_queue_wait: float | None = 10.0
+    #: the max_tokens cap while degraded
+    degrade_max_tokens: int = 256
+    #: request bodies larger than this get 413
+    max_body_bytes: int = 8 * 1024 * 1024
+    #: Retry-After seconds sent with 429 when nothing better is known
+    retry_after: int = 1

@@ -1,0 +1,160 @@
+"""The server's pure pieces: request parsing and validation, the degrade switch, load-mix statistics."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from edgechat.server.degrade import DegradeSwitch
+from edgechat.server.errors import ApiError
+from edgechat.server.loadgen import make_prompt, percentile, prompt_token_targets
+from edgechat.server.schemas import decode_body, parse_chat, parse_completion
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _error(fn, *args) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        fn(*args)
+    assert info.value.status == 400
+    body = info.value.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+    return info.value
+
+
+def test_chat_fields_map_onto_the_engine_request():
+    parsed = parse_chat(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None},
+            ],
+            "max_completion_tokens": 7,
+            "max_tokens": 99,
+            "temperature": 0,
+            "top_p": 0.5,
+            "seed": -1,
+            "stop": "END",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "presence_penalty": 1.5,
+            "ignore_eos": True,
+            "some_future_field": {"ignored": True},
+        }
+    )
+    req = parsed.request
+    assert req.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": ""},
+    ]
+    assert req.max_tokens == 7  # the newer name wins
+    assert req.sampling.temperature == 0.0 and req.sampling.top_p == 0.5
+    assert req.sampling.seed == 0xFFFFFFFF  # folded into llama.cpp's 32-bit seed
+    assert req.sampling.presence_penalty == 1.5
+    assert req.stop == ["END"] and req.ignore_eos
+    assert parsed.stream and parsed.include_usage and parsed.model == "m"
+
+
+def test_completion_defaults_to_sixteen_tokens_like_openai():
+    parsed = parse_completion({"prompt": ["Once upon a time"]})
+    assert parsed.request.prompt == "Once upon a time"
+    assert parsed.request.max_tokens == 16
+    assert parsed.request.messages is None
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": ["hi"]}, "messages[0]"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+        ({"messages": USER, "max_tokens": "10"}, "max_tokens"),
+        ({"messages": USER, "max_tokens": True}, "max_tokens"),
+        ({"messages": USER, "max_tokens": 0}, "max_tokens"),
+        ({"messages": USER, "max_tokens": 1.5}, "max_tokens"),
+        ({"messages": USER, "temperature": "hot"}, "temperature"),
+        ({"messages": USER, "temperature": 3}, "temperature"),
+        ({"messages": USER, "temperature": float("nan")}, "temperature"),
+        ({"messages": USER, "top_p": -0.1}, "top_p"),
+        ({"messages": USER, "stop": 3}, "stop"),
+        ({"messages": USER, "stop": [""]}, "stop"),
+        ({"messages": USER, "stream": "yes"}, "stream"),
+        ({"messages": USER, "stream_options": []}, "stream_options"),
+        ({"messages": USER, "n": 2}, "n"),
+        ({"messages": USER, "model": 7}, "model"),
+        ({"messages": USER, "logprobs": True}, "logprobs"),
+        ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format"),
+    ],
+)
+def test_bad_chat_bodies_name_the_field(body, param):
+    assert _error(parse_chat, body).param == param
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [({}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [1, 2, 3]}, "prompt"), ({"prompt": "x", "echo": True}, "echo")],
+)
+def test_bad_completion_bodies_name_the_field(body, param):
+    assert _error(parse_completion, body).param == param
+
+
+def test_a_huge_max_tokens_parses_and_is_left_to_the_server_to_clamp():
+    assert parse_chat({"messages": USER, "max_tokens": 10**9}).request.max_tokens == 10**9
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [(b"\xff\xfe{}", "not valid UTF-8"), (b"{bad", "not valid JSON"), (b"[1, 2]", "JSON object"), (b"", "not valid JSON")],
+)
+def test_undecodable_bodies_are_400(raw, words):
+    assert words in _error(decode_body, raw).message
+
+
+def test_degrade_switch_caps_under_sustained_queueing_and_releases_when_load_falls():
+    changes = []
+    switch = DegradeSwitch(threshold_s=2.0, max_tokens_cap=64, on_switch=changes.append)
+    switch.observe(10.0)  # one slow request moves the average (3.0) over the threshold
+    assert switch.active and changes == [True]
+    assert switch.cap(None) == 64 and switch.cap(1000) == 64 and switch.cap(10) == 10
+    switch.observe(1.5)  # average 2.55: still above half the threshold, stays on
+    assert switch.active
+    switch.on_admit(waiting=3)
+    assert switch.active
+    switch.on_admit(waiting=0)
+    assert not switch.active and changes == [True, False]
+    assert switch.cap(1000) == 1000
+
+
+def test_degrade_switch_can_be_disabled():
+    switch = DegradeSwitch(threshold_s=None, max_tokens_cap=64)
+    for _ in range(10):
+        switch.observe(100.0)
+    assert not switch.active and switch.cap(500) == 500
+
+
+def test_percentile_interpolates_like_numpy():
+    values = [float(v) for v in range(1, 11)]
+    assert percentile(values, 50) == pytest.approx(5.5)
+    assert percentile(values, 95) == pytest.approx(9.55)
+    assert percentile(values, 100) == 10.0
+    assert percentile([], 50) == 0.0
+
+
+def test_prompt_mix_is_long_tailed_and_reproducible():
+    targets = prompt_token_targets(2000, random.Random(1))
+    assert targets == prompt_token_targets(2000, random.Random(1))
+    assert min(targets) >= 20 and max(targets) <= 400
+    short = sum(t <= 100 for t in targets) / len(targets)
+    long = sum(t >= 200 for t in targets) / len(targets)
+    assert short > 0.6 and 0.01 < long < 0.15
+    assert len(make_prompt(400, random.Random(0)).split()) > 4 * len(make_prompt(20, random.Random(0)).split())
