@@ -1,0 +1,183 @@
+"""KV cache bookkeeping: sequences (slots), prefix reuse, shift alignment and snapshots.
+
+A slot is one llama.cpp sequence. `tokens` mirrors exactly what its KV cells hold, at positions
+0..len-1, so reuse is a token comparison and every shift keeps the mirror and the cache in step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import llama_cpp as L
+
+#: the smallest run of tokens worth realigning the cache for after messages left it
+MIN_REALIGN = 32
+
+
+@dataclass
+class Slot:
+    seq: int
+    tokens: list[int] = field(default_factory=list)
+    session: str | None = None
+    busy: bool = False
+    last_used: float = 0.0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    # compare in blocks first: long shared histories are the common case
+    while i + 64 <= n and a[i : i + 64] == b[i : i + 64]:
+        i += 64
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def find_realign(cache: list[int], prompt: list[int], start: int) -> tuple[int, int]:
+    """After the common prefix `start`, find where the rest of the prompt continues in the cache.
+
+    Returns (b, n): cache[b:b+n] == prompt[start:start+n] with the largest n found, or (0, 0).
+    This is what lets whole evicted messages leave the cache by a position shift instead of a
+    re-prefill: the prompt skips them, and the tokens after them are still in the cache.
+    """
+    if len(prompt) - start < MIN_REALIGN or len(cache) - start < MIN_REALIGN:
+        return 0, 0
+    probe = prompt[start : start + MIN_REALIGN]
+    best_b, best_n = 0, 0
+    first = probe[0]
+    b = start + 1
+    while True:
+        try:
+            b = cache.index(first, b)
+        except ValueError:
+            break
+        if cache[b : b + MIN_REALIGN] == probe:
+            n = common_prefix(cache[b:], prompt[start:])
+            if n > best_n:
+                best_b, best_n = b, n
+        b += 1
+    return best_b, best_n
+
+
+# --- snapshots ------------------------------------------------------------------------------------
+
+SNAPSHOT_MAGIC = b"ECKVSNP1"
+
+
+def model_fingerprint(path: Path, cache_dir: Path) -> str:
+    """sha256 of the model file, remembered per (path, size, mtime) so it is computed once."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    memo = cache_dir / "model-hashes" / key
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        pass
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 22):
+            digest.update(block)
+    value = digest.hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(memo, value.encode())
+    return value
+
+
+def atomic_write(path: Path, *chunks: bytes) -> None:
+    """Write to a temp file beside `path`, fsync, then rename: readers see all or nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            for chunk in chunks:
+                fh.write(chunk)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class Snapshot:
+    tokens: list[int]
+    session_state: dict
+    data: bytes
+
+
+class SnapshotStore:
+    """Sequence snapshots on disk, one file per session, tagged with what they depend on."""
+
+    def __init__(self, root: Path, tags: dict, budget_bytes: int):
+        self.root = root
+        self.tags = tags  # model hash, context size, KV type, llama.cpp state version
+        self.budget = budget_bytes
+
+    def path_for(self, session: str) -> Path:
+        name = hashlib.sha256(session.encode()).hexdigest()[:24]
+        return self.root / f"{name}.kv"
+
+    def save(self, session: str, tokens: list[int], session_state: dict, data: bytes) -> Path:
+        header = json.dumps({"session": session, "tags": self.tags, "tokens": tokens, "state": session_state, "saved": time.time()}).encode()
+        path = self.path_for(session)
+        atomic_write(path, SNAPSHOT_MAGIC, struct.pack("<Q", len(header)), header, data)
+        self.enforce_budget(keep=path)
+        return path
+
+    def _read(self, session: str, with_data: bool) -> Snapshot | None:
+        path = self.path_for(session)
+        try:
+            with open(path, "rb") as fh:
+                if fh.read(8) != SNAPSHOT_MAGIC:
+                    return None
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+                data = fh.read() if with_data else b""
+            if header.get("session") != session or header.get("tags") != self.tags:
+                return None
+            if with_data and not data:
+                return None
+            tokens = [int(t) for t in header["tokens"]]
+            state = dict(header.get("state") or {})
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            return None  # missing, truncated or corrupt: the caller rebuilds by prefill
+        return Snapshot(tokens, state, data)
+
+    def load(self, session: str) -> Snapshot | None:
+        """The snapshot if it exists, is whole, and every tag matches; otherwise None (rebuild)."""
+        snap = self._read(session, with_data=True)
+        if snap is not None:
+            os.utime(self.path_for(session))  # LRU: a restored snapshot is recently used
+        return snap
+
+    def peek_state(self, session: str) -> dict | None:
+        """The conversation's eviction state from a valid snapshot's header, without its data."""
+        snap = self._read(session, with_data=False)
+        return snap.session_state if snap else None
+
+    def delete(self, session: str) -> None:
+        self.path_for(session).unlink(missing_ok=True)
+
+    def enforce_budget(self, keep: Path | None = None) -> None:
+        files = sorted(self.root.glob("*.kv"), key=lambda p: p.stat().st_mtime)
+        total = sum(p.stat().st_size for p in files)
+        for p in files:
+            if total <= self.budget:
+                break
+            if p == keep:
+                continue
+            total -= p.stat().st_size
+            p.unlink(missing_ok=True)
+
+
+def state_version() -> int:
+    return L.LLAMA_STATE_SEQ_VERSION

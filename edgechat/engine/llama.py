@@ -1,0 +1,254 @@
+"""The llama.cpp backend: the only module that calls llama.cpp's C API (through llama-cpp-python's ctypes).
+
+Built on the low-level API (llama_decode, llama_batch, native sampler chains) rather than the
+high-level Llama class, whose per-token Python sampling and logits copies cost 15-30% of decode speed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections import deque
+from pathlib import Path
+
+import llama_cpp as L
+
+from edgechat.errors import ModelFormatError
+
+KV_TYPES = {"f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0, "q4_0": L.GGML_TYPE_Q4_0}
+
+_init_lock = threading.Lock()
+_initialised = False
+#: recent llama.cpp log lines, to explain a failed load in one line
+_log_lines: deque[str] = deque(maxlen=64)
+
+
+@L.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data) -> None:
+    # llama.cpp logs a great deal to stderr by default; keep it for error messages instead.
+    if text:
+        _log_lines.append(text.decode("utf-8", errors="replace"))
+
+
+def _ensure_backend() -> None:
+    global _initialised
+    with _init_lock:
+        if not _initialised:
+            L.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            L.llama_backend_init()
+            _initialised = True
+
+
+def _load_failure_reason() -> str:
+    text = "".join(_log_lines)
+    for line in reversed(text.splitlines()):
+        low = line.lower()
+        if "unknown model architecture" in low or "error loading model" in low:
+            return line.split(":", 1)[-1].strip() if "error loading model:" in low else line.strip()
+    return "llama.cpp could not load it"
+
+
+def llama_version() -> str:
+    return L.__version__
+
+
+def system_info() -> str:
+    _ensure_backend()
+    return L.llama_print_system_info().decode("utf-8", errors="replace")
+
+
+def supports_gpu_offload() -> bool:
+    _ensure_backend()
+    return bool(L.llama_supports_gpu_offload())
+
+
+class Batch:
+    """A reusable llama_batch; writes go straight into its C arrays."""
+
+    def __init__(self, capacity: int, n_seq_max: int):
+        self.capacity = capacity
+        self._batch = L.llama_batch_init(capacity, 0, n_seq_max)
+        self.n = 0
+
+    def clear(self) -> None:
+        self.n = 0
+
+    def add(self, token: int, pos: int, seq_id: int, want_logits: bool) -> int:
+        b, i = self._batch, self.n
+        b.token[i] = token
+        b.pos[i] = pos
+        b.n_seq_id[i] = 1
+        b.seq_id[i][0] = seq_id
+        b.logits[i] = want_logits
+        self.n = i + 1
+        return i
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.n
+
+    def native(self):
+        self._batch.n_tokens = self.n
+        return self._batch
+
+    def close(self) -> None:
+        if self._batch is not None:
+            L.llama_batch_free(self._batch)
+            self._batch = None
+
+
+class DecodeError(RuntimeError):
+    pass
+
+
+class LlamaBackend:
+    """One model and one context with n_seq_max sequences sharing a unified KV cache."""
+
+    def __init__(
+        self,
+        path: Path,
+        n_ctx_total: int,
+        n_seq_max: int,
+        n_threads: int,
+        n_batch: int = 2048,
+        n_ubatch: int = 512,
+        kv_type: str = "f16",
+        n_gpu_layers: int | None = None,
+    ):
+        _ensure_backend()
+        self.path = Path(path)
+        mparams = L.llama_model_default_params()
+        if n_gpu_layers is not None:
+            mparams.n_gpu_layers = n_gpu_layers
+        _log_lines.clear()
+        model = L.llama_model_load_from_file(os.fsencode(self.path), mparams)
+        if not model:
+            raise ModelFormatError(f"cannot load {self.path.name}: {_load_failure_reason()}")
+        self.model = model
+        self.vocab = L.llama_model_get_vocab(model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = n_ctx_total
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_ubatch
+        cparams.n_seq_max = n_seq_max
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = n_threads
+        cparams.kv_unified = True
+        cparams.no_perf = True
+        cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
+        if kv_type != "f16":
+            # llama.cpp needs flash attention for a quantized V cache
+            cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        ctx = L.llama_init_from_model(model, cparams)
+        if not ctx:
+            L.llama_model_free(model)
+            raise ModelFormatError(f"cannot create a context for {self.path.name}: {_load_failure_reason()}")
+        self.ctx = ctx
+        self.mem = L.llama_get_memory(ctx)
+        self.n_ctx_total = L.llama_n_ctx(ctx)
+        self.n_batch = L.llama_n_batch(ctx)
+        self.n_seq_max = n_seq_max
+        self.can_shift = bool(L.llama_memory_can_shift(self.mem))
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
+        self.bos = L.llama_vocab_bos(self.vocab)
+        self.eos = L.llama_vocab_eos(self.vocab)
+        self._pieces: dict[int, bytes] = {}
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    # --- metadata -------------------------------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def token_text(self, token: int) -> str:
+        return (L.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", errors="replace")
+
+    # --- text -----------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_bos: bool = False, special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (L.llama_token * cap)()
+        n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, special)
+        if n < 0:
+            cap = -n
+            buf = (L.llama_token * cap)()
+            n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, special)
+        return buf[:n]
+
+    def piece(self, token: int) -> bytes:
+        """The bytes one token adds to the output (special tokens render as nothing)."""
+        cached = self._pieces.get(token)
+        if cached is None:
+            n = L.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, False)
+            if n < 0:
+                big = ctypes.create_string_buffer(-n)
+                n = L.llama_token_to_piece(self.vocab, token, big, -n, 0, False)
+                cached = big.raw[:n]
+            else:
+                cached = self._piece_buf.raw[:n]
+            self._pieces[token] = cached
+        return cached
+
+    def detokenize(self, tokens: list[int]) -> str:
+        arr = (L.llama_token * max(len(tokens), 1))(*tokens)
+        cap = max(64, len(tokens) * 16)
+        buf = ctypes.create_string_buffer(cap)
+        n = L.llama_detokenize(self.vocab, arr, len(tokens), buf, cap, False, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_detokenize(self.vocab, arr, len(tokens), buf, -n, False, False)
+        return buf.raw[:n].decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(L.llama_vocab_is_eog(self.vocab, token))
+
+    def is_control(self, token: int) -> bool:
+        return bool(L.llama_vocab_is_control(self.vocab, token))
+
+    # --- compute --------------------------------------------------------------------------------
+    def decode(self, batch: Batch) -> None:
+        rc = L.llama_decode(self.ctx, batch.native())
+        if rc != 0:
+            raise DecodeError(f"llama_decode failed ({rc}): " + (_log_lines[-1].strip() if _log_lines else ""))
+
+    def sample(self, sampler, index: int) -> int:
+        return L.llama_sampler_sample(sampler, self.ctx, index)
+
+    # --- KV memory ------------------------------------------------------------------------------
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        return bool(L.llama_memory_seq_rm(self.mem, seq, p0, p1))
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        L.llama_memory_seq_add(self.mem, seq, p0, p1, delta)
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        L.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def seq_pos_range(self, seq: int) -> tuple[int, int]:
+        return L.llama_memory_seq_pos_min(self.mem, seq), L.llama_memory_seq_pos_max(self.mem, seq)
+
+    def state_seq_get(self, seq: int) -> bytes:
+        size = L.llama_state_seq_get_size(self.ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        n = L.llama_state_seq_get_data(self.ctx, buf, size, seq)
+        return bytes(memoryview(buf)[:n])
+
+    def state_seq_set(self, seq: int, data: bytes) -> bool:
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return L.llama_state_seq_set_data(self.ctx, buf, len(data), seq) == len(data)
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            L.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            L.llama_model_free(self.model)
+            self.model = None

@@ -1,0 +1,168 @@
+"""Memory planning: will this model fit here, and with how much context?
+
+weights (the file, memory-mapped) + KV cache (2 x layers x KV heads x head dim x cells x bytes,
+GQA- and sliding-window-aware, see ModelInfo.kv_cache_bytes) + compute buffers, against the memory
+the OS says is available. Runs before llama.cpp is asked to load anything.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from dataclasses import dataclass
+
+from edgechat.errors import ModelTooLargeError, UsageError
+from edgechat.models.ggufinfo import ModelInfo
+
+#: default context cap: long enough for real chats, small enough to start fast on a phone
+DEFAULT_CTX_CAP = 4096
+MIN_CTX = 512
+#: bytes per KV element by cache type (q8_0: 34 bytes per 32 values, q4_0: 18 per 32)
+KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+#: leave this share of available memory to the OS and other programs
+HEADROOM = 0.85
+
+
+def available_memory() -> int:
+    """Bytes the OS can give us now (MemAvailable on Linux and Android)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if platform.system() == "Darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True, check=True).stdout
+            return int(int(out) * 0.6)  # macOS reports no "available"; assume most of RAM is reclaimable
+        except (OSError, ValueError, subprocess.CalledProcessError):
+            pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+def total_memory() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    n_ctx: int  # per sequence
+    n_seq: int
+    weights: int
+    kv_cache: int
+    compute: int
+    available: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.compute
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.available * HEADROOM
+
+
+def _compute_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int = 512) -> int:
+    # llama.cpp's CPU compute buffer is dominated by the logits of one ubatch and the attention
+    # scores (ubatch x context x heads, f32) when flash attention is off; activations add ~16 x n_embd.
+    n_vocab_guess = max(32000, info.n_params // max(info.n_embd, 1) // 8)
+    return 4 * n_ubatch * (16 * info.n_embd + info.n_head * n_ctx) + 4 * n_vocab_guess * 8
+
+
+def plan_for(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: str = "f16", available: int | None = None) -> Plan:
+    avail = available_memory() if available is None else available
+    kv = int(info.kv_cache_bytes(n_ctx * n_seq, KV_BYTES[kv_type]))
+    return Plan(n_ctx, n_seq, info.size_bytes, kv, _compute_bytes(info, n_ctx * n_seq), avail)
+
+
+def choose_context(
+    info: ModelInfo,
+    requested: int | None = None,
+    n_seq: int = 1,
+    kv_type: str = "f16",
+    available: int | None = None,
+) -> Plan:
+    """The context to run with: the requested one if it fits, else the largest that fits, capped.
+
+    Raises ModelTooLargeError (before llama.cpp loads anything) when not even MIN_CTX fits.
+    """
+    if kv_type not in KV_BYTES:
+        raise UsageError(f"unknown KV cache type '{kv_type}'; use one of: {', '.join(KV_BYTES)}")
+    trained = max(info.context_length, MIN_CTX)
+    if requested is not None:
+        if requested > trained:
+            raise UsageError(
+                f"--ctx {requested} is more than {info.name} was trained for ({trained} tokens); use --ctx {trained} or less"
+            )
+        plan = plan_for(info, requested, n_seq, kv_type, available)
+        if not plan.fits:
+            raise ModelTooLargeError(_too_large(info, plan))
+        return plan
+    n = min(trained, DEFAULT_CTX_CAP)
+    while True:
+        plan = plan_for(info, n, n_seq, kv_type, available)
+        if plan.fits:
+            return plan
+        if n <= MIN_CTX:
+            raise ModelTooLargeError(_too_large(info, plan))
+        n = max(MIN_CTX, n // 2)
+
+
+def max_context_that_fits(info: ModelInfo, kv_type: str = "f16", available: int | None = None) -> int:
+    """For `edgechat doctor`: the largest power-of-two context (up to the trained one) that fits; 0 if none."""
+    best, n = 0, MIN_CTX
+    while n <= info.context_length:
+        if not plan_for(info, n, 1, kv_type, available).fits:
+            break
+        best, n = n, n * 2
+    return best
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def _too_large(info: ModelInfo, plan: Plan) -> str:
+    return (
+        f"{info.name} needs about {_mib(plan.total)} with a {plan.n_ctx}-token context "
+        f"(weights {_mib(plan.weights)}, KV cache {_mib(plan.kv_cache)}) but only "
+        f"{_mib(plan.available * HEADROOM)} is free; close other programs, use a smaller --ctx "
+        f"or --kv-type q8_0, or pick a smaller model (edgechat models)"
+    )
+
+
+def physical_cores() -> int:
+    """Physical cores (llama.cpp gains nothing from SMT siblings); logical count as a fallback."""
+    try:
+        cores = set()
+        phys = core = None
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    core = line.split(":")[1].strip()
+                elif not line.strip():
+                    if core is not None:
+                        cores.add((phys, core))
+                    phys = core = None
+        if cores:
+            return len(cores)
+    except OSError:
+        pass
+    return os.cpu_count() or 1
