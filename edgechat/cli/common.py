@@ -58,9 +58,11 @@ def run_guarded(group: click.Group, args: list[str]) -> None:
     except KeyboardInterrupt:
         click.echo("\nedgechat: interrupted", err=True)
         sys.exit(130)
+    except click.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx else "edgechat"
+        fail(f"{exc.format_message()} (see: {where} --help)", exc.exit_code)
     except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
+        fail(exc.format_message(), exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except EdgechatError as exc:

@@ -35,7 +35,7 @@ from edgechat.engine.sampling import SamplerChain, validate
 from edgechat.engine.stream import OutputProcessor
 from edgechat.engine.templates import choose_format, validate_messages
 from edgechat.errors import EngineBusyError, PromptTooLongError, UsageError
-from edgechat.models import read_model_info, resolve_model
+from edgechat.models import display_name, read_model_info, resolve_model
 
 log = logging.getLogger("edgechat.engine")
 
@@ -109,7 +109,7 @@ class Engine:
             n_gpu_layers=cfg.n_gpu_layers,
         )
         be = self.backend
-        self.model_name = info.name
+        self.model_name = display_name(cfg.model, self.model_path)
         self.format = choose_format(
             be.meta("tokenizer.chat_template"),
             info.architecture,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from edgechat.config import Paths
 from edgechat.errors import ModelNotFoundError
-from edgechat.models.embedded import ALIASES, EMBEDDED
+from edgechat.models.embedded import ALIASES, EMBEDDED, GEMMA3_FILE
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -15,8 +15,15 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 def known_model_names(paths: Paths) -> list[str]:
     names = list(EMBEDDED)
     if paths.models_cache.is_dir():
-        names += sorted(p.stem for p in paths.models_cache.glob("*.gguf"))
+        # the assembled embedded Gemma lives in the cache too; it is listed under its short name
+        names += sorted(p.stem for p in paths.models_cache.glob("*.gguf") if p.name != GEMMA3_FILE)
     return list(dict.fromkeys(names))
+
+
+def display_name(ref: str | None, path: Path) -> str:
+    """What to call a model in the UI: its short name when embedded, else the file's stem."""
+    name = ALIASES.get((ref or DEFAULT_MODEL).lower(), (ref or DEFAULT_MODEL).lower())
+    return name if name in EMBEDDED else path.stem
 
 
 def resolve_model(ref: str | None, paths: Paths) -> Path:

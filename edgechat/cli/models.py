@@ -1,0 +1,94 @@
+"""`edgechat models` and `edgechat doctor`: what can run here, and how this machine is set up."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import click
+
+from edgechat.cli.common import data_dir_option
+from edgechat.config import get_paths
+from edgechat.engine import planner
+from edgechat.errors import EdgechatError
+from edgechat.models import known_model_names, read_model_info, resolve_model
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB" if n < 2**30 else f"{n / 2**30:,.1f} GiB"
+
+
+def _model_rows(paths, kv_type: str = "f16") -> list[dict]:
+    rows = []
+    for name in known_model_names(paths):
+        try:
+            info = read_model_info(resolve_model(name, paths))
+        except EdgechatError as exc:
+            rows.append({"name": name, "error": str(exc)})
+            continue
+        fits = planner.max_context_that_fits(info, kv_type)
+        rows.append(
+            {
+                "name": name,
+                "size": _size(info.size_bytes),
+                "quant": info.quant,
+                "arch": info.architecture,
+                "trained_ctx": info.context_length,
+                "kv_per_token": info.kv_bytes_per_token(planner.KV_BYTES[kv_type]),
+                "kv_per_token_q8": info.kv_bytes_per_token(planner.KV_BYTES["q8_0"]),
+                "fits_ctx": fits,
+            }
+        )
+    return rows
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+@click.command("models")
+@data_dir_option
+def models_cmd(data_dir):
+    """List the models available offline: size, quant, architecture, and whether they fit."""
+    paths = get_paths(data_dir)
+    rows = []
+    for r in _model_rows(paths):
+        if "error" in r:
+            rows.append([r["name"], "-", "-", "-", "-", r["error"]])
+        else:
+            fit = f"yes, up to {r['fits_ctx']} ctx" if r["fits_ctx"] else "no"
+            rows.append([r["name"], r["size"], r["quant"], r["arch"], str(r["trained_ctx"]), fit])
+    click.echo(_table(["NAME", "SIZE", "QUANT", "ARCH", "TRAINED CTX", "FITS HERE"], rows))
+
+
+@click.command("doctor")
+@data_dir_option
+def doctor_cmd(data_dir):
+    """Report this machine, the llama.cpp build, edgechat's paths and which models fit."""
+    from edgechat import __version__
+    from edgechat.engine import llama
+
+    paths = get_paths(data_dir)
+    features = llama.system_info()
+    click.echo(f"edgechat {__version__} on {platform.system()} {platform.release()} ({platform.machine()}), Python {platform.python_version()}")
+    click.echo(f"CPU: {platform.processor() or platform.machine()}; {planner.physical_cores()} physical cores, "
+               f"{os.cpu_count()} logical; edgechat uses {planner.physical_cores()} threads by default")
+    click.echo(f"CPU features (llama.cpp): {features.strip()}")
+    click.echo(f"RAM: {_size(planner.total_memory())} total, {_size(planner.available_memory())} available")
+    gpu = "yes" if llama.supports_gpu_offload() else "no (CPU build; see packaging/GPU.md for CUDA, Metal, Vulkan)"
+    click.echo(f"llama.cpp: llama-cpp-python {llama.llama_version()}; GPU offload: {gpu}")
+    click.echo(f"Paths: data {paths.data}\n       cache {paths.cache}\n       config {paths.config_file}")
+    click.echo("")
+    rows = []
+    for r in _model_rows(paths):
+        if "error" in r:
+            rows.append([r["name"], "-", "-", "-", "-", "-", r["error"]])
+            continue
+        rows.append([
+            r["name"], r["size"], r["quant"], r["arch"], str(r["trained_ctx"]),
+            f"{r['kv_per_token'] / 1024:.1f} KiB (q8_0: {r['kv_per_token_q8'] / 1024:.1f})",
+            str(r["fits_ctx"]) if r["fits_ctx"] else "does not fit",
+        ])
+    click.echo(_table(["MODEL", "SIZE", "QUANT", "ARCH", "TRAINED CTX", "KV/TOKEN (f16)", "CTX THAT FITS"], rows))

@@ -1,0 +1,145 @@
+"""`edgechat run`: one chat turn from the shell, streamed to stdout (or one JSON object)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from edgechat.cli.common import data_dir_option, model_options, sampling_options
+from edgechat.config import get_paths
+from edgechat.engine import ChatRequest, ContextPolicy, Engine, EngineConfig, Evicted, SamplingParams, TextDelta
+from edgechat.errors import UsageError
+
+
+def build_sampling(temperature, top_p, top_k, min_p, repeat_penalty, seed) -> SamplingParams:
+    params = SamplingParams()
+    for name, value in (
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("top_k", top_k),
+        ("min_p", min_p),
+        ("repeat_penalty", repeat_penalty),
+        ("seed", seed),
+    ):
+        if value is not None:
+            setattr(params, name, value)
+    return params
+
+
+def read_prompt(prompt: str | None) -> str | None:
+    """PROMPT, or stdin for '-' or when stdin is piped; None means interactive."""
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    return prompt
+
+
+@click.command("run")
+@model_options
+@sampling_options
+@click.option("--system", default=None, help="System prompt.")
+@click.option("--session", default=None, help="Continue the stored conversation NAME (created if new).")
+@click.option(
+    "--context-policy",
+    type=click.Choice([p.value for p in ContextPolicy]),
+    default=None,
+    help="When the context is full: shift (default), truncate or summarize.",
+)
+@click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", help="KV cache element type.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@click.argument("prompt", required=False)
+@data_dir_option
+def run_cmd(model, ctx, threads, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
+            system, session, context_policy, kv_type, as_json, prompt, data_dir):
+    """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
+    text = read_prompt(prompt)
+    if text is not None and not text.strip():
+        raise UsageError("the prompt is empty; pass some text, e.g. edgechat run \"Hello\"")
+    sampling = build_sampling(temperature, top_p, top_k, min_p, repeat_penalty, seed)
+    paths = get_paths(data_dir)
+    cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, kv_type=kv_type, paths=paths)
+    if session is not None:
+        from edgechat.cli.sessions import run_session_turn
+
+        if text is None:
+            raise UsageError("--session needs a MESSAGE argument or stdin")
+        run_session_turn(cfg, session, text, system, sampling, max_tokens, list(stop), ignore_eos, context_policy, as_json)
+        return
+    with Engine(cfg) as engine:
+        if engine.template_warning:
+            click.echo(f"edgechat: warning: {engine.template_warning}", err=True)
+        history: list[dict] = [{"role": "system", "content": system}] if system else []
+        if text is None:
+            _interactive(engine, history, sampling, max_tokens, list(stop), ignore_eos)
+            return
+        request = ChatRequest(
+            messages=history + [{"role": "user", "content": text}],
+            sampling=sampling,
+            max_tokens=max_tokens,
+            stop=list(stop),
+            ignore_eos=ignore_eos,
+        )
+        finished = stream_answer(engine, request, echo=not as_json)
+        if as_json:
+            click.echo(json.dumps(result_json(engine, finished), ensure_ascii=False))
+
+
+def stream_answer(engine: Engine, request: ChatRequest, echo: bool):
+    """Submit, print text as it comes, cancel cleanly on Ctrl+C; returns the Finished event."""
+    handle = engine.submit(request)
+    try:
+        for event in handle:
+            if isinstance(event, TextDelta) and echo:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, Evicted):
+                click.echo(f"\nedgechat: {event.note}", err=True)
+    except KeyboardInterrupt:
+        handle.cancel()
+        handle.result()
+        if echo:
+            sys.stdout.write("\n")
+        raise
+    if echo:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    finished = handle.finished
+    if finished.reason == "error":
+        raise UsageError(f"generation failed: {finished.error}")
+    return finished
+
+
+def result_json(engine: Engine, finished, **extra) -> dict:
+    m = finished.metrics
+    return {
+        "text": finished.text,
+        "model": engine.model_name,
+        "finish_reason": finished.reason,
+        "prompt_tokens": m.prompt_tokens,
+        "completion_tokens": m.completion_tokens,
+        "ttft_ms": round(m.ttft * 1000, 2),
+        "prefill_tps": round(m.prefill_tps, 2),
+        "decode_tps": round(m.decode_tps, 2),
+        **extra,
+    }
+
+
+def _interactive(engine, history, sampling, max_tokens, stop, ignore_eos) -> None:
+    click.echo(f"{engine.model_name} ({engine.n_ctx}-token context). Empty line or Ctrl+D quits.", err=True)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return
+        if not line.strip():
+            return
+        history.append({"role": "user", "content": line})
+        request = ChatRequest(messages=list(history), sampling=sampling, max_tokens=max_tokens, stop=stop,
+                              ignore_eos=ignore_eos, session="interactive")
+        try:
+            finished = stream_answer(engine, request, echo=True)
+        except KeyboardInterrupt:
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": finished.text})
