@@ -80,34 +80,36 @@ def run_cmd(model, ctx, threads, temperature, top_p, top_k, min_p, repeat_penalt
             stop=list(stop),
             ignore_eos=ignore_eos,
         )
-        finished = stream_answer(engine, request, echo=not as_json)
+        finished, _ = stream_answer(engine, request, echo=not as_json)
         if as_json:
             click.echo(json.dumps(result_json(engine, finished), ensure_ascii=False))
+    if finished.reason == "cancelled":
+        raise KeyboardInterrupt
 
 
 def stream_answer(engine: Engine, request: ChatRequest, echo: bool):
-    """Submit, print text as it comes, cancel cleanly on Ctrl+C; returns the Finished event."""
+    """Submit and print text as it comes. Ctrl+C cancels the generation and returns the partial
+    answer (reason "cancelled"). Returns (Finished, messages evicted from the context)."""
     handle = engine.submit(request)
+    evicted = 0
     try:
         for event in handle:
             if isinstance(event, TextDelta) and echo:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
             elif isinstance(event, Evicted):
+                evicted += event.messages
                 click.echo(f"\nedgechat: {event.note}", err=True)
     except KeyboardInterrupt:
         handle.cancel()
         handle.result()
-        if echo:
-            sys.stdout.write("\n")
-        raise
     if echo:
         sys.stdout.write("\n")
         sys.stdout.flush()
     finished = handle.finished
     if finished.reason == "error":
         raise UsageError(f"generation failed: {finished.error}")
-    return finished
+    return finished, evicted
 
 
 def result_json(engine: Engine, finished, **extra) -> dict:
@@ -137,9 +139,5 @@ def _interactive(engine, history, sampling, max_tokens, stop, ignore_eos) -> Non
         history.append({"role": "user", "content": line})
         request = ChatRequest(messages=list(history), sampling=sampling, max_tokens=max_tokens, stop=stop,
                               ignore_eos=ignore_eos, session="interactive")
-        try:
-            finished = stream_answer(engine, request, echo=True)
-        except KeyboardInterrupt:
-            history.pop()
-            continue
+        finished, _ = stream_answer(engine, request, echo=True)
         history.append({"role": "assistant", "content": finished.text})

@@ -78,7 +78,8 @@ def serve_cmd(
             api_key=api_key,
             max_input_tokens=max_input_tokens,
             request_timeout=request_timeout,
-            model_aliases=(model,) if model else (),
+            # a short name is the friendliest id; for a path or Hub reference, the file's name
+            model_id=None if model and (model.endswith(".gguf") or "/" in model) else (model or DEFAULT_MODEL),
             degrade_queue_wait=degrade_queue_wait or None,
             degrade_max_tokens=degrade_max_tokens,
         )

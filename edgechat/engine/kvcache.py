@@ -114,6 +114,11 @@ class Snapshot:
     data: bytes
 
 
+def snapshot_path(root: Path, session: str) -> Path:
+    """One file per conversation; hashed so any conversation id is a safe file name."""
+    return root / f"{hashlib.sha256(session.encode()).hexdigest()[:24]}.kv"
+
+
 class SnapshotStore:
     """Sequence snapshots on disk, one file per session, tagged with what they depend on."""
 
@@ -123,8 +128,7 @@ class SnapshotStore:
         self.budget = budget_bytes
 
     def path_for(self, session: str) -> Path:
-        name = hashlib.sha256(session.encode()).hexdigest()[:24]
-        return self.root / f"{name}.kv"
+        return snapshot_path(self.root, session)
 
     def save(self, session: str, tokens: list[int], session_state: dict, data: bytes) -> Path:
         header = json.dumps({"session": session, "tags": self.tags, "tokens": tokens, "state": session_state, "saved": time.time()}).encode()
