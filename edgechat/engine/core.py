@@ -29,18 +29,21 @@ from edgechat.engine.request import (
     Metrics,
     RequestHandle,
     RequestStatus,
+    SamplingParams,
     TextDelta,
 )
 from edgechat.engine.sampling import SamplerChain, validate
 from edgechat.engine.stream import OutputProcessor
 from edgechat.engine.templates import choose_format, validate_messages
-from edgechat.errors import EngineBusyError, PromptTooLongError, UsageError
+from edgechat.errors import EdgechatError, EngineBusyError, PromptTooLongError, UsageError
 from edgechat.models import display_name, read_model_info, resolve_model
 
 log = logging.getLogger("edgechat.engine")
 
 #: share of the context kept free for the answer when a request sets no max_tokens
 ANSWER_RESERVE = 0.25
+#: how a summary of evicted messages is introduced to the model
+SUMMARY_PREFIX = "Summary of the earlier conversation: "
 #: prompt tokens prefilled per step while other sequences are decoding (chunked prefill)
 PREFILL_CHUNK_BUSY = 256
 
@@ -66,6 +69,7 @@ class _Prepared:
     spans: list[list[int]]  # [start, length] of each evictable message, oldest first
     evicted_total: int  # messages of the conversation left out of the prompt
     evicted_now: int  # of which newly left out by this request
+    summary: str | None = None  # what the model wrote of them (summarize policy)
 
 
 @dataclass
@@ -148,8 +152,12 @@ class Engine:
         self._inbox.put(_Active(handle, request, prep, clock))
         return handle
 
+    def prompt_tokens(self, request: ChatRequest) -> list[int]:
+        """The exact tokens the model would be given for this request (template applied)."""
+        return list(self._prepare(request, check_limit=False).tokens)
+
     def count_tokens(self, request: ChatRequest) -> int:
-        return len(self._prepare(request, check_limit=False).tokens)
+        return len(self.prompt_tokens(request))
 
     def tokenize(self, text: str) -> list[int]:
         return self.backend.tokenize(text, add_bos=False, special=False)
@@ -256,9 +264,29 @@ class Engine:
             keep_msgs += 1
         state = self._session_state(request.session) if request.session else {}
         already = min(state.get("evicted", 0), max(len(msgs) - 1 - keep_msgs, 0))
-        evicted = already
+        summary = state.get("summary") if already else None
+        retained, seg_tokens, pinned, evicted = self._fit(request, msgs, keep_msgs, already, summary, limit)
+        if request.session and ContextPolicy(request.context_policy) is ContextPolicy.SUMMARIZE and evicted > already:
+            # the model condenses what leaves the context; the summary stays pinned in its place
+            summary = self._summarize(summary, msgs[keep_msgs + already : keep_msgs + evicted])
+            retained, seg_tokens, pinned, evicted = self._fit(request, msgs, keep_msgs, evicted, summary, limit)
+        tokens: list[int] = []
+        spans: list[list[int]] = []
+        keep = 0
+        segmented = len(seg_tokens) > 1  # one span per message, then the generation prompt
+        for i, st in enumerate(seg_tokens):
+            if segmented and pinned <= i < len(retained) - 1:
+                spans.append([len(tokens), len(st)])
+            tokens += st
+            if segmented and i < pinned:
+                keep = len(tokens)
+        return _Prepared(tokens, keep, spans, evicted, evicted - already, summary)
+
+    def _fit(self, request, msgs, keep_msgs, evicted, summary, limit):
+        """Leave out the oldest unpinned messages (sessions only) until the prompt fits."""
+        extra = [{"role": "system", "content": f"{SUMMARY_PREFIX}{summary}"}] if summary else []
         while True:
-            retained = msgs[:keep_msgs] + msgs[keep_msgs + evicted :]
+            retained = msgs[:keep_msgs] + extra + msgs[keep_msgs + evicted :]
             if self.format.mode == "completion":
                 segs = ["\n\n".join(m["content"] for m in retained)]
             else:
@@ -267,19 +295,24 @@ class Engine:
             total = sum(len(t) for t in seg_tokens)
             can_evict = request.session is not None and keep_msgs + evicted < len(msgs) - 1
             if total <= limit or not can_evict or len(segs) == 1:
-                break
+                return retained, seg_tokens, keep_msgs + len(extra), evicted
             evicted += 1
-        tokens: list[int] = []
-        spans: list[list[int]] = []
-        keep = 0
-        segmented = len(seg_tokens) > 1  # one span per message, then the generation prompt
-        for i, st in enumerate(seg_tokens):
-            if segmented and keep_msgs <= i < len(retained) - 1:
-                spans.append([len(tokens), len(st)])
-            tokens += st
-            if segmented and i < keep_msgs:
-                keep = len(tokens)
-        return _Prepared(tokens, keep, spans, evicted, evicted - already)
+
+    def _summarize(self, previous: str | None, leaving: list[dict]) -> str | None:
+        lines = [f"Earlier summary: {previous}"] if previous else []
+        lines += [f"{m['role']}: {m['content']}" for m in leaving]
+        transcript = "\n".join(lines)[-self.n_ctx :]  # characters, a safe bound on tokens
+        request = ChatRequest(
+            messages=[{"role": "user", "content": f"Summarize this conversation in two or three sentences, keeping names and facts:\n\n{transcript}"}],
+            sampling=SamplingParams(temperature=0),
+            max_tokens=min(128, self.n_ctx // 8),
+        )
+        try:
+            text = self.submit(request).result().text.strip()
+        except EdgechatError as exc:
+            log.warning("could not summarize evicted messages (%s); they are dropped instead", exc)
+            return previous
+        return text or previous
 
     def _session_state(self, session: str) -> dict:
         with self._lock:
@@ -408,7 +441,10 @@ class Engine:
         self._active.append(act)
         if req.session is not None:
             with self._lock:
-                self._sessions.setdefault(req.session, {})["evicted"] = act.prep.evicted_total
+                state = self._sessions.setdefault(req.session, {})
+                state["evicted"] = act.prep.evicted_total
+                if act.prep.summary:
+                    state["summary"] = act.prep.summary
         if act.prep.evicted_now:
             n = act.prep.evicted_now
             act.handle.emit(Evicted(n, 0, self._policy(req).value, f"{n} oldest message{'s' if n > 1 else ''} left the context"))
@@ -520,7 +556,7 @@ class Engine:
         )
         act.handle.emit(Metrics(metrics))
         text = act.proc.text if act.proc is not None else ""
-        act.handle.emit(Finished(FINISH_REASONS[status], text, metrics, error))
+        act.handle.emit(Finished(FINISH_REASONS[status], text, metrics, error, act.tokens_out))
 
     # ------------------------------------------------------------------ context full mid-answer
     def _make_room(self, act: _Active) -> None:

@@ -137,6 +137,8 @@ class Finished:
     text: str  # the whole answer
     metrics: RequestMetrics
     error: str | None = None
+    #: the generated token ids (end-of-generation token excluded)
+    token_ids: list[int] = field(default_factory=list)
 
 
 Event = Union[TextDelta, Evicted, Metrics, Finished]
