@@ -128,17 +128,30 @@ def test_degrade_switch_caps_under_sustained_queueing_and_releases_when_load_fal
     assert switch.cap(None) == 64 and switch.cap(1000) == 64 and switch.cap(10) == 10
     switch.observe(1.5)  # average 2.55: still above half the threshold, stays on
     assert switch.active
-    switch.on_admit(waiting=3)
+    switch.on_admit(waiting=3, oldest_wait=0.5)
     assert switch.active
-    switch.on_admit(waiting=0)
+    switch.on_admit(waiting=0, oldest_wait=0.0)
     assert not switch.active and changes == [True, False]
     assert switch.cap(1000) == 1000
+
+
+def test_degrade_switch_reacts_to_the_live_queue_before_anything_finishes():
+    switch = DegradeSwitch(threshold_s=2.0, max_tokens_cap=64)
+    switch.on_admit(waiting=5, oldest_wait=1.0)
+    assert not switch.active
+    switch.on_admit(waiting=5, oldest_wait=2.5)
+    assert switch.active
+    switch.on_admit(waiting=1, oldest_wait=1.5)  # above half the threshold: hysteresis keeps it on
+    assert switch.active
+    switch.on_admit(waiting=1, oldest_wait=0.2)
+    assert not switch.active
 
 
 def test_degrade_switch_can_be_disabled():
     switch = DegradeSwitch(threshold_s=None, max_tokens_cap=64)
     for _ in range(10):
         switch.observe(100.0)
+        switch.on_admit(waiting=9, oldest_wait=100.0)
     assert not switch.active and switch.cap(500) == 500
 
 

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgechat.engine.request import Event, Finished, TextDelta
+from edgechat.engine.request import ChatRequest, Event, Finished, RequestStatus, TextDelta
 from edgechat.errors import EdgechatError
 from edgechat.server.degrade import DegradeSwitch
 from edgechat.server.errors import ApiError, from_engine_error, prompt_too_long
@@ -56,6 +56,7 @@ class _Generation:
         self.finished: asyncio.Future[Finished] = loop.create_future()
         self.timed_out = False
         self.handle = None
+        self.submitted = time.monotonic()
 
     def on_event(self, event: Event) -> None:
         """Called on the engine thread: hand over and return at once."""
@@ -69,6 +70,7 @@ class _Generation:
         self.events.put_nowait(event)
         if isinstance(event, Finished) and not self.finished.done():
             self.finished.set_result(event)
+            self._server.in_flight.discard(self)
             self._server.count_finished(event, self.timed_out)
 
     def remaining(self) -> float:
@@ -89,10 +91,14 @@ class _Server:
             settings.degrade_max_tokens,
             on_switch=lambda on: self.metrics.degrade_switches.inc() if on else None,
         )
-        self.model_id = engine.model_name
-        names = [self.model_id, *settings.model_aliases, engine.model_info.path.stem, engine.model_info.path.name]
+        path = engine.model_info.path
+        self.model_id = settings.model_id or path.stem
+        # requests may also name the model by its file or by the name in its metadata
+        names = [self.model_id, path.stem, path.name, engine.model_name]
         self._accepted_models = {n.lower() for n in names if n}
         self.created = int(time.time())
+        #: submitted and not finished: the degrade switch reads how long the queued ones wait
+        self.in_flight: set[_Generation] = set()
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
@@ -106,6 +112,11 @@ class _Server:
             outcome = "error"
             log.error("generation failed: %s", finished.error)
         self.metrics.observe_finished(finished.metrics, outcome)
+
+    def oldest_queued_wait(self) -> float:
+        now = time.monotonic()
+        waits = [now - g.submitted for g in self.in_flight if g.handle.status is RequestStatus.WAITING]
+        return max(waits, default=0.0)
 
     def retry_after(self) -> int:
         """Seconds a rejected client should wait: about what a queued request waits now."""
@@ -180,28 +191,41 @@ class _Server:
         parsed = parse_completion(await self.read_body(request))
         return await self.generate(request, parsed, "text", arrival)
 
-    def clamp_max_tokens(self, max_tokens: int | None) -> int | None:
-        # no answer can outgrow the context; clamping keeps 10**9 from reaching C ints
-        if max_tokens is not None:
-            max_tokens = min(max_tokens, self.engine.n_ctx)
-        return self.degrade.cap(max_tokens)
+    async def admit(self, req: ChatRequest) -> None:
+        """Enforce --max-input-tokens and fit max_tokens to the room the prompt leaves.
+
+        The engine keeps going past a full context by shifting it, so an unbounded or huge
+        max_tokens (10**9) must be cut to what the context holds, or the answer never ends.
+        """
+        n_ctx, limit = self.engine.n_ctx, self.settings.max_input_tokens
+        # up to a quarter of the context, the engine itself checks that prompt + answer fit
+        if limit is not None or req.max_tokens is None or req.max_tokens > n_ctx // 4:
+            n = await run_in_threadpool(self.engine.count_tokens, req)
+            if limit is not None and n > limit:
+                raise self.reject(prompt_too_long(n, limit, "the server's --max-input-tokens"))
+            room = n_ctx - n
+            if req.max_tokens is not None and req.max_tokens > room >= 1:
+                req.max_tokens = room
+            elif req.max_tokens is None and room >= n_ctx // 4:
+                # with no max_tokens the engine keeps a quarter of the context for the answer
+                # and refuses longer prompts itself
+                req.max_tokens = room
+        req.max_tokens = self.degrade.cap(req.max_tokens)
 
     async def generate(self, request: Request, parsed: ParsedRequest, kind: str, arrival: float) -> Response:
         self.check_model(parsed.model)
         req = parsed.request
-        self.degrade.on_admit(self.engine.stats()["waiting"])
-        req.max_tokens = self.clamp_max_tokens(req.max_tokens)
-        limit = self.settings.max_input_tokens
-        if limit is not None:
-            n = await run_in_threadpool(self.engine.count_tokens, req)
-            if n > limit:
-                raise self.reject(prompt_too_long(n, limit, "the server's --max-input-tokens"))
+        self.degrade.on_admit(self.engine.stats()["waiting"], self.oldest_queued_wait())
         gen = _Generation(self, asyncio.get_running_loop(), arrival + self.settings.request_timeout)
         try:
+            await self.admit(req)
             # submit tokenizes the prompt; keep that off the event loop
-            gen.handle = await run_in_threadpool(self.engine.submit, req, gen.on_event)
+            handle = await run_in_threadpool(self.engine.submit, req, gen.on_event)
         except EdgechatError as exc:
             raise self.reject(from_engine_error(exc, self.retry_after())) from None
+        gen.handle = handle
+        if not gen.finished.done():
+            self.in_flight.add(gen)
         ids = (f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()))
         if parsed.stream:
             return StreamingResponse(self.stream(gen, parsed, kind, ids), media_type="text/event-stream", headers=_SSE_HEADERS)

@@ -31,21 +31,30 @@ class DegradeSwitch:
         self._on_switch = on_switch
 
     def observe(self, queue_wait: float) -> None:
-        """A request left the queue after `queue_wait` seconds."""
+        """A request left the queue after `queue_wait` seconds (turning off is on_admit's call,
+        as only it sees whether anyone is still queued)."""
         self.avg_wait += self.alpha * (queue_wait - self.avg_wait)
-        if self.threshold_s is None:
-            return
-        if not self.active and self.avg_wait > self.threshold_s:
+        if self.threshold_s is not None and not self.active and self.avg_wait > self.threshold_s:
             self._set(True, f"queue wait averages {self.avg_wait:.1f} s, over {self.threshold_s:g} s")
-        elif self.active and self.avg_wait < self.threshold_s / 2:
-            self._set(False, f"queue wait averages {self.avg_wait:.1f} s")
 
-    def on_admit(self, waiting: int) -> None:
-        """A request arrives; with nobody queued the load has fallen whatever the average says."""
+    def on_admit(self, waiting: int, oldest_wait: float) -> None:
+        """A request arrives; `oldest_wait` is how long the oldest still-queued request has waited.
+
+        That live age reacts at once to a growing queue, before any queued request finishes.
+        """
         if waiting == 0:
+            # nobody is queued: the load has fallen, whatever the average remembers
             self.avg_wait = min(self.avg_wait, (self.threshold_s or 0.0) / 2)
             if self.active:
                 self._set(False, "the queue is empty")
+            return
+        if self.threshold_s is None:
+            return
+        signal = max(self.avg_wait, oldest_wait)
+        if not self.active and signal > self.threshold_s:
+            self._set(True, f"requests wait {signal:.1f} s for a sequence, over {self.threshold_s:g} s")
+        elif self.active and signal < self.threshold_s / 2:
+            self._set(False, f"queue wait down to {signal:.1f} s")
 
     def cap(self, max_tokens: int | None) -> int | None:
         if not self.active:

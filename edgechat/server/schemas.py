@@ -14,7 +14,7 @@ from edgechat.engine.request import ChatRequest, SamplingParams
 from edgechat.server.errors import ApiError, bad_request
 
 #: roles the chat templates understand; OpenAI's newer "developer" role is a system prompt
-_ROLES = {"system", "user", "assistant", "tool", "developer"}
+_ROLES = {"system", "user", "assistant", "developer"}
 _MAX_STOPS = 16
 
 

@@ -13,8 +13,8 @@ class ServerSettings:
     max_input_tokens: int | None = None
     #: a request still generating after this many seconds is cancelled
     request_timeout: float = 600.0
-    #: names besides the engine's model name that requests may use for it (e.g. the -m argument)
-    model_aliases: tuple[str, ...] = ()
+    #: the id /v1/models lists and responses carry (None: the model file's name without .gguf)
+    model_id: str | None = None
     #: average queue wait (seconds) that turns the degrade switch on; None disables it
     degrade_queue_wait: float | None = 10.0
     #: the max_tokens cap while degraded

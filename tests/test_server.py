@@ -1,0 +1,281 @@
+"""The OpenAI-compatible server end to end: real engine, real SmolLM2, uvicorn on loopback, official client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from edgechat.engine import Engine, EngineConfig
+from edgechat.server import ServerSettings, create_app
+
+KEY = "sk-test-key"
+MODEL = "smollm2-135m-instruct"
+N_CTX = 512
+HI = [{"role": "user", "content": "Say hello."}]
+
+pytestmark = pytest.mark.slow
+
+
+@contextlib.contextmanager
+def serving(app):
+    """Run `app` with uvicorn on a free loopback port in a thread; yield its base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def engine(models_root):
+    eng = Engine(EngineConfig(model=MODEL, n_ctx=N_CTX, n_threads=2, n_parallel=4, max_queue=4, paths=models_root))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def base_url(engine):
+    settings = ServerSettings(api_key=KEY, max_input_tokens=300, model_id=MODEL, degrade_queue_wait=None)
+    with serving(create_app(settings, engine)) as url:
+        yield url
+
+
+@pytest.fixture
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def wait_idle(engine, timeout=5.0) -> dict:
+    """The engine's stats once nothing runs or waits (cancellation lands within a step)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine.stats()
+        if (stats["running"] == 0 and stats["waiting"] == 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def metric(base_url: str, name: str) -> float:
+    text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_models_lists_the_loaded_model(client):
+    ids = [m.id for m in client.models.list()]
+    assert ids == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_chat_non_streaming_and_streaming_give_the_same_greedy_answer(client):
+    args = dict(model=MODEL, messages=HI, max_tokens=12, temperature=0, seed=1)
+    full = client.chat.completions.create(**args)
+    choice = full.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens <= 12 and full.usage.prompt_tokens > 5
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # the second identical request found its prompt in a free sequence's cache
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_legacy_completions_endpoint(client):
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert out.choices[0].text and out.usage.completion_tokens <= 5
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, stream=True) if c.choices)
+    assert streamed == out.choices[0].text
+
+
+def test_typed_errors_reach_the_official_client(client, base_url):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(f"{base_url}/metrics").status_code == 401
+    assert httpx.get(f"{base_url}/health").status_code == 200  # the one open endpoint
+
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=HI, max_tokens=2)
+    assert info.value.code == "model_not_found"
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, temperature="warm")
+    assert info.value.param == "temperature"
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+    assert info.value.param == "messages"
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "   "}], max_tokens=2)
+    assert "empty" in info.value.message
+
+
+def test_over_long_prompts_get_400_with_both_counts(client, engine):
+    # over --max-input-tokens (300), checked before any compute
+    long = [{"role": "user", "content": "word " * 400}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=long, max_tokens=4)
+    assert info.value.code == "context_length_exceeded"
+    n = engine.count_tokens(engine_request(long))
+    assert f"{n} tokens" in info.value.message and "300" in info.value.message
+
+
+def engine_request(messages):
+    from edgechat.engine import ChatRequest
+
+    return ChatRequest(messages=messages)
+
+
+@pytest.fixture(scope="module")
+def open_url(engine):
+    """A second app on the same engine: no key, no --max-input-tokens (only the context limits)."""
+    with serving(create_app(ServerSettings(model_id=MODEL, degrade_queue_wait=None), engine)) as url:
+        yield url
+
+
+def test_a_prompt_that_leaves_no_room_for_the_answer_is_refused_by_the_engine(open_url):
+    c = openai.OpenAI(base_url=f"{open_url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 450}])
+    assert info.value.code == "context_length_exceeded"
+    assert "tokens" in info.value.message
+
+
+def test_huge_max_tokens_is_clamped_to_the_room_left_in_the_context(open_url, engine):
+    # a prompt a dozen or so tokens short of the context keeps the clamped answer short
+    words = N_CTX - 40
+    while engine.count_tokens(engine_request([{"role": "user", "content": "word " * words}])) < N_CTX - 16:
+        words += 4
+    c = openai.OpenAI(base_url=f"{open_url}/v1", api_key="none", max_retries=0, timeout=120)
+    out = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "word " * words}],
+        max_tokens=10**9,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == N_CTX
+    assert wait_idle(engine)["kv_used"] == 0
+
+
+def test_full_queue_answers_429_with_retry_after(client, engine, base_url):
+    rejected_before = metric(base_url, 'edgechat_requests_total{outcome="rejected"}')
+
+    def one(_):
+        try:
+            client.chat.completions.create(model=MODEL, messages=HI, max_tokens=24, extra_body={"ignore_eos": True})
+            return 200, None
+        except openai.RateLimitError as exc:
+            return 429, exc.response.headers.get("retry-after")
+
+    # at most 4 wait for the 4 sequences; the rest arrive while those are still generating
+    with concurrent.futures.ThreadPoolExecutor(14) as pool:
+        results = list(pool.map(one, range(14)))
+    statuses = [s for s, _ in results]
+    assert statuses.count(200) >= 4 and statuses.count(429) >= 1
+    assert statuses.count(200) + statuses.count(429) == 14
+    assert all(int(ra) >= 1 for s, ra in results if s == 429)
+    assert metric(base_url, 'edgechat_requests_total{outcome="rejected"}') - rejected_before == statuses.count(429)
+    assert wait_idle(engine)["kv_used"] == 0
+
+
+def test_disconnect_mid_stream_cancels_and_frees_the_sequence(client, engine, base_url):
+    cancelled = metric(base_url, 'edgechat_requests_total{outcome="cancelled"}')
+    stream = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
+    got = 0
+    for chunk in stream:
+        got += bool(chunk.choices and chunk.choices[0].delta.content)
+        if got == 3:
+            break
+    assert engine.stats()["running"] == 1
+    stream.close()
+    stats = wait_idle(engine, timeout=3)
+    assert stats["running"] == 0 and stats["kv_used"] == 0
+    deadline = time.monotonic() + 3
+    while metric(base_url, 'edgechat_requests_total{outcome="cancelled"}') == cancelled:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_request_timeout_cancels(engine):
+    app = create_app(ServerSettings(model_id=MODEL, request_timeout=0.5, degrade_queue_wait=None), engine)
+    with serving(app) as url:
+        body = {"model": MODEL, "messages": HI, "max_tokens": 400, "ignore_eos": True}
+        started = time.monotonic()
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        assert time.monotonic() - started < 5
+        events = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=30) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data:")]
+        assert '"code": "timeout"' in events[-1]
+        assert wait_idle(engine)["kv_used"] == 0
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'edgechat_requests_total{outcome="timeout"} 2.0' in metrics
+
+
+def test_metrics_count_what_was_served(client, base_url, engine):
+    before = {n: metric(base_url, n) for n in ("edgechat_completion_tokens_total", "edgechat_prompt_tokens_total", "edgechat_time_to_first_token_seconds_count")}
+    ok_before = metric(base_url, 'edgechat_requests_total{outcome="ok"}')
+    out = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=6)
+    assert metric(base_url, "edgechat_completion_tokens_total") - before["edgechat_completion_tokens_total"] == out.usage.completion_tokens
+    assert metric(base_url, "edgechat_prompt_tokens_total") - before["edgechat_prompt_tokens_total"] == out.usage.prompt_tokens
+    assert metric(base_url, "edgechat_time_to_first_token_seconds_count") == before["edgechat_time_to_first_token_seconds_count"] + 1
+    assert metric(base_url, 'edgechat_requests_total{outcome="ok"}') == ok_before + 1
+    assert metric(base_url, "edgechat_kv_cells_total") == engine.stats()["kv_total"]
+    assert metric(base_url, "edgechat_running_sequences") == 0
+    text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    for name in ("edgechat_queue_wait_seconds_bucket", "edgechat_time_per_output_token_seconds_bucket", "edgechat_request_duration_seconds_sum", "edgechat_degraded 0.0"):
+        assert name in text
+
+
+def test_degrade_switch_caps_max_tokens_under_sustained_queueing(engine):
+    settings = ServerSettings(model_id=MODEL, degrade_queue_wait=0.3, degrade_max_tokens=3)
+    app = create_app(settings, engine)
+    body = {"model": MODEL, "messages": HI, "max_tokens": 16, "ignore_eos": True}
+    with serving(app) as url:
+        with httpx.Client(timeout=60) as http:
+
+            def one(_):
+                r = http.post(f"{url}/v1/chat/completions", json=body)
+                return r.json()["usage"]["completion_tokens"] if r.status_code == 200 else r.status_code
+
+            # 7 clients on 4 sequences (the engine queues at most 4): waits climb, the switch turns on
+            with concurrent.futures.ThreadPoolExecutor(7) as pool:
+                tokens = list(pool.map(one, range(32)))
+            # full answers first, capped ones once degraded (429: the engine's queue of 4 was full)
+            assert 16 in tokens and 3 in tokens and set(tokens) <= {3, 16, 429}, tokens
+            switches = [l for l in http.get(f"{url}/metrics").text.splitlines() if l.startswith("edgechat_degrade_switches_total")]
+            assert float(switches[0].split()[-1]) >= 1
+            # a lone request finds the queue empty: the switch turns off and answers are whole again
+            assert one(0) == 16
+            assert "edgechat_degraded 0.0" in http.get(f"{url}/metrics").text
