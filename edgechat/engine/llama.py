@@ -197,14 +197,14 @@ class LlamaBackend:
             self._pieces[token] = cached
         return cached
 
-    def detokenize(self, tokens: list[int]) -> str:
+    def detokenize(self, tokens: list[int], special: bool = False) -> str:
         arr = (L.llama_token * max(len(tokens), 1))(*tokens)
         cap = max(64, len(tokens) * 16)
         buf = ctypes.create_string_buffer(cap)
-        n = L.llama_detokenize(self.vocab, arr, len(tokens), buf, cap, False, False)
+        n = L.llama_detokenize(self.vocab, arr, len(tokens), buf, cap, False, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = L.llama_detokenize(self.vocab, arr, len(tokens), buf, -n, False, False)
+            n = L.llama_detokenize(self.vocab, arr, len(tokens), buf, -n, False, special)
         return buf.raw[:n].decode("utf-8", errors="replace")
 
     def is_eog(self, token: int) -> bool:
