@@ -43,10 +43,13 @@ def _ensure_backend() -> None:
 def _load_failure_reason() -> str:
     text = "".join(_log_lines)
     for line in reversed(text.splitlines()):
-        low = line.lower()
-        if "unknown model architecture" in low or "error loading model" in low:
-            return line.split(":", 1)[-1].strip() if "error loading model:" in low else line.strip()
-    return "llama.cpp could not load it"
+        if "unknown model architecture" in line:
+            arch = line.rsplit(":", 1)[-1].strip()
+            return f"unknown model architecture {arch}; this llama.cpp build cannot run it, pick another model (edgechat models)"
+    for line in reversed(text.splitlines()):
+        if "error loading model:" in line:
+            return line.split("error loading model:", 1)[1].strip()
+    return "llama.cpp could not load it; the file may be damaged or of a newer format"
 
 
 def llama_version() -> str:
