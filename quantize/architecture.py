@@ -42,6 +42,8 @@ class PlannedTensor:
         else:
             rows = self.row_index[start:stop] if self.row_index is not None else slice(start, stop)
             data = self.source.rows_f32(rows)
+            if self.row_index is None:
+                self.source.release(start, stop)
         data = data.astype(np.float32, copy=False)
         return data + np.float32(self.add) if self.add else data
 

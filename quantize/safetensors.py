@@ -45,11 +45,24 @@ class TensorRef:
             data = data.reshape(1)
         return to_f32(data[rows], self.dtype)
 
+    def release(self, first_row: int, stop_row: int) -> None:
+        """Drop the mapped pages of rows already converted, so a pass over a large checkpoint does
+        not keep it all resident (file pages count toward the process's memory)."""
+        if not isinstance(self.file.buffer, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        row_bytes = self.nbytes // self.shape[0] if self.shape else self.nbytes
+        begin = self.start + first_row * row_bytes
+        end = self.start + stop_row * row_bytes
+        begin = (begin + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE  # whole pages only
+        if end > begin:
+            self.file.buffer.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
 
 def to_f32(data: np.ndarray, dtype: str) -> np.ndarray:
+    """A float32 copy (never a view of the mapping, whose pages may be released afterwards)."""
     if dtype == "BF16":
         return (data.astype(np.uint32) << 16).view(np.float32)
-    return data.astype(np.float32)
+    return np.array(data, dtype=np.float32)
 
 
 class SafetensorsFile:

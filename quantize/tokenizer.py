@@ -3,18 +3,17 @@
 Two kinds: GPT-2 style byte-level BPE from tokenizer.json (tokenizer.ggml.model "gpt2", with
 tokenizer.ggml.pre naming the pre-tokenizer regexes llama.cpp must apply), and SentencePiece
 (model "llama") from tokenizer.model or, failing that, an equivalent tokenizer.json.
-Special token ids, add_bos/add_eos, merges and the chat template come through gguf's SpecialVocab.
+Special token ids, add_bos/add_eos, merges and the chat template come from the tokenizer configs.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gguf import GGUFWriter, SpecialVocab, TokenType
+from gguf import GGUFWriter, TokenType
 
 from quantize.errors import QuantizeError
 
@@ -45,7 +44,7 @@ class Vocab:
     types: list[int]
     scores: list[float] | None = None
     add_space_prefix: bool | None = None
-    special: SpecialVocab | None = field(default=None, repr=False)
+    special: Specials | None = field(default=None, repr=False)
 
     def write(self, writer: GGUFWriter) -> None:
         writer.add_tokenizer_model(self.model)
@@ -57,7 +56,7 @@ class Vocab:
         if self.add_space_prefix is not None:
             writer.add_add_space_prefix(self.add_space_prefix)
         if self.special is not None:
-            self.special.add_to_gguf(writer, quiet=True)
+            self.special.write(writer)
 
 
 def looks_special(text: str) -> bool:
@@ -76,25 +75,91 @@ def _read_json(path: Path) -> dict:
         raise QuantizeError(f"cannot read {path.name}: {exc}") from None
 
 
-def _special_vocab(folder: Path, tok: dict | None, n_vocab: int, merges: bool) -> SpecialVocab:
-    # SpecialVocab logs each choice at INFO and odd templates at WARNING; the CLI prints its own summary.
-    log = logging.getLogger("gguf.vocab")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        special = SpecialVocab(folder, load_merges=merges, n_vocab=n_vocab)
-    except ValueError as exc:
-        raise QuantizeError(f"unsupported tokenizer in {folder}: {exc}") from None
-    finally:
-        log.setLevel(level)
-    post = (tok or {}).get("post_processor") or {}
-    if post.get("type") == "TemplateProcessing" and "bos" not in special.add_special_token:
-        # A template that adds no token before the text means no BOS; left unset, llama.cpp
-        # would add one and tokenize differently from the Hugging Face tokenizer.
-        single = post.get("single") or []
-        if not single or "SpecialToken" not in single[0]:
-            special.add_special_token["bos"] = False
-    return special
+_SPECIAL_KINDS = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
+
+
+@dataclass
+class Specials:
+    """Special token ids, add_bos/add_eos, merges and the chat template."""
+
+    ids: dict[str, int] = field(default_factory=dict)
+    add: dict[str, bool] = field(default_factory=dict)
+    merges: list[str] = field(default_factory=list)
+    chat_template: str | None = None
+
+    def write(self, w: GGUFWriter) -> None:
+        if self.merges:
+            w.add_token_merges(self.merges)
+        for kind, i in self.ids.items():
+            getattr(w, f"add_{kind}_token_id")(i)
+        for kind, value in self.add.items():
+            getattr(w, f"add_add_{kind}_token")(value)
+        if self.chat_template is not None:
+            w.add_chat_template(self.chat_template)
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _specials(folder: Path, tok: dict | None, n_vocab: int, merges: bool) -> Specials:
+    """Read from tokenizer.json (already parsed: it can be large), tokenizer_config.json and config.json."""
+    tok = tok or {}
+    tok_config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    config = _read_json(folder / "config.json")
+    out = Specials()
+
+    by_text = {a["content"]: a["id"] for a in tok.get("added_tokens", [])}
+    vocab = tok.get("model", {}).get("vocab")
+    for kind in _SPECIAL_KINDS:
+        text = _token_text(tok_config.get(f"{kind}_token"))
+        i = by_text.get(text) if text is not None else None
+        if i is None and text is not None and isinstance(vocab, dict):
+            i = vocab.get(text)
+        if i is None:
+            i = config.get(f"{kind}_token_id")
+            if isinstance(i, list):
+                i = i[0] if i else None
+        if isinstance(i, int) and 0 <= i < n_vocab:
+            out.ids[kind] = i
+
+    for kind in ("bos", "eos"):
+        if isinstance(tok_config.get(f"add_{kind}_token"), bool):
+            out.add[kind] = tok_config[f"add_{kind}_token"]
+    post = tok.get("post_processor") or {}
+    for step in post.get("processors", [post]):
+        if step.get("type") != "TemplateProcessing":
+            continue
+        # The single-sequence template says which special tokens the tokenizer puts around text;
+        # llama.cpp must do the same or its ids differ from the Hugging Face tokenizer's.
+        single = step.get("single") or []
+        first = single[0].get("SpecialToken", {}).get("id") if single else None
+        last = single[-1].get("SpecialToken", {}).get("id") if len(single) > 1 else None
+        bos_text = _token_text(tok_config.get("bos_token"))
+        eos_text = _token_text(tok_config.get("eos_token"))
+        out.add.setdefault("bos", first is not None and first == bos_text)
+        out.add.setdefault("eos", last is not None and last == eos_text)
+
+    if merges:
+        raw = tok.get("model", {}).get("merges") or []
+        if raw and isinstance(raw[0], list):
+            # tokenizer.json's newer pair format allows spaces inside a part; GGUF merges are
+            # space-separated, so a space inside a part is stored shifted by 256 as llama.cpp expects
+            out.merges = [" ".join(part.replace(" ", "\u0120") for part in pair) for pair in raw]
+        else:
+            out.merges = list(raw)
+
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # named templates: llama.cpp uses the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if template is None and (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    if template is None and (folder / "chat_template.json").is_file():
+        template = _read_json(folder / "chat_template.json").get("chat_template")
+    out.chat_template = template if isinstance(template, str) else None
+    return out
 
 
 def _pre_signature(pre: dict | None) -> tuple[str, ...]:
@@ -142,64 +207,82 @@ def _bpe_vocab(folder: Path, tok: dict, n_vocab: int) -> Vocab:
             types[i] = int(TokenType.USER_DEFINED)
         tokens[i] = text
     filled = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
-    return Vocab("gpt2", pre, filled, types, special=_special_vocab(folder, tok, n_vocab, merges=True))
+    return Vocab("gpt2", pre, filled, types, special=_specials(folder, tok, n_vocab, merges=True))
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos
+        shift += 7
+
+
+def _skip(buf: bytes, pos: int, wire: int) -> int:
+    if wire == 0:
+        return _varint(buf, pos)[1]
+    if wire == 1:
+        return pos + 8
+    if wire == 2:
+        n, pos = _varint(buf, pos)
+        return pos + n
+    if wire == 5:
+        return pos + 4
+    raise ValueError(f"wire type {wire}")
 
 
 def _read_sentencepiece(path: Path) -> tuple[list[tuple[str, float, int]], bool]:
     """Pieces (text, score, type) and the add_dummy_prefix flag from a SentencePiece ModelProto.
 
-    A small protobuf reader rather than the sentencepiece package: only fields 1 (pieces) and
-    3 (normalizer_spec) are needed, and this keeps the quantizer free of that dependency.
+    A small protobuf reader rather than the sentencepiece package: only field 1 (pieces: text 1,
+    score 2, type 3) and field 3 (normalizer_spec: add_dummy_prefix 3) are needed, and this keeps
+    the quantizer free of that dependency. Written as flat loops: Gemma has 262k pieces.
     """
-    data = path.read_bytes()
-
-    def varint(buf: bytes, pos: int) -> tuple[int, int]:
-        result = shift = 0
-        while True:
-            if pos >= len(buf):
-                raise QuantizeError(f"{path.name} is truncated or not a SentencePiece model")
-            b = buf[pos]
-            pos += 1
-            result |= (b & 0x7F) << shift
-            if not b & 0x80:
-                return result, pos
-            shift += 7
-
-    def fields(buf: bytes):
-        pos = 0
-        while pos < len(buf):
-            key, pos = varint(buf, pos)
-            num, wire = key >> 3, key & 7
-            if wire == 0:
-                val, pos = varint(buf, pos)
-            elif wire == 1:
-                val, pos = buf[pos : pos + 8], pos + 8
-            elif wire == 2:
-                n, pos = varint(buf, pos)
-                val, pos = buf[pos : pos + n], pos + n
-            elif wire == 5:
-                val, pos = buf[pos : pos + 4], pos + 4
-            else:
-                raise QuantizeError(f"{path.name} is not a SentencePiece model")
-            yield num, wire, val
-
+    buf = path.read_bytes()
+    unpack_float = struct.Struct("<f").unpack_from
     pieces = []
     add_dummy_prefix = True
-    for num, wire, val in fields(data):
-        if num == 1 and wire == 2:
-            text, score, kind = "", 0.0, int(TokenType.NORMAL)
-            for pnum, pwire, pval in fields(val):
-                if pnum == 1 and pwire == 2:
-                    text = pval.decode("utf-8")
-                elif pnum == 2 and pwire == 5:
-                    score = struct.unpack("<f", pval)[0]
-                elif pnum == 3 and pwire == 0:
-                    kind = pval
-            pieces.append((text, score, kind))
-        elif num == 3 and wire == 2:
-            for nnum, nwire, nval in fields(val):
-                if nnum == 3 and nwire == 0:
-                    add_dummy_prefix = bool(nval)
+    pos, end = 0, len(buf)
+    try:
+        while pos < end:
+            key, pos = _varint(buf, pos)
+            num, wire = key >> 3, key & 7
+            if wire != 2 or num not in (1, 3):
+                pos = _skip(buf, pos, wire)
+                continue
+            n, pos = _varint(buf, pos)
+            stop = pos + n
+            if num == 1:
+                text, score, kind = "", 0.0, 1
+                while pos < stop:
+                    key = buf[pos]  # piece fields are 1..3: one-byte keys
+                    pos += 1
+                    if key == 0x0A:
+                        ln, pos = _varint(buf, pos)
+                        text = buf[pos : pos + ln].decode("utf-8")
+                        pos += ln
+                    elif key == 0x15:
+                        score = unpack_float(buf, pos)[0]
+                        pos += 4
+                    elif key == 0x18:
+                        kind, pos = _varint(buf, pos)
+                    else:
+                        pos = _skip(buf, pos, key & 7)
+                pieces.append((text, score, kind))
+            else:
+                while pos < stop:
+                    key, pos = _varint(buf, pos)
+                    if key == 0x18:
+                        value, pos = _varint(buf, pos)
+                        add_dummy_prefix = bool(value)
+                    else:
+                        pos = _skip(buf, pos, key & 7)
+            pos = stop
+    except (IndexError, ValueError, UnicodeDecodeError, struct.error):
+        raise QuantizeError(f"{path.name} is truncated or not a SentencePiece model") from None
     if not pieces:
         raise QuantizeError(f"{path.name} has no pieces; it is not a SentencePiece model")
     return pieces, add_dummy_prefix
@@ -257,7 +340,7 @@ def _spm_vocab(folder: Path, tok: dict | None, n_vocab: int) -> Vocab:
             tokens[i], scores[i] = text, -1000.0
     return Vocab(
         "llama", "default", tokens, types, scores=scores, add_space_prefix=add_space_prefix,
-        special=_special_vocab(folder, tok, n_vocab, merges=False),
+        special=_specials(folder, tok, n_vocab, merges=False),
     )
 
 

@@ -1,0 +1,129 @@
+"""Running a GGUF for the quality report, through llama-cpp-python's low-level bindings.
+
+The quantizer does not depend on the edgechat app (house rule), so it drives llama.cpp itself:
+load, tokenize, and evaluate one sequence batch by batch with logits for every position.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+
+from quantize.errors import QuantizeError
+
+_backend_ready = False
+
+
+def _llama():
+    global _backend_ready
+    import llama_cpp
+
+    if not _backend_ready:
+        # llama.cpp logs every tensor on load; the report prints its own table
+        llama_cpp.llama_log_set(_SILENT, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _backend_ready = True
+    return llama_cpp
+
+
+def _silent(level, text, user_data):
+    return None
+
+
+try:
+    import llama_cpp as _lc
+
+    _SILENT = _lc.llama_log_callback(_silent)
+except ImportError:  # the report says so when it runs; conversion does not need it
+    _SILENT = None
+
+
+class Model:
+    """A GGUF loaded for evaluation: `tokenize` and `logits` for one sequence."""
+
+    def __init__(self, path: str | os.PathLike, n_ctx: int = 512, n_batch: int = 64, threads: int | None = None):
+        lc = _llama()
+        self._lc = lc
+        self.path = Path(path)
+        mparams = lc.llama_model_default_params()
+        self.model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self.model:
+            raise QuantizeError(f"llama.cpp cannot load {self.path}; is it a complete GGUF?")
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_threads = cparams.n_threads_batch = threads or os.cpu_count() or 1
+        self.ctx = lc.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            lc.llama_model_free(self.model)
+            raise QuantizeError(f"llama.cpp cannot create a context for {self.path}")
+        self.vocab = lc.llama_model_get_vocab(self.model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+
+    def close(self) -> None:
+        if self.ctx:
+            self._lc.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            self._lc.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def adds_bos(self) -> bool:
+        return bool(self._lc.llama_vocab_get_add_bos(self.vocab))
+
+    def chat_template(self) -> str | None:
+        raw = self._lc.llama_model_chat_template(self.model, None)
+        return raw.decode("utf-8") if raw else None
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        size = len(data) + 16
+        buf = (self._lc.llama_token * size)()
+        n = self._lc.llama_tokenize(self.vocab, data, len(data), buf, size, add_special, parse_special)
+        if n < 0:
+            size = -n
+            buf = (self._lc.llama_token * size)()
+            n = self._lc.llama_tokenize(self.vocab, data, len(data), buf, size, add_special, parse_special)
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(256)
+        n = self._lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+        return buf.raw[: max(n, 0)]
+
+    def logits(self, tokens: list[int]):
+        """Yield (start, logits) for consecutive batches: logits[i] predicts tokens[start + i + 1]."""
+        lc = self._lc
+        if len(tokens) > self.n_ctx:
+            raise ValueError(f"{len(tokens)} tokens do not fit a context of {self.n_ctx}")
+        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+        batch = lc.llama_batch_init(self.n_batch, 0, 1)
+        try:
+            for start in range(0, len(tokens), self.n_batch):
+                chunk = tokens[start : start + self.n_batch]
+                batch.n_tokens = len(chunk)
+                for i, tok in enumerate(chunk):
+                    batch.token[i] = tok
+                    batch.pos[i] = start + i
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = 0
+                    batch.logits[i] = 1
+                if lc.llama_decode(self.ctx, batch) != 0:
+                    raise QuantizeError(f"llama.cpp failed to evaluate {self.path.name}")
+                ptr = lc.llama_get_logits(self.ctx)
+                yield start, np.ctypeslib.as_array(ptr, shape=(len(chunk), self.n_vocab)).copy()
+        finally:
+            lc.llama_batch_free(batch)
