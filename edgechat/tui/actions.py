@@ -1,0 +1,60 @@
+"""Every user action in one table: key bindings, the command palette, slash commands and help come from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Action:
+    name: str  # the screen's action_<name>
+    title: str
+    help: str
+    key: str | None = None
+    slash: str | None = None
+    #: what the slash command takes after it, for help ("" = nothing)
+    arg: str = ""
+
+
+ACTIONS: list[Action] = [
+    Action("new", "New conversation", "Start an empty conversation", "ctrl+n", "/new"),
+    Action("stop", "Stop generating", "Stop the answer and put the prompt back in the input", "escape"),
+    Action("regenerate", "Regenerate answer", "Answer the last message again", "ctrl+r", "/regen"),
+    Action("edit_last", "Edit and resend", "Edit your last message and send it again", "ctrl+g", "/edit"),
+    Action("branch", "Branch conversation", "Fork the conversation at the selected (or last) message", None, "/branch"),
+    Action("rename", "Rename conversation", "Give the conversation a title", "f2", "/rename", "TITLE"),
+    Action("delete", "Delete conversation", "Delete the conversation (asks first; /undo brings it back)", None, "/delete"),
+    Action("undo", "Undo delete", "Bring back the last deleted conversation", None, "/undo"),
+    Action("search", "Search conversations", "Full-text search across every conversation", "ctrl+f", "/search", "WORDS"),
+    Action("settings", "Conversation settings", "System prompt, temperature, top-p, max tokens, seed, context policy", "f4", "/settings"),
+    Action("system", "Set system prompt", "Set this conversation's system prompt", None, "/system", "TEXT"),
+    Action("model", "Switch model", "Pick or load a model (name or .gguf path)", "ctrl+o", "/model", "NAME"),
+    Action("export", "Export conversation", "Write it as Markdown, or JSON with /export json or a .json path", None, "/export", "[json|PATH]"),
+    Action("clear", "Clear conversation", "Remove every message of this conversation (asks first)", None, "/clear"),
+    Action("copy", "Copy last answer", "Copy the last answer to the clipboard", "ctrl+y", "/copy"),
+    Action("copy_code", "Copy last code block", "Copy the last code block to the clipboard", None, "/copycode"),
+    Action("toggle_sidebar", "Toggle sidebar", "Show or hide the conversation list", "ctrl+b", "/sidebar"),
+    Action("toggle_stats", "Toggle stats", "Show timestamps and per-answer TTFT and tok/s", "ctrl+t", "/stats"),
+    Action("theme", "Change theme", "Pick a theme (remembered)", None, "/theme", "NAME"),
+    Action("help", "Help", "Keys and slash commands", "f1", "/help"),
+    Action("quit", "Quit", "Leave edgechat (everything is saved)", "ctrl+q", "/quit"),
+]
+
+BY_SLASH = {a.slash: a for a in ACTIONS if a.slash}
+
+
+def parse_slash(text: str) -> tuple[Action, str] | None:
+    """'/model gemma3' -> (the model action, 'gemma3'); None when text is not a known slash command."""
+    if not text.startswith("/"):
+        return None
+    word, _, rest = text.strip().partition(" ")
+    action = BY_SLASH.get(word.lower())
+    return (action, rest.strip()) if action else None
+
+
+def key_label(key: str | None) -> str:
+    """'ctrl+n' -> 'Ctrl+N', 'escape' -> 'Esc', 'f1' -> 'F1'."""
+    if not key:
+        return ""
+    names = {"escape": "Esc", "ctrl": "Ctrl"}
+    return "+".join(names.get(p, p.upper() if len(p) <= 3 else p.capitalize()) for p in key.split("+"))

@@ -1,0 +1,142 @@
+"""The edgechat chat app: opens instantly, loads the model in the background, stores everything."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from textual import work
+from textual.app import App
+from textual.worker import Worker, WorkerState
+
+from edgechat.config import Paths
+from edgechat.errors import EdgechatError
+from edgechat.models import DEFAULT_MODEL
+from edgechat.store import Store, open_store
+from edgechat.tui.client import ChatClient
+from edgechat.tui.commands import ChatCommands
+from edgechat.tui.config import load_config, save_tui_setting
+from edgechat.tui.screens.chat import ChatScreen
+
+ClientFactory = Callable[[str], ChatClient]
+
+
+class EdgechatApp(App):
+    CSS_PATH = "app.tcss"
+    TITLE = "edgechat"
+    COMMANDS = App.COMMANDS | {ChatCommands}
+
+    def __init__(
+        self,
+        paths: Paths,
+        model: str | None = None,
+        url: str | None = None,
+        api_key: str | None = None,
+        client_factory: ClientFactory | None = None,
+        store: Store | None = None,
+    ):
+        super().__init__()
+        self.paths = paths
+        self.config = load_config(paths)
+        self.store = store or open_store(paths)
+        self.url = url
+        self.model_ref = model or self.config.model or (None if url else DEFAULT_MODEL)
+        self.client: ChatClient | None = None
+        self._client_factory = client_factory or self._default_factory(url, api_key)
+        #: clients from a caller's factory belong to the caller (tests share one engine between apps)
+        self._owns_clients = client_factory is None
+        self._closed = False
+
+    def _default_factory(self, url: str | None, api_key: str | None) -> ClientFactory:
+        def make(ref: str | None) -> ChatClient:
+            if url:
+                from edgechat.tui.client import RemoteClient
+
+                return RemoteClient(url, api_key, ref)
+            from edgechat.tui.client import LocalClient
+
+            return LocalClient(ref, self.paths)
+
+        return make
+
+    @property
+    def chat_screen(self) -> ChatScreen:
+        return next(s for s in self.screen_stack if isinstance(s, ChatScreen))
+
+    def on_mount(self) -> None:
+        if self.config.theme and self.config.theme in self.available_themes:
+            self.theme = self.config.theme
+        self.theme_changed_signal.subscribe(self, self._remember_theme)
+        # The model starts loading before the first frame; the screen shows it as loading.
+        self._load(self.model_ref)
+        self.push_screen(ChatScreen())
+
+    def _remember_theme(self, theme) -> None:
+        if theme.name != self.config.theme:
+            self.config.theme = theme.name
+            try:
+                save_tui_setting(self.paths, "theme", theme.name)
+            except (OSError, EdgechatError) as exc:
+                self.notify(f"Cannot save the theme: {exc}", severity="warning")
+
+    # -- the model -------------------------------------------------------
+
+    def load_model(self, ref: str | None) -> None:
+        """Load `ref` in a thread; the UI stays usable and the old model serves until the new one is up."""
+        screen = self.chat_screen
+        screen.status.state = f"loading {ref or 'model'}…"
+        if self.client is None:
+            screen.status.model = ref or "model"
+        self._load(ref)
+
+    @work(thread=True, exclusive=True, group="load-model", exit_on_error=False)
+    def _load(self, ref: str | None) -> ChatClient:
+        return self._client_factory(ref)
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.worker.group != "load-model":
+            return
+        screen = self.chat_screen
+        if event.state == WorkerState.SUCCESS:
+            old, self.client = self.client, event.worker.result
+            self.model_ref = self.client.model_name
+            if old is not None and self._owns_clients:
+                self._close_client(old)
+            screen.model_ready()
+        elif event.state == WorkerState.ERROR:
+            error = event.worker.error
+            message = str(error) if isinstance(error, EdgechatError) else f"{type(error).__name__}: {error}"
+            screen.model_failed(f"Cannot load the model: {message}")
+
+    @work(thread=True, group="close-model", exit_on_error=False)
+    def _close_client(self, client: ChatClient) -> None:
+        client.close()
+
+    # -- quitting --------------------------------------------------------
+
+    async def action_quit(self) -> None:
+        self.shutdown()
+        self.exit()
+
+    def shutdown(self) -> None:
+        """Store what is in flight, release the conversation's KV, free the model. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            screen = self.chat_screen
+        except StopIteration:
+            screen = None
+        if screen is not None:
+            screen.shutdown()
+        client, self.client = self.client, None
+        if client is not None:
+            if screen is not None and screen.conv is not None:
+                try:
+                    client.release_session(screen.conv.id)
+                except EdgechatError:
+                    pass
+            if self._owns_clients:
+                client.close()
+
+    def on_unmount(self) -> None:
+        self.shutdown()

@@ -1,0 +1,242 @@
+"""What the chat app talks to: a local engine or an OpenAI-compatible server, behind one small protocol.
+
+The app never imports llama.cpp. It builds a ChatRequest, calls `client.submit()`, and iterates the
+handle it gets back for the engine's events (TextDelta, Evicted, Metrics, Finished), in a worker
+thread. `handle.cancel()` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+from edgechat.config import Paths
+from edgechat.engine.request import ChatRequest, Event, Finished, Metrics, RequestMetrics, TextDelta
+from edgechat.errors import EdgechatError, ModelNotFoundError, UsageError
+
+
+class Handle(Protocol):
+    def __iter__(self) -> Iterator[Event]: ...
+
+    def cancel(self) -> None: ...
+
+
+class ChatClient(Protocol):
+    #: what the status bar shows
+    model_name: str
+    #: "CPU", "GPU 12/30 layers", or "remote http://..."
+    backend: str
+    #: context tokens per conversation; None when the server does not say
+    n_ctx: int | None
+    #: "chat", "family:<name>" (a known format the file lacks) or "completion" (no chat format)
+    template_mode: str
+    #: one line for the user when the chat format is a fallback, else None
+    template_warning: str | None
+
+    def submit(self, request: ChatRequest) -> Handle:
+        """Start a generation; user errors (prompt too long, busy) raise EdgechatError here."""
+
+    def release_session(self, session: str) -> None:
+        """The conversation went idle: the engine may snapshot and free its KV sequence."""
+
+    def forget_session(self, session: str) -> None:
+        """The conversation was deleted: drop its KV sequence and snapshot."""
+
+    def close(self) -> None: ...
+
+
+class LocalClient:
+    """The in-process engine. Construction loads the model: call it from a worker thread."""
+
+    def __init__(self, model: str | None, paths: Paths, n_ctx: int | None = None, kv_type: str = "f16"):
+        # Imported here: loading llama.cpp's shared library is not needed to draw the first frame.
+        from edgechat.engine import Engine, EngineConfig
+        from edgechat.models import DEFAULT_MODEL
+
+        # One extra sequence keeps the previous conversation hot, so switching back is instant.
+        self.engine = Engine(
+            EngineConfig(model=model or DEFAULT_MODEL, n_ctx=n_ctx, kv_type=kv_type, hot_sessions=1, paths=paths)
+        )
+        self.model_name = self.engine.model_name
+        self.n_ctx = self.engine.n_ctx
+        self.template_mode = self.engine.template_mode
+        self.template_warning = self.engine.template_warning
+        gpu = self.engine.config.n_gpu_layers
+        self.backend = f"GPU {gpu} layers" if gpu else "CPU"
+
+    def submit(self, request: ChatRequest) -> Handle:
+        return self.engine.submit(request)
+
+    def release_session(self, session: str) -> None:
+        self.engine.release_session(session)
+
+    def forget_session(self, session: str) -> None:
+        self.engine.forget_session(session)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+@dataclass
+class _RemoteState:
+    cancelled: bool = False
+    response: object | None = None
+
+
+class RemoteHandle:
+    """One streamed chat completion over HTTP. Iterating it performs the request (in the caller's thread)."""
+
+    def __init__(self, client: "RemoteClient", request: ChatRequest):
+        self._client = client
+        self._request = request
+        self._lock = threading.Lock()
+        self._state = _RemoteState()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._state.cancelled = True
+            response = self._state.response
+        if response is not None:
+            # Closing the stream makes the blocked read in __iter__ end promptly.
+            try:
+                response.close()
+            except Exception:  # noqa: BLE001 - the response may already be closed by the reader
+                pass
+
+    def __iter__(self) -> Iterator[Event]:
+        import httpx
+
+        req = self._request
+        body = self._client.body(req)
+        metrics = RequestMetrics(context_size=self._client.n_ctx or 0)
+        parts: list[str] = []
+        reason = "stop"
+        error = None
+        start = time.perf_counter()
+        first = None
+        n_chunks = 0
+        try:
+            with self._client.http.stream("POST", "/v1/chat/completions", json=body) as response:
+                with self._lock:
+                    self._state.response = response
+                    cancelled = self._state.cancelled
+                if response.status_code >= 400:
+                    response.read()
+                    raise EdgechatError(f"server answered {response.status_code}: {_error_text(response)}")
+                if not cancelled:
+                    for line in response.iter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        chunk = json.loads(data)
+                        if chunk.get("usage"):
+                            metrics.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+                            metrics.completion_tokens = chunk["usage"].get("completion_tokens", 0)
+                        for choice in chunk.get("choices") or []:
+                            text = (choice.get("delta") or {}).get("content") or ""
+                            if text:
+                                if first is None:
+                                    first = time.perf_counter()
+                                n_chunks += 1
+                                parts.append(text)
+                                yield TextDelta(text)
+                            if choice.get("finish_reason"):
+                                reason = choice["finish_reason"]
+        except (httpx.HTTPError, json.JSONDecodeError, EdgechatError) as exc:
+            if not self._state.cancelled:
+                reason, error = "error", str(exc) or type(exc).__name__
+        if self._state.cancelled:
+            reason = "cancelled"
+        end = time.perf_counter()
+        metrics.total = end - start
+        if first is not None:
+            metrics.ttft = first - start
+            metrics.decode = end - first
+        metrics.completion_tokens = metrics.completion_tokens or n_chunks
+        metrics.context_tokens = metrics.prompt_tokens + metrics.completion_tokens
+        yield Metrics(metrics)
+        yield Finished(reason=reason, text="".join(parts), metrics=metrics, error=error)
+
+
+def _error_text(response) -> str:
+    try:
+        data = response.json()
+        err = data.get("error", data)
+        return err.get("message", str(err)) if isinstance(err, dict) else str(err)
+    except (ValueError, AttributeError):
+        return response.text[:200]
+
+
+class RemoteClient:
+    """Any OpenAI-compatible server (edgechat serve, llama-server, Ollama): /v1/models, /v1/chat/completions."""
+
+    def __init__(self, url: str, api_key: str | None = None, model: str | None = None, timeout: float = 10.0):
+        import httpx
+
+        if not url.startswith(("http://", "https://")):
+            raise UsageError(f"--url must start with http:// or https:// (got {url})")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # No read timeout: a slow model may think for a long time between tokens.
+        self.http = httpx.Client(
+            base_url=url.rstrip("/"), headers=headers, timeout=httpx.Timeout(timeout, read=None)
+        )
+        self.url = url
+        self.backend = f"remote {url}"
+        self.template_mode = "chat"
+        self.template_warning = None
+        self.n_ctx = None
+        models = self.list_models()
+        if model is None:
+            if not models:
+                raise ModelNotFoundError(f"the server at {url} lists no models; pass one with -m")
+            model = models[0]
+        self.model_name = model
+
+    def list_models(self) -> list[str]:
+        import httpx
+
+        try:
+            response = self.http.get("/v1/models")
+            response.raise_for_status()
+            return [m["id"] for m in response.json().get("data", [])]
+        except httpx.HTTPStatusError as exc:
+            raise EdgechatError(f"{self.url} answered {exc.response.status_code} to /v1/models") from None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise EdgechatError(f"cannot reach an OpenAI-compatible server at {self.url}: {exc}") from None
+
+    def body(self, req: ChatRequest) -> dict:
+        s = req.sampling
+        body = {
+            "model": self.model_name,
+            "messages": req.messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+        }
+        if req.max_tokens is not None:
+            body["max_tokens"] = req.max_tokens
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if req.stop:
+            body["stop"] = req.stop
+        return body
+
+    def submit(self, request: ChatRequest) -> Handle:
+        if not request.messages:
+            raise UsageError("remote mode sends chat messages; the request has none")
+        return RemoteHandle(self, request)
+
+    def release_session(self, session: str) -> None:
+        """Servers keep no per-conversation state we could release."""
+
+    def forget_session(self, session: str) -> None:
+        """Nothing to forget on the server either."""
+
+    def close(self) -> None:
+        self.http.close()

@@ -1,0 +1,83 @@
+"""The app's part of config.toml: default conversation settings ([chat]) and the theme ([tui])."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tomli_w
+
+from edgechat.config import Paths, load_settings
+from edgechat.engine.request import ChatRequest, ContextPolicy, SamplingParams
+from edgechat.errors import UsageError
+from edgechat.store.export import atomic_write_text
+
+#: the per-conversation settings and their defaults (overridden by [chat] in config.toml)
+CHAT_DEFAULTS: dict = {
+    "system_prompt": "",
+    "temperature": 0.7,
+    "top_p": 0.95,
+    "max_tokens": 512,
+    "seed": None,
+    "context_policy": "shift",
+}
+
+
+@dataclass
+class AppConfig:
+    chat: dict = field(default_factory=lambda: dict(CHAT_DEFAULTS))
+    theme: str | None = None
+    model: str | None = None
+
+
+def load_config(paths: Paths) -> AppConfig:
+    raw = load_settings(paths)
+    chat = dict(CHAT_DEFAULTS)
+    chat.update({k: v for k, v in (raw.get("chat") or {}).items() if k in CHAT_DEFAULTS})
+    tui = raw.get("tui") or {}
+    return AppConfig(chat=chat, theme=tui.get("theme"), model=tui.get("model"))
+
+
+def save_tui_setting(paths: Paths, key: str, value: str) -> None:
+    """Set [tui] key = value in config.toml, keeping everything else in the file, atomically."""
+    raw = load_settings(paths)
+    raw.setdefault("tui", {})[key] = value
+    atomic_write_text(paths.config_file, tomli_w.dumps(raw))
+
+
+def validate_settings(settings: dict) -> dict:
+    """Check user-entered conversation settings; returns them normalised, raises UsageError."""
+    out = dict(settings)
+    try:
+        out["temperature"] = float(out.get("temperature", CHAT_DEFAULTS["temperature"]))
+        out["top_p"] = float(out.get("top_p", CHAT_DEFAULTS["top_p"]))
+        mt = out.get("max_tokens")
+        out["max_tokens"] = int(mt) if mt not in (None, "") else None
+        seed = out.get("seed")
+        out["seed"] = int(seed) if seed not in (None, "") else None
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"not a number: {exc}") from None
+    if out["temperature"] < 0:
+        raise UsageError("temperature must be 0 or more (0 = greedy)")
+    if not 0 < out["top_p"] <= 1:
+        raise UsageError("top-p must be above 0 and at most 1")
+    if out["max_tokens"] is not None and out["max_tokens"] < 1:
+        raise UsageError("max tokens must be at least 1")
+    policy = out.get("context_policy") or "shift"
+    if policy not in {p.value for p in ContextPolicy}:
+        raise UsageError(f"context policy must be one of: {', '.join(p.value for p in ContextPolicy)}")
+    out["context_policy"] = policy
+    out["system_prompt"] = str(out.get("system_prompt") or "")
+    return out
+
+
+def build_request(settings: dict, history: list[dict], session: str | None) -> ChatRequest:
+    """A ChatRequest for a conversation: its system prompt, then its messages, with its settings."""
+    s = {**CHAT_DEFAULTS, **settings}
+    messages = ([{"role": "system", "content": s["system_prompt"]}] if s["system_prompt"] else []) + history
+    return ChatRequest(
+        messages=messages,
+        sampling=SamplingParams(temperature=s["temperature"], top_p=s["top_p"], seed=s["seed"]),
+        max_tokens=s["max_tokens"],
+        session=session,
+        context_policy=ContextPolicy(s["context_policy"]),
+    )

@@ -1,0 +1,665 @@
+"""The main screen: sidebar, conversation, input and status bar, and every action on them."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+from textual import on, work
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Button, Label
+from textual.worker import Worker, WorkerState
+
+from edgechat.errors import EdgechatError
+from edgechat.store import Conversation, export_conversation
+from edgechat.store import Message as StoredMessage
+from edgechat.tui.actions import ACTIONS, parse_slash
+from edgechat.tui.config import build_request, validate_settings
+from edgechat.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
+from edgechat.tui.screens.help import HelpScreen
+from edgechat.tui.screens.models import ModelPickerScreen
+from edgechat.tui.screens.settings import SettingsScreen
+from edgechat.tui.widgets.chatview import PAGE, ChatView, MessageBox
+from edgechat.tui.widgets.prompt import PromptInput
+from edgechat.tui.widgets.sidebar import Sidebar
+from edgechat.tui.widgets.statusbar import StatusBar
+
+#: below this width the sidebar becomes a toggle (phones in portrait, split panes)
+NARROW = 70
+#: seconds between writes of a streaming answer to the store (it is also written when it ends)
+SAVE_INTERVAL = 1.0
+
+_CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)```", re.S)
+
+
+@dataclass
+class Turn:
+    """The answer being generated, wherever the user is looking meanwhile."""
+
+    conversation_id: str
+    answer_id: int
+    #: the user message sent with it (None for a regenerate): removed again if nothing came back
+    user_id: int | None
+    prompt: str
+    text: str = ""
+    saved_at: float = field(default_factory=time.monotonic)
+
+
+class ChatScreen(Screen):
+    BINDINGS = [Binding(a.key, a.name, a.title, show=False) for a in ACTIONS if a.key and a.name != "quit"]
+
+    def __init__(self):
+        super().__init__()
+        self.conv: Conversation | None = None
+        self.turn: Turn | None = None
+        #: a turn waiting for the model to finish loading
+        self._waiting: tuple[Conversation, Turn] | None = None
+        #: the user message being edited (Enter resends from there)
+        self._editing: int | None = None
+        #: the last deleted conversation, for undo
+        self._deleted: dict | None = None
+        self._shown = 0
+
+    @property
+    def store(self):
+        return self.app.store
+
+    @property
+    def client(self):
+        return self.app.client
+
+    # -- layout --------------------------------------------------------------
+
+    def compose(self):
+        with Horizontal(id="body"):
+            yield Sidebar(id="sidebar")
+            with Vertical(id="main"):
+                with Horizontal(id="topbar"):
+                    yield Button("☰", id="toggle-sidebar", compact=True)
+                    yield Label("New chat", id="conv-title")
+                yield ChatView(id="chat")
+                yield PromptInput(id="prompt", placeholder="Message (Enter sends, Ctrl+J new line, /help)")
+        yield StatusBar(id="status")
+
+    @property
+    def chat(self) -> ChatView:
+        return self.query_one(ChatView)
+
+    @property
+    def prompt(self) -> PromptInput:
+        return self.query_one(PromptInput)
+
+    @property
+    def status(self) -> StatusBar:
+        return self.query_one(StatusBar)
+
+    @property
+    def sidebar(self) -> Sidebar:
+        return self.query_one(Sidebar)
+
+    def on_mount(self) -> None:
+        self.set_class(self.app.size.width < NARROW, "-narrow")
+        if self.client is None:
+            self.status.model = self.app.model_ref or "model"
+            self.status.state = "loading…"
+        self.refresh_sidebar()
+        self.prompt.focus()
+
+    def on_resize(self, event) -> None:
+        self.set_class(event.size.width < NARROW, "-narrow")
+
+    def refresh_sidebar(self) -> None:
+        self.sidebar.show_conversations(self.store.list_conversations(), self.conv.id if self.conv else None)
+
+    def _set_title(self) -> None:
+        self.query_one("#conv-title", Label).update(self.conv.title if self.conv else "New chat")
+
+    # -- opening conversations ---------------------------------------------------
+
+    async def open_conversation(self, conv_id: str | None) -> None:
+        """Show a conversation (None: a fresh draft, stored once its first message is sent)."""
+        previous = self.conv
+        self._editing = None
+        if conv_id is None:
+            self.conv = None
+            await self.chat.show([], 0)
+        else:
+            conv = self.store.get_conversation(conv_id)
+            if conv is None:
+                return
+            self.conv = conv
+            total = self.store.count_messages(conv.id)
+            messages = self._with_live_text(self.store.messages(conv.id, limit=PAGE))
+            self._shown = len(messages)
+            await self.chat.show(messages, total)
+        self._set_title()
+        self.refresh_sidebar()
+        self.status.context_used = 0
+        if previous is not None and (self.conv is None or previous.id != self.conv.id):
+            self._release(previous.id)
+        if self.has_class("-narrow"):
+            self.remove_class("-sidebar-open")
+        self.prompt.focus()
+
+    def _with_live_text(self, messages: list[StoredMessage]) -> list[StoredMessage]:
+        # The answer streaming now is only saved every SAVE_INTERVAL: show what has arrived.
+        if self.turn is not None:
+            for m in messages:
+                if m.id == self.turn.answer_id:
+                    m.content = self.turn.text
+        return messages
+
+    @work(thread=True, group="release", exit_on_error=False)
+    def _release(self, conv_id: str) -> None:
+        client = self.client
+        if client is not None and (self.turn is None or self.turn.conversation_id != conv_id):
+            client.release_session(conv_id)
+
+    @work(thread=True, group="release", exit_on_error=False)
+    def _forget(self, conv_id: str) -> None:
+        if self.client is not None:
+            self.client.forget_session(conv_id)
+
+    @on(ChatView.LoadEarlier)
+    async def _load_earlier(self) -> None:
+        if self.conv is None:
+            return
+        total = self.store.count_messages(self.conv.id)
+        want = min(total, self._shown + PAGE)
+        older = self.store.messages(self.conv.id, limit=want)[: want - self._shown]
+        self._shown = want
+        await self.chat.prepend(older, total - want)
+
+    @on(Sidebar.Picked)
+    async def _picked(self, event: Sidebar.Picked) -> None:
+        await self.open_conversation(event.conversation_id)
+        if event.message_id is not None:
+            for box in self.chat.boxes():
+                if box.message.id == event.message_id:
+                    self.chat.scroll_to_widget(box, animate=False, top=True)
+                    box.focus()
+                    break
+
+    @on(Sidebar.NewRequested)
+    async def _new_requested(self) -> None:
+        await self.action_new()
+
+    @on(Sidebar.SearchChanged)
+    def _search_changed(self, event: Sidebar.SearchChanged) -> None:
+        if event.query.strip():
+            self.sidebar.show_hits(self.store.search(event.query))
+        else:
+            self.refresh_sidebar()
+
+    # -- sending and streaming -------------------------------------------------
+
+    @on(PromptInput.Submitted)
+    async def _submitted(self, event: PromptInput.Submitted) -> None:
+        await self.send(event.text)
+
+    async def send(self, text: str) -> None:
+        slash = parse_slash(text)
+        if slash is not None:
+            action, arg = slash
+            self.prompt.clear()
+            await self.run_action(action.name + "(" + repr(arg) + ")")
+            return
+        if self.turn is not None or self._waiting is not None:
+            self.notify("Still answering: wait, or press Esc to stop.", severity="warning")
+            return
+        if self._editing is not None and self.conv is not None:
+            self.store.delete_messages_from(self.conv.id, self._editing)
+            self._editing = None
+            await self.open_conversation(self.conv.id)
+        if self.conv is None:
+            self.conv = self.store.create_conversation(
+                model=self.client.model_name if self.client else self.app.model_ref,
+                settings=dict(self.app.config.chat),
+            )
+        user = self.store.add_message(self.conv.id, "user", text)
+        self.conv = self.store.get_conversation(self.conv.id)
+        self.prompt.clear()
+        await self.chat.add(user)
+        self._set_title()
+        self.refresh_sidebar()
+        await self.start_answer(user_id=user.id, prompt=text)
+
+    async def start_answer(self, user_id: int | None, prompt: str) -> None:
+        assert self.conv is not None
+        history = [
+            {"role": m.role, "content": m.content}
+            for m in self.store.messages(self.conv.id)
+            if m.role in ("user", "assistant") and m.status != "error" and m.content
+        ]
+        model = self.client.model_name if self.client else self.app.model_ref
+        # Stored at once as "interrupted": a crash mid-answer leaves it marked, and each save updates it.
+        answer = self.store.add_message(self.conv.id, "assistant", "", status="interrupted", meta={"model": model})
+        box = await self.chat.add(answer)
+        turn = Turn(self.conv.id, answer.id, user_id, prompt)
+        if self.client is None:
+            self._waiting = (self.conv, turn)
+            self.status.state = "loading; your message will be answered when the model is ready"
+            box.loading = True
+            return
+        self._start(self.conv, turn, history, box)
+
+    def _start(self, conv: Conversation, turn: Turn, history: list[dict], box: MessageBox) -> None:
+        self.turn = turn
+        self.status.state = "generating"
+        request = build_request(conv.settings, history, session=conv.id)
+        if self.client.model_name != conv.model:
+            self.store.update_conversation(conv.id, model=self.client.model_name)
+        self.chat.generate(self.client, request, box)
+
+    def model_ready(self) -> None:
+        """The app loaded a model: show it, and answer a message that was waiting for it."""
+        client = self.client
+        self.status.model = client.model_name
+        self.status.backend = client.backend
+        self.status.context_size = client.n_ctx or 0
+        self.status.state = "ready"
+        if client.template_warning:
+            self.notify(f"{client.model_name}: {client.template_warning}", severity="warning", timeout=8)
+        if self._waiting is not None:
+            conv, turn = self._waiting
+            self._waiting = None
+            history = [
+                {"role": m.role, "content": m.content}
+                for m in self.store.messages(conv.id)
+                if m.role in ("user", "assistant") and m.status != "error" and m.content
+            ]
+            box = self._box(turn.answer_id)
+            if box is not None:
+                box.loading = False
+            self._start(conv, turn, history, box or MessageBox(self.store.get_message(turn.answer_id)))
+
+    def model_failed(self, error: str) -> None:
+        self.status.state = "ready" if self.client else "no model"
+        self.notify(error, severity="error", timeout=12)
+
+    def _box(self, message_id: int) -> MessageBox | None:
+        for box in self.chat.boxes():
+            if box.message.id == message_id:
+                return box
+        return None
+
+    @on(ChatView.AnswerDelta)
+    async def _delta(self, event: ChatView.AnswerDelta) -> None:
+        turn = self.turn
+        if turn is None:
+            return
+        turn.text += event.text
+        box = self._box(turn.answer_id)
+        if box is not None:
+            await box.append(event.text)
+        now = time.monotonic()
+        if now - turn.saved_at >= SAVE_INTERVAL:
+            self.store.update_message(turn.answer_id, content=turn.text)
+            turn.saved_at = now
+
+    @on(ChatView.AnswerEvicted)
+    def _evicted(self, event: ChatView.AnswerEvicted) -> None:
+        self.notify(f"Context full: {event.event.note} (still saved in the conversation).", timeout=8)
+
+    @on(ChatView.AnswerMetrics)
+    def _metrics(self, event: ChatView.AnswerMetrics) -> None:
+        m = event.metrics
+        self.status.context_used = m.context_tokens
+        self.status.context_size = m.context_size or self.status.context_size
+        self.status.ttft = m.ttft
+        self.status.tok_s = m.decode_tps
+
+    @on(ChatView.AnswerFinished)
+    async def _finished(self, event: ChatView.AnswerFinished) -> None:
+        turn, self.turn = self.turn, None
+        self.status.state = "ready"
+        if turn is None:
+            return
+        f = event.finished
+        m = f.metrics
+        if f.reason == "cancelled" and not f.text.strip():
+            # Stopped before anything came back: undo the send, the prompt goes back in the input.
+            await self._undo_turn(turn)
+            return
+        status = {"stop": "complete", "length": "complete", "cancelled": "interrupted"}.get(f.reason, "error")
+        meta = {
+            "finish_reason": f.reason,
+            "ttft": round(m.ttft, 4),
+            "tok_s": round(m.decode_tps, 2),
+            "prompt_tokens": m.prompt_tokens,
+            "cached_tokens": m.cached_tokens,
+            "completion_tokens": m.completion_tokens,
+        }
+        if f.error:
+            meta["error"] = f.error
+        self.store.update_message(turn.answer_id, content=f.text, status=status, meta=meta)
+        box = self._box(turn.answer_id)
+        if box is not None:
+            if box.text != f.text:
+                await box.set_text(f.text)
+            box.finish(self.store.get_message(turn.answer_id))
+        if f.reason == "cancelled":
+            self._restore_prompt(turn.prompt)
+        elif f.reason == "error":
+            self.notify(f"The answer failed: {f.error}", severity="error", timeout=10)
+        self.refresh_sidebar()
+
+    @on(ChatView.AnswerFailed)
+    async def _failed(self, event: ChatView.AnswerFailed) -> None:
+        turn, self.turn = self.turn, None
+        self.status.state = "ready"
+        if turn is not None:
+            await self._undo_turn(turn)
+        self.notify(event.error, severity="error", timeout=12)
+
+    async def _undo_turn(self, turn: Turn) -> None:
+        first = turn.user_id if turn.user_id is not None else turn.answer_id
+        self.store.delete_messages_from(turn.conversation_id, first)
+        if self.conv is not None and self.conv.id == turn.conversation_id:
+            for box in self.chat.boxes():
+                if box.message.id >= first:
+                    await box.remove()
+        self._restore_prompt(turn.prompt)
+
+    def _restore_prompt(self, text: str) -> None:
+        if text and not self.prompt.text.strip():
+            self.prompt.set_text(text)
+            self.prompt.select_all()
+        self.prompt.focus()
+
+    def shutdown(self) -> None:
+        """Quitting: stop the answer and store what arrived, marked interrupted."""
+        if self.turn is not None:
+            self.chat.cancel()
+            self.store.update_message(self.turn.answer_id, content=self.turn.text, status="interrupted")
+            self.turn = None
+
+    # -- actions (keys, palette and slash commands all land here) ----------------
+
+    async def action_new(self, arg: str = "") -> None:
+        await self.open_conversation(None)
+
+    def action_stop(self, arg: str = "") -> None:
+        if self.turn is not None:
+            self.chat.cancel()
+        elif self._editing is not None:
+            self._editing = None
+            self.prompt.clear()
+            self.notify("Edit cancelled.")
+        elif self.query_one("#search").value:
+            self.query_one("#search").value = ""
+            self.prompt.focus()
+
+    def _idle(self) -> bool:
+        if self.turn is not None or self._waiting is not None:
+            self.notify("Still answering: wait, or press Esc to stop.", severity="warning")
+            return False
+        return True
+
+    async def action_regenerate(self, arg: str = "") -> None:
+        if not self._idle() or self.conv is None:
+            return
+        messages = self.store.messages(self.conv.id)
+        last_user = next((m for m in reversed(messages) if m.role == "user"), None)
+        if last_user is None:
+            self.notify("Nothing to regenerate yet.")
+            return
+        after = [m for m in messages if m.id > last_user.id]
+        if after:
+            self.store.delete_messages_from(self.conv.id, after[0].id)
+            for box in self.chat.boxes():
+                if box.message.id >= after[0].id:
+                    await box.remove()
+        await self.start_answer(user_id=None, prompt="")
+
+    async def action_edit_last(self, arg: str = "") -> None:
+        if self.conv is None:
+            return
+        last_user = next((m for m in reversed(self.store.messages(self.conv.id)) if m.role == "user"), None)
+        if last_user is not None:
+            self.edit_message(last_user)
+
+    def edit_message(self, message: StoredMessage) -> None:
+        if not self._idle():
+            return
+        self._editing = message.id
+        self.prompt.set_text(message.content)
+        self.prompt.focus()
+        self.notify("Editing: Enter resends from this message (later ones are replaced); Esc cancels.")
+
+    async def action_branch(self, arg: str = "", at: int | None = None) -> None:
+        if self.conv is None:
+            self.notify("Nothing to branch yet.")
+            return
+        if at is None:
+            focused = self.focused if isinstance(self.focused, MessageBox) else None
+            if focused is not None:
+                at = focused.message.id
+            else:
+                messages = self.store.messages(self.conv.id, limit=1)
+                if not messages:
+                    self.notify("Nothing to branch yet.")
+                    return
+                at = messages[-1].id
+        if self.turn is not None and at >= self.turn.answer_id:
+            self.notify("Wait for the answer to finish before branching at it.", severity="warning")
+            return
+        new = self.store.branch(self.conv.id, at)
+        await self.open_conversation(new.id)
+        self.notify(f"Branched into “{new.title}”.")
+
+    async def action_rename(self, arg: str = "") -> None:
+        if self.conv is None:
+            self.notify("Send a message first; new chats are titled from it.")
+            return
+        if arg:
+            await self._rename(arg)
+            return
+        self.app.push_screen(TextPromptScreen("Rename conversation", self.conv.title), self._rename)
+
+    async def _rename(self, title: str | None) -> None:
+        if title and title.strip() and self.conv is not None:
+            self.conv = self.store.update_conversation(self.conv.id, title=title.strip())
+            self._set_title()
+            self.refresh_sidebar()
+
+    async def action_delete(self, arg: str = "") -> None:
+        target = self.conv
+        if target is None:
+            return
+        if self.turn is not None and self.turn.conversation_id == target.id:
+            self.notify("Stop the answer (Esc) before deleting this conversation.", severity="warning")
+            return
+
+        async def confirmed(yes: bool | None) -> None:
+            if yes:
+                self._deleted = self.store.export_conversation(target.id)
+                self.store.delete_conversation(target.id)
+                self._forget(target.id)
+                await self.open_conversation(None)
+                self.notify(f"Deleted “{target.title}”. /undo brings it back.")
+
+        self.app.push_screen(ConfirmScreen(f"Delete “{target.title}”?", yes="Delete"), confirmed)
+
+    async def action_undo(self, arg: str = "") -> None:
+        if self._deleted is None:
+            self.notify("Nothing to undo.")
+            return
+        conv = self.store.import_conversation(self._deleted)
+        self._deleted = None
+        await self.open_conversation(conv.id)
+        self.notify(f"Restored “{conv.title}”.")
+
+    def action_search(self, arg: str = "") -> None:
+        if self.has_class("-narrow"):
+            self.add_class("-sidebar-open")
+        self.remove_class("-sidebar-hidden")
+        self.sidebar.search(arg)
+
+    def action_settings(self, arg: str = "") -> None:
+        settings = dict(self.app.config.chat) if self.conv is None else {**self.app.config.chat, **self.conv.settings}
+
+        def saved(result: dict | None) -> None:
+            if result is not None:
+                self._save_settings(result)
+                self.notify("Settings saved for this conversation.")
+
+        self.app.push_screen(SettingsScreen(settings), saved)
+
+    def _save_settings(self, settings: dict) -> None:
+        if self.conv is None:
+            self.conv = self.store.create_conversation(
+                model=self.client.model_name if self.client else self.app.model_ref, settings=settings
+            )
+            self.refresh_sidebar()
+        else:
+            self.conv = self.store.update_conversation(self.conv.id, settings=settings)
+
+    def action_system(self, arg: str = "") -> None:
+        if not arg:
+            self.action_settings()
+            return
+        current = dict(self.app.config.chat) if self.conv is None else {**self.app.config.chat, **self.conv.settings}
+        self._save_settings(validate_settings({**current, "system_prompt": arg}))
+        self.notify("System prompt set for this conversation.")
+
+    def action_model(self, arg: str = "") -> None:
+        if not self._idle():
+            return
+        if arg:
+            self.app.load_model(arg)
+            return
+        remote = getattr(self.client, "list_models", None)
+        current = self.client.model_name if self.client else self.app.model_ref
+
+        def picked(ref: str | None) -> None:
+            if ref:
+                self.app.load_model(ref)
+
+        try:
+            names = remote() if remote else None
+        except EdgechatError as exc:
+            self.notify(str(exc), severity="error")
+            return
+        self.app.push_screen(ModelPickerScreen(self.app.paths, current, names), picked)
+
+    def action_export(self, arg: str = "") -> None:
+        if self.conv is None:
+            self.notify("Nothing to export yet.")
+            return
+        arg = arg.strip()
+        fmt = "json" if arg.lower() == "json" or arg.endswith(".json") else "markdown"
+        if arg and arg.lower() not in ("json", "md", "markdown"):
+            path = arg
+        else:
+            slug = re.sub(r"[^a-z0-9]+", "-", self.conv.title.lower()).strip("-")[:40] or "chat"
+            path = self.app.paths.data / "exports" / f"{slug}-{self.conv.id}.{'json' if fmt == 'json' else 'md'}"
+        try:
+            written = export_conversation(self.store, self.conv.id, path, fmt)
+        except OSError as exc:
+            self.notify(f"Cannot write {path}: {exc.strerror}", severity="error")
+            return
+        self.notify(f"Exported to {written}", timeout=8)
+
+    def action_clear(self, arg: str = "") -> None:
+        if self.conv is None or not self._idle():
+            return
+        conv = self.conv
+
+        async def confirmed(yes: bool | None) -> None:
+            first = self.store.messages(conv.id)
+            if yes and first:
+                self.store.delete_messages_from(conv.id, first[0].id)
+                await self.open_conversation(conv.id)
+
+        self.app.push_screen(ConfirmScreen(f"Remove every message of “{conv.title}”?", yes="Clear"), confirmed)
+
+    def _copy(self, text: str, what: str) -> None:
+        self.app.copy_to_clipboard(text)
+        # OSC 52 is silently ignored by some terminals: keep a file copy as well.
+        fallback = self.app.paths.data / "clipboard.txt"
+        try:
+            from edgechat.store import atomic_write_text
+
+            atomic_write_text(fallback, text)
+            self.notify(f"Copied {what} (also in {fallback}).")
+        except OSError:
+            self.notify(f"Copied {what}.")
+
+    def _last_answer(self) -> str | None:
+        if self.conv is None:
+            return None
+        if self.turn is not None and self.turn.conversation_id == self.conv.id:
+            return self.turn.text
+        answer = next((m for m in reversed(self.store.messages(self.conv.id)) if m.role == "assistant"), None)
+        return answer.content if answer else None
+
+    def action_copy(self, arg: str = "") -> None:
+        text = self._last_answer()
+        if text:
+            self._copy(text, "the last answer")
+        else:
+            self.notify("No answer to copy yet.")
+
+    def action_copy_code(self, arg: str = "") -> None:
+        blocks = _CODE_BLOCK.findall(self._last_answer() or "")
+        if blocks:
+            self._copy(blocks[-1], "the code block")
+        else:
+            self.notify("The last answer has no code block.")
+
+    def action_toggle_sidebar(self, arg: str = "") -> None:
+        if self.has_class("-narrow"):
+            self.toggle_class("-sidebar-open")
+        else:
+            self.toggle_class("-sidebar-hidden")
+
+    @on(Button.Pressed, "#toggle-sidebar")
+    def _toggle_pressed(self) -> None:
+        self.action_toggle_sidebar()
+
+    def action_toggle_stats(self, arg: str = "") -> None:
+        self.chat.toggle_class("-show-stats")
+
+    def action_theme(self, arg: str = "") -> None:
+        if arg:
+            if arg in self.app.available_themes:
+                self.app.theme = arg
+            else:
+                self.notify(f"Unknown theme {arg}; themes: {', '.join(sorted(self.app.available_themes))}")
+            return
+        self.app.search_themes()
+
+    def action_help(self, arg: str = "") -> None:
+        self.app.push_screen(HelpScreen())
+
+    async def action_quit(self, arg: str = "") -> None:
+        await self.app.action_quit()
+
+    @on(MessageBox.Action)
+    async def _message_action(self, event: MessageBox.Action) -> None:
+        msg = event.box.message
+        if event.action == "copy":
+            self._copy(event.box.text, "the message")
+        elif event.action == "edit":
+            if msg.role == "user":
+                self.edit_message(msg)
+            else:
+                self.notify("Only your own messages can be edited; r regenerates an answer.")
+        elif event.action == "branch":
+            await self.action_branch(at=msg.id)
+        elif event.action == "regenerate":
+            await self.action_regenerate()
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.worker.group == "generate" and event.state == WorkerState.ERROR:
+            # A bug in the stream (not a user error): keep what arrived, say so.
+            turn, self.turn = self.turn, None
+            if turn is not None:
+                self.store.update_message(turn.answer_id, content=turn.text, status="error",
+                                          meta={"error": str(event.worker.error)})
+            self.status.state = "ready"
+            self.notify(f"Generation failed: {event.worker.error}", severity="error")

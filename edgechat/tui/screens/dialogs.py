@@ -1,0 +1,57 @@
+"""Small modal dialogs: confirm, and ask for one line of text."""
+
+from __future__ import annotations
+
+from textual import on
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    BINDINGS = [Binding("escape", "answer(False)", "Cancel"), Binding("y", "answer(True)", "Yes", show=False)]
+
+    def __init__(self, question: str, yes: str = "Yes"):
+        super().__init__(classes="dialog-screen")
+        self.question = question
+        self.yes = yes
+
+    def compose(self):
+        with Vertical(classes="dialog"):
+            yield Label(self.question, classes="dialog-title")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button(self.yes, id="yes", variant="error")
+                yield Button("Cancel", id="no")
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()
+
+    @on(Button.Pressed)
+    def _pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+    def action_answer(self, value: bool) -> None:
+        self.dismiss(value)
+
+
+class TextPromptScreen(ModalScreen[str | None]):
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, title: str, value: str = "", placeholder: str = ""):
+        super().__init__(classes="dialog-screen")
+        self.title_text = title
+        self.value = value
+        self.placeholder = placeholder
+
+    def compose(self):
+        with Vertical(classes="dialog"):
+            yield Label(self.title_text, classes="dialog-title")
+            yield Input(self.value, placeholder=self.placeholder, id="text")
+
+    @on(Input.Submitted)
+    def _submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

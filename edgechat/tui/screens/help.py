@@ -1,0 +1,45 @@
+"""Keys and slash commands, from the one action table."""
+
+from __future__ import annotations
+
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Label, Markdown
+
+from edgechat.tui.actions import ACTIONS, key_label
+
+_EXTRA = """
+| Key | In the input |
+|---|---|
+| Enter | send |
+| Ctrl+J | new line (also Shift+Enter where the terminal supports it) |
+| Up / Down | earlier prompts (on the first / last line) |
+| Ctrl+P | command palette |
+
+Focus a message (click it, or Tab): **c** copy, **e** edit and resend, **b** branch here, **r** regenerate.
+"""
+
+
+def help_markdown() -> str:
+    rows = ["| Action | Key | Slash |", "|---|---|---|"]
+    for a in ACTIONS:
+        slash = f"`{a.slash}{' ' + a.arg if a.arg else ''}`" if a.slash else ""
+        rows.append(f"| {a.title} | {key_label(a.key)} | {slash} |")
+    return "\n".join(rows) + "\n" + _EXTRA
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q,f1", "dismiss", "Close")]
+
+    def __init__(self):
+        super().__init__(classes="dialog-screen")
+
+    def compose(self):
+        with Vertical(classes="dialog help-dialog"):
+            yield Label("edgechat help  (Esc closes)", classes="dialog-title")
+            with VerticalScroll():
+                yield Markdown(help_markdown())
+
+    def action_dismiss(self) -> None:
+        self.dismiss(None)

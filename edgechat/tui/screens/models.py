@@ -1,0 +1,116 @@
+"""The model picker: embedded and cached models with size, quant, architecture and fit; or any .gguf path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.text import Text
+from textual import on, work
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Input, Label, OptionList
+from textual.widgets.option_list import Option
+
+from edgechat.config import Paths
+from edgechat.errors import EdgechatError
+
+
+@dataclass
+class ModelRow:
+    ref: str
+    detail: str
+    fits: bool | None = None
+
+
+def describe(ref: str, path, note: str = "") -> ModelRow:
+    """Size, quant, architecture, and whether the planner says it fits here."""
+    from edgechat.engine.planner import choose_context
+    from edgechat.models import read_model_info
+
+    try:
+        info = read_model_info(path)
+    except EdgechatError as exc:
+        return ModelRow(ref, f"unreadable: {exc}", False)
+    detail = f"{info.size_bytes / 2**20:,.0f} MB · {info.quant} · {info.architecture}"
+    try:
+        plan = choose_context(info)
+        fits, detail = True, detail + f" · fits (ctx {plan.n_ctx})"
+    except EdgechatError:
+        fits, detail = False, detail + " · too large for free memory"
+    return ModelRow(ref, detail + (f" · {note}" if note else ""), fits)
+
+
+def local_models(paths: Paths) -> list[ModelRow]:
+    """Embedded models (without assembling one that is not yet on disk) and .gguf files in the cache."""
+    from edgechat.models.embedded import EMBEDDED, GEMMA3_FILE
+
+    rows = []
+    for name, model in EMBEDDED.items():
+        if name == "gemma3-270m" and not (paths.models_cache / GEMMA3_FILE).is_file():
+            # Assembling it copies 250 MB: do that when it is picked, not to draw a list.
+            rows.append(ModelRow(name, f"{model.description} · assembled on first use"))
+            continue
+        try:
+            rows.append(describe(name, model.locate(paths), model.description))
+        except EdgechatError as exc:
+            rows.append(ModelRow(name, str(exc), False))
+    if paths.models_cache.is_dir():
+        for path in sorted(paths.models_cache.glob("*.gguf")):
+            if path.name != GEMMA3_FILE:
+                rows.append(describe(path.stem, path))
+    return rows
+
+
+class ModelPickerScreen(ModalScreen[str | None]):
+    """Returns the chosen model reference (name or path), or None."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, paths: Paths, current: str | None, remote_models: list[str] | None = None):
+        super().__init__(classes="dialog-screen")
+        self.paths = paths
+        self.current = current
+        self.remote_models = remote_models
+
+    def compose(self):
+        with Vertical(classes="dialog models-dialog"):
+            yield Label(f"Model (now: {self.current or 'none'})", classes="dialog-title")
+            yield OptionList(Option(Text("looking for models…", style="italic"), disabled=True), id="model-list")
+            yield Input(placeholder="or a path to a .gguf file, Enter to load", id="model-path")
+
+    def on_mount(self) -> None:
+        self.query_one("#model-list", OptionList).focus()
+        self._scan()
+
+    @work(thread=True, exclusive=True)
+    def _scan(self) -> None:
+        if self.remote_models is not None:
+            rows = [ModelRow(name, "on the server") for name in self.remote_models]
+        else:
+            rows = local_models(self.paths)
+        self.app.call_from_thread(self._show, rows)
+
+    def _show(self, rows: list[ModelRow]) -> None:
+        options = []
+        for row in rows:
+            label = Text(row.ref, style="bold")
+            label.append("\n")
+            label.append(row.detail, style="dim" if row.fits is not False else "red")
+            options.append(Option(label, id=row.ref))
+        listing = self.query_one("#model-list", OptionList)
+        listing.set_options(options)
+        if options:
+            listing.highlighted = 0
+
+    @on(OptionList.OptionSelected, "#model-list")
+    def _picked(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(event.option.id)
+
+    @on(Input.Submitted, "#model-path")
+    def _path(self, event: Input.Submitted) -> None:
+        if event.value.strip():
+            self.dismiss(event.value.strip())
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

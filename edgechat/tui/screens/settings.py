@@ -1,0 +1,80 @@
+"""Per-conversation settings: system prompt, sampling, answer length, seed, context policy."""
+
+from __future__ import annotations
+
+from textual import on
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Select, TextArea
+
+from edgechat.engine.request import ContextPolicy
+from edgechat.errors import UsageError
+from edgechat.tui.config import validate_settings
+
+
+def _text(value) -> str:
+    return "" if value is None else str(value)
+
+
+class SettingsScreen(ModalScreen[dict | None]):
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, settings: dict):
+        super().__init__(classes="dialog-screen")
+        self.settings = settings
+
+    def compose(self):
+        s = self.settings
+        with Vertical(classes="dialog settings-dialog"):
+            yield Label("Conversation settings", classes="dialog-title")
+            with VerticalScroll():
+                yield Label("System prompt")
+                yield TextArea(_text(s.get("system_prompt")), id="system_prompt", soft_wrap=True)
+                with Horizontal(classes="fields"):
+                    with Vertical():
+                        yield Label("Temperature")
+                        yield Input(_text(s.get("temperature")), id="temperature", type="number")
+                    with Vertical():
+                        yield Label("Top-p")
+                        yield Input(_text(s.get("top_p")), id="top_p", type="number")
+                with Horizontal(classes="fields"):
+                    with Vertical():
+                        yield Label("Max tokens")
+                        yield Input(_text(s.get("max_tokens")), id="max_tokens", type="integer")
+                    with Vertical():
+                        yield Label("Seed (empty: random)")
+                        yield Input(_text(s.get("seed")), id="seed", type="integer")
+                yield Label("Context policy (when the context is full)")
+                yield Select(
+                    [(p.value, p.value) for p in ContextPolicy],
+                    value=s.get("context_policy") or "shift",
+                    allow_blank=False,
+                    id="context_policy",
+                )
+            yield Label("", id="settings-error")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Save", id="save", variant="primary")
+                yield Button("Cancel", id="cancel")
+
+    def values(self) -> dict:
+        return {
+            **self.settings,
+            "system_prompt": self.query_one("#system_prompt", TextArea).text,
+            "temperature": self.query_one("#temperature", Input).value,
+            "top_p": self.query_one("#top_p", Input).value,
+            "max_tokens": self.query_one("#max_tokens", Input).value,
+            "seed": self.query_one("#seed", Input).value,
+            "context_policy": self.query_one("#context_policy", Select).value,
+        }
+
+    @on(Button.Pressed, "#save")
+    def save(self) -> None:
+        try:
+            self.dismiss(validate_settings(self.values()))
+        except UsageError as exc:
+            self.query_one("#settings-error", Label).update(str(exc))
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,266 @@
+"""The conversation: one box per message, and the worker that streams an answer into the last one.
+
+Rendering keeps up with decoding by doing a bounded amount of UI work per second: the worker
+thread gathers the engine's text deltas and posts them at most every FLUSH_INTERVAL, and the
+Markdown widget re-parses only its last block on each append.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from textual import on, work
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
+from textual.widgets import Button, Label, Markdown, Static
+
+from edgechat.engine.request import ChatRequest, Evicted, Finished, Metrics, RequestMetrics, TextDelta
+from edgechat.errors import EdgechatError
+from edgechat.store import Message as StoredMessage
+from edgechat.tui.client import ChatClient
+
+#: seconds between UI updates while an answer streams (per-token updates halve decode speed)
+FLUSH_INTERVAL = 0.15
+#: messages shown when a conversation opens; older ones load on request
+PAGE = 40
+
+_ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System"}
+
+
+def stats_text(msg: StoredMessage) -> str:
+    parts = [time.strftime("%Y-%m-%d %H:%M", time.localtime(msg.created_at))]
+    meta = msg.meta
+    if meta.get("ttft") is not None:
+        parts.append(f"TTFT {meta['ttft']:.2f}s")
+    if meta.get("tok_s"):
+        parts.append(f"{meta['tok_s']:.1f} tok/s")
+    if meta.get("completion_tokens"):
+        parts.append(f"{meta['completion_tokens']} tokens")
+    if meta.get("model"):
+        parts.append(meta["model"])
+    return " · ".join(parts)
+
+
+class MessageBox(Vertical, can_focus=True):
+    """One message. Focus it (click, or Tab) for: c copy, e edit and resend, b branch here, r regenerate."""
+
+    BINDINGS = [
+        Binding("c", "copy", "Copy"),
+        Binding("e", "edit", "Edit & resend"),
+        Binding("b", "branch", "Branch here"),
+        Binding("r", "regenerate", "Regenerate"),
+    ]
+
+    class Action(Message):
+        """The user asked for something on this message (copy, edit, branch, regenerate)."""
+
+        def __init__(self, box: "MessageBox", action: str):
+            super().__init__()
+            self.box = box
+            self.action = action
+
+    def __init__(self, message: StoredMessage):
+        super().__init__(classes=f"message -{message.role}")
+        self.message = message
+        self.text = message.content
+        self._body: Markdown | Static | None = None
+        self._set_status_class()
+
+    def _set_status_class(self) -> None:
+        self.set_class(self.message.status == "interrupted", "-interrupted")
+        self.set_class(self.message.status == "error", "-error")
+
+    def compose(self):
+        label = _ROLE_LABELS.get(self.message.role, self.message.role)
+        with Vertical(classes="message-header"):
+            yield Label(label, classes="role")
+            yield Label(stats_text(self.message), classes="stats")
+        if self.message.role == "assistant":
+            self._body = Markdown(self.text, classes="body")
+        else:
+            self._body = Static(self.text, markup=False, classes="body")
+        yield self._body
+        yield Label(self._status_note(), classes="status-note")
+
+    def _status_note(self) -> str:
+        if self.message.status == "interrupted":
+            return "(stopped)"
+        if self.message.status == "error":
+            return f"(error: {self.message.meta.get('error', 'failed')})"
+        return ""
+
+    async def append(self, text: str) -> None:
+        self.text += text
+        if isinstance(self._body, Markdown):
+            await self._body.append(text)
+        elif self._body is not None:
+            self._body.update(self.text)
+
+    async def set_text(self, text: str) -> None:
+        self.text = text
+        if isinstance(self._body, Markdown):
+            await self._body.update(text)
+        elif self._body is not None:
+            self._body.update(text)
+
+    def finish(self, message: StoredMessage) -> None:
+        """The answer ended: show its final status and stats."""
+        self.message = message
+        self._set_status_class()
+        self.query_one(".stats", Label).update(stats_text(message))
+        self.query_one(".status-note", Label).update(self._status_note())
+
+    def action_copy(self) -> None:
+        self.post_message(self.Action(self, "copy"))
+
+    def action_edit(self) -> None:
+        self.post_message(self.Action(self, "edit"))
+
+    def action_branch(self) -> None:
+        self.post_message(self.Action(self, "branch"))
+
+    def action_regenerate(self) -> None:
+        self.post_message(self.Action(self, "regenerate"))
+
+
+class ChatView(VerticalScroll):
+    """The messages of the open conversation, and the streaming of the answer being generated."""
+
+    # One message class per engine event; the worker thread posts them, handlers run on the UI thread.
+    class AnswerDelta(Message):
+        def __init__(self, box: MessageBox, text: str):
+            super().__init__()
+            self.box = box
+            self.text = text
+
+    class AnswerEvicted(Message):
+        def __init__(self, box: MessageBox, event: Evicted):
+            super().__init__()
+            self.box = box
+            self.event = event
+
+    class AnswerMetrics(Message):
+        def __init__(self, box: MessageBox, metrics: RequestMetrics):
+            super().__init__()
+            self.box = box
+            self.metrics = metrics
+
+    class AnswerFinished(Message):
+        def __init__(self, box: MessageBox, finished: Finished):
+            super().__init__()
+            self.box = box
+            self.finished = finished
+
+    class AnswerFailed(Message):
+        """submit() refused the request (prompt too long, server busy): nothing was generated."""
+
+        def __init__(self, box: MessageBox, error: str):
+            super().__init__()
+            self.box = box
+            self.error = error
+
+    class LoadEarlier(Message):
+        pass
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._handle = None
+        self._cancel = threading.Event()
+        self.generating = False
+
+    # -- showing messages ------------------------------------------------
+
+    async def show(self, messages: list[StoredMessage], total: int) -> None:
+        """Replace what is shown: the newest `messages`, and a button for the `total - len` older ones."""
+        with self.app.batch_update():
+            await self.remove_children()
+            widgets = []
+            if total > len(messages):
+                widgets.append(Button(f"▲ {total - len(messages)} earlier messages", id="load-earlier"))
+            widgets += [MessageBox(m) for m in messages]
+            if widgets:
+                await self.mount_all(widgets)
+        self.scroll_end(animate=False, immediate=True)
+        self.anchor()
+
+    async def prepend(self, messages: list[StoredMessage], remaining: int) -> None:
+        button = self.query("#load-earlier")
+        first = self.query(MessageBox).first() if self.query(MessageBox) else None
+        boxes = [MessageBox(m) for m in messages]
+        if boxes:
+            await self.mount_all(boxes, before=first)
+        if remaining > 0:
+            button.first(Button).label = f"▲ {remaining} earlier messages"
+        else:
+            await button.remove()
+
+    @on(Button.Pressed, "#load-earlier")
+    def _load_earlier(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.post_message(self.LoadEarlier())
+
+    async def add(self, message: StoredMessage) -> MessageBox:
+        box = MessageBox(message)
+        await self.mount(box)
+        self.scroll_end(animate=False)
+        self.anchor()
+        return box
+
+    def boxes(self) -> list[MessageBox]:
+        return list(self.query(MessageBox))
+
+    # -- streaming ---------------------------------------------------------
+
+    def generate(self, client: ChatClient, request: ChatRequest, box: MessageBox) -> None:
+        self._cancel.clear()
+        self._handle = None
+        self.generating = True
+        self._stream(client, request, box)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+        handle = self._handle
+        if handle is not None:
+            handle.cancel()
+
+    @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
+    def _stream(self, client: ChatClient, request: ChatRequest, box: MessageBox) -> None:
+        # Runs in a thread: only post_message from here, never touch widgets.
+        try:
+            handle = client.submit(request)
+        except EdgechatError as exc:
+            self.post_message(self.AnswerFailed(box, str(exc)))
+            return
+        self._handle = handle
+        if self._cancel.is_set():
+            handle.cancel()
+        pending: list[str] = []
+        last = time.monotonic()
+        for event in handle:
+            if isinstance(event, TextDelta):
+                pending.append(event.text)
+                now = time.monotonic()
+                if now - last >= FLUSH_INTERVAL:
+                    self.post_message(self.AnswerDelta(box, "".join(pending)))
+                    pending.clear()
+                    last = now
+            elif isinstance(event, Evicted):
+                self.post_message(self.AnswerEvicted(box, event))
+            elif isinstance(event, Metrics):
+                self.post_message(self.AnswerMetrics(box, event.metrics))
+            elif isinstance(event, Finished):
+                if pending:
+                    self.post_message(self.AnswerDelta(box, "".join(pending)))
+                self.post_message(self.AnswerFinished(box, event))
+
+    @on(AnswerDelta)
+    async def _on_delta(self, message: AnswerDelta) -> None:
+        await message.box.append(message.text)
+
+    @on(AnswerFinished)
+    @on(AnswerFailed)
+    def _on_end(self, message: Message) -> None:
+        self.generating = False
+        self._handle = None

@@ -1,0 +1,248 @@
+"""The chat app's real flows, driven with Textual's Pilot, on the real embedded SmolLM2 model."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from edgechat.tui.app import EdgechatApp
+from edgechat.tui.client import LocalClient
+from edgechat.tui.screens.help import HelpScreen
+from edgechat.tui.widgets.chatview import MessageBox
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory, smollm2_path):
+    """One engine for the module's apps (loading a model per test would dominate the run time)."""
+    from edgechat.config import get_paths
+
+    c = LocalClient(str(smollm2_path), get_paths(tmp_path_factory.mktemp("tui-engine")))
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def paths(isolated_dirs):
+    # Short greedy answers: the flows, not the prose, are under test.
+    isolated_dirs.config.mkdir(parents=True, exist_ok=True)
+    isolated_dirs.config_file.write_text("[chat]\nmax_tokens = 12\ntemperature = 0.0\nseed = 7\n")
+    return isolated_dirs
+
+
+async def until(pilot, condition, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.05)
+
+
+async def ready(pilot) -> None:
+    await until(pilot, lambda: pilot.app.client is not None, what="the model")
+
+
+async def send(pilot, text: str) -> None:
+    screen = pilot.app.chat_screen
+    screen.prompt.set_text(text)
+    screen.prompt.focus()
+    await pilot.press("enter")
+    await until(pilot, lambda: screen.turn is None and screen._waiting is None, what="the answer")
+    await pilot.pause(0.05)
+
+
+def app_for(paths, client) -> EdgechatApp:
+    return EdgechatApp(paths, client_factory=lambda ref: client)
+
+
+def stored(app):
+    conv = app.chat_screen.conv
+    return [(m.role, m.content, m.status) for m in app.store.messages(conv.id)]
+
+
+async def test_send_streams_and_stores_the_answer(paths, client):
+    app = app_for(paths, client)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        await send(pilot, "What is the capital of France?")
+        msgs = app.store.messages(screen.conv.id)
+        assert [(m.role, m.status) for m in msgs] == [("user", "complete"), ("assistant", "complete")]
+        answer = msgs[1]
+        assert answer.content.strip()
+        assert answer.meta["finish_reason"] in ("stop", "length")
+        assert answer.meta["completion_tokens"] > 0 and answer.meta["ttft"] > 0
+        boxes = screen.chat.boxes()
+        assert [b.text for b in boxes] == [m.content for m in msgs]
+        # titled from the first message, listed in the sidebar, gauge filled from the engine's metrics
+        assert screen.conv.title == "What is the capital of France?"
+        assert "What is the capital of France?" in str(screen.sidebar.options.get_option_at_index(0).prompt)
+        assert 0 < screen.status.context_used <= screen.status.context_size == client.n_ctx
+        # the next turn reuses the conversation's KV: the whole previous exchange comes from cache
+        await send(pilot, "And of Spain?")
+        second = app.store.messages(screen.conv.id)[-1]
+        assert second.meta["cached_tokens"] > 0
+        assert len(screen.chat.boxes()) == 4
+
+
+async def test_stop_keeps_partial_answer_and_restores_prompt(paths, client):
+    app = app_for(paths, client)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        long = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 400})
+        await screen.open_conversation(long.id)
+        screen.prompt.set_text("Write a long story about a dragon.")
+        await pilot.press("enter")
+        await until(pilot, lambda: screen.turn is not None and len(screen.turn.text) > 5, what="some text")
+        await pilot.press("escape")
+        await until(pilot, lambda: screen.turn is None, what="the stop")
+        await pilot.pause(0.05)
+        (role_u, _, _), (role_a, content, status) = stored(app)
+        assert (role_u, role_a, status) == ("user", "assistant", "interrupted")
+        assert content.strip()
+        assert screen.chat.boxes()[-1].has_class("-interrupted")
+        assert screen.prompt.text == "Write a long story about a dragon."
+
+
+async def test_regenerate_edit_and_resend(paths, client):
+    app = app_for(paths, client)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        await send(pilot, "Name a color.")
+        first_answer = app.store.messages(screen.conv.id)[-1]
+        await pilot.press("ctrl+r")
+        await until(pilot, lambda: screen.turn is None and len(app.store.messages(screen.conv.id)) == 2)
+        await until(pilot, lambda: app.store.messages(screen.conv.id)[-1].status == "complete", what="regenerated")
+        msgs = app.store.messages(screen.conv.id)
+        assert [m.role for m in msgs] == ["user", "assistant"]
+        assert msgs[1].id != first_answer.id and msgs[1].content.strip()
+        # edit the last user message and resend: everything from it is replaced
+        await pilot.press("ctrl+g")
+        assert screen.prompt.text == "Name a color."
+        await send(pilot, "Name an animal.")
+        msgs = app.store.messages(screen.conv.id)
+        assert [(m.role, m.status) for m in msgs] == [("user", "complete"), ("assistant", "complete")]
+        assert msgs[0].content == "Name an animal."
+        assert [b.message.id for b in screen.chat.boxes()] == [m.id for m in msgs]
+
+
+async def test_branch_search_and_open_hit(paths, client):
+    app = app_for(paths, client)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        await send(pilot, "Tell me about zebras.")
+        await send(pilot, "Where do they live?")
+        original = screen.conv
+        # branch at the first answer, by focusing its box and pressing b
+        boxes = screen.chat.boxes()
+        boxes[1].focus()
+        await pilot.press("b")
+        await pilot.pause(0.1)
+        branch = screen.conv
+        assert branch.id != original.id and branch.parent_id == original.id
+        assert [m.content for m in app.store.messages(branch.id)] == [b.text for b in boxes[:2]]
+        assert len(screen.chat.boxes()) == 2
+        # full-text search from the sidebar, then open the hit in the original conversation
+        await pilot.press("ctrl+f")
+        await pilot.press(*"live")
+        await pilot.pause(0.1)
+        options = screen.sidebar.options
+        assert options.option_count == 1 and "[live]" in str(options.get_option_at_index(0).prompt)
+        options.focus()
+        options.highlighted = 0
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        assert screen.conv.id == original.id
+        assert isinstance(screen.focused, MessageBox) and screen.focused.text == "Where do they live?"
+
+
+async def test_slash_commands_export_and_persistence(paths, client):
+    app = app_for(paths, client)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        await send(pilot, "/system You answer in one word.")
+        assert screen.conv.settings["system_prompt"] == "You answer in one word."
+        await send(pilot, "Say hello.")
+        conv_id = screen.conv.id
+        await send(pilot, "/rename Greetings")
+        assert app.store.get_conversation(conv_id).title == "Greetings"
+        await send(pilot, "/export")
+        await send(pilot, "/export json")
+        exports = sorted((paths.data / "exports").iterdir())
+        assert [p.suffix for p in exports] == [".json", ".md"]
+        data = json.loads(exports[0].read_text())
+        assert data["settings"]["system_prompt"] == "You answer in one word."
+        assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
+        assert "## You\n\nSay hello." in exports[1].read_text()
+        await send(pilot, "/help")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        await send(pilot, "/new")
+        assert screen.conv is None and screen.chat.boxes() == []
+        await send(pilot, "/search hello")
+        assert screen.sidebar.options.option_count >= 1
+        await pilot.press("escape")
+        # delete asks first, /undo brings it back
+        await screen.open_conversation(conv_id)
+        await send(pilot, "/delete")
+        await pilot.press("y")
+        await pilot.pause(0.1)
+        assert app.store.get_conversation(conv_id) is None
+        await send(pilot, "/undo")
+        assert [m.role for m in app.store.messages(conv_id)] == ["user", "assistant"]
+        await send(pilot, "/clear")
+        await pilot.press("y")
+        await pilot.pause(0.1)
+        assert app.store.messages(conv_id) == [] and screen.chat.boxes() == []
+    # quit and reopen: the conversation is still there
+    app2 = app_for(paths, client)
+    async with app2.run_test(size=(100, 30)) as pilot:
+        titles = [str(o.prompt) for o in app2.chat_screen.sidebar.options._options]
+        assert "Greetings" in titles
+
+
+async def test_quit_mid_answer_keeps_it_interrupted(paths, client):
+    app = app_for(paths, client)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        long = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 400})
+        await screen.open_conversation(long.id)
+        screen.prompt.set_text("Write a long poem about the sea.")
+        await pilot.press("enter")
+        await until(pilot, lambda: screen.turn is not None and len(screen.turn.text) > 5, what="some text")
+        conv_id = screen.conv.id
+        await pilot.press("ctrl+q")
+    msgs = app.store.messages(conv_id)
+    assert msgs[-1].role == "assistant" and msgs[-1].status == "interrupted" and msgs[-1].content.strip()
+
+
+async def test_switch_model_and_a_model_that_does_not_fit(paths, gemma3_path, monkeypatch):
+    app = EdgechatApp(paths)  # its own clients, loaded by the app in the background
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        assert app.client.model_name.lower().startswith("smollm2")
+        await send(pilot, f"/model {gemma3_path}")
+        await until(pilot, lambda: app.client.model_name.lower().startswith("gemma"), what="gemma3")
+        assert screen.status.model == app.client.model_name
+        assert any("no chat template" in n.message for n in app._notifications)  # completion-mode warning
+        # a machine with 64 MiB free: the planner refuses, the loaded model keeps serving
+        import edgechat.engine.planner as planner
+
+        monkeypatch.setattr(planner, "available_memory", lambda: 64 << 20)
+        loaded = app.client
+        await send(pilot, "/model smollm2-135m-instruct")
+        await until(pilot, lambda: any("Cannot load" in n.message for n in app._notifications), what="refusal")
+        refusal = next(n.message for n in app._notifications if "Cannot load" in n.message)
+        assert "free" in refusal and "smaller" in refusal
+        assert app.client is loaded
+        await send(pilot, "The sea is")
+        assert app.store.messages(screen.conv.id)[-1].status == "complete"
