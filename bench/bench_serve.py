@@ -1,0 +1,131 @@
+"""`edgechat serve --parallel 4` against llama.cpp's `llama-server -np 4`, same model, same machine, same run.
+
+Each server runs alone (never both at once) under the same load from edgechat's load generator:
+SmolLM2-135M Q4_1, 2 threads, 8k context in all (4 sequences of 2048), 128 output tokens per
+request, the long-tail prompt mix (20-400 tokens), at concurrency 1 and 4. Prints both reports
+and the ratios the issue sets as targets:
+
+    conc 4: throughput >= 1.0x llama-server and TTFT p95 <= llama-server's
+    conc 1: throughput >= 0.95x llama-server
+
+    python -m bench.bench_serve [--requests-c1 8] [--requests-c4 16] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from edgechat.config import get_paths
+from edgechat.models import resolve_model
+from edgechat.server.loadgen import Report, run_load
+
+MODEL = "smollm2-135m-instruct"
+THREADS, CTX_TOTAL, PARALLEL, MAX_TOKENS = 2, 8192, 4, 128
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _server(cmd: list[str], port: int, name: str, log_dir: Path):
+    """Start a server process, wait until /health answers 200, stop it afterwards."""
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}; see {log_path}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not become healthy in 120 s; see {log_path}")
+                time.sleep(0.2)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _measure(url: str, plan: list[tuple[int, int]], seed: int) -> dict[int, Report]:
+    return {c: asyncio.run(run_load(url, concurrency=c, requests=n, max_tokens=MAX_TOKENS, seed=seed)) for c, n in plan}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests-c1", type=int, default=8)
+    ap.add_argument("--requests-c4", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print the reports and ratios as JSON")
+    ap.add_argument("--log-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")))
+    args = ap.parse_args(argv)
+
+    from bench.llamabench import find_llama_server
+
+    model_path = resolve_model(MODEL, get_paths())
+    plan = [(1, args.requests_c1), (4, args.requests_c4)]
+    results: dict[str, dict[int, Report]] = {}
+
+    port = _free_port()
+    llama_cmd = [
+        str(find_llama_server()), "-m", str(model_path), "-t", str(THREADS), "-tb", str(THREADS),
+        "-c", str(CTX_TOTAL), "-np", str(PARALLEL), "--no-webui", "--host", "127.0.0.1", "--port", str(port),
+    ]
+    with _server(llama_cmd, port, "llama-server", args.log_dir) as url:
+        results["llama-server"] = _measure(url, plan, args.seed)
+
+    port = _free_port()
+    edge_cmd = [
+        sys.executable, "-m", "edgechat", "serve", "-m", MODEL, "--threads", str(THREADS),
+        "--ctx", str(CTX_TOTAL // PARALLEL), "--parallel", str(PARALLEL), "--port", str(port),
+        "--degrade-queue-wait", "0",
+    ]
+    with _server(edge_cmd, port, "edgechat-serve", args.log_dir) as url:
+        results["edgechat"] = _measure(url, plan, args.seed)
+
+    ref, ours = results["llama-server"], results["edgechat"]
+    ratios = {
+        "c1_throughput": ours[1].output_tok_s / ref[1].output_tok_s if ref[1].output_tok_s else 0.0,
+        "c4_throughput": ours[4].output_tok_s / ref[4].output_tok_s if ref[4].output_tok_s else 0.0,
+        "c4_ttft_p95": ours[4].ttft["p95"] / ref[4].ttft["p95"] if ref[4].ttft["p95"] else 0.0,
+    }
+    targets = {
+        "c1_throughput": ratios["c1_throughput"] >= 0.95,
+        "c4_throughput": ratios["c4_throughput"] >= 1.0,
+        "c4_ttft_p95": ratios["c4_ttft_p95"] <= 1.0,
+    }
+    if args.json:
+        out = {name: {c: json.loads(r.to_json()) for c, r in reps.items()} for name, reps in results.items()}
+        print(json.dumps({"results": out, "ratios": ratios, "targets_met": targets}, indent=2))
+    else:
+        for name, reps in results.items():
+            for report in reps.values():
+                print(f"--- {name}\n{report.table()}\n")
+        print(f"conc 1 throughput  edgechat/llama-server = {ratios['c1_throughput']:.2f}x  (target >= 0.95x: {'met' if targets['c1_throughput'] else 'MISSED'})")
+        print(f"conc 4 throughput  edgechat/llama-server = {ratios['c4_throughput']:.2f}x  (target >= 1.0x: {'met' if targets['c4_throughput'] else 'MISSED'})")
+        print(f"conc 4 TTFT p95    edgechat/llama-server = {ratios['c4_ttft_p95']:.2f}x  (target <= 1.0x: {'met' if targets['c4_ttft_p95'] else 'MISSED'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""`edgechat serve` as a process and `edgechat bench serve` against it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from click.testing import CliRunner
+
+from edgechat.cli import cli
+from edgechat.cli.serve import _is_loopback
+
+pytestmark = pytest.mark.slow
+
+
+def test_only_loopback_addresses_count_as_private():
+    assert all(_is_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "127.1.2.3"))
+    assert not any(_is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.5", "example.org"))
+
+
+def test_serve_command_serves_authenticates_and_stops_cleanly():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "edgechat", "serve", "--port", str(port), "--parallel", "2", "--ctx", "512", "--threads", "2", "--api-key", "k1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k1", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list()] == ["smollm2-135m-instruct"]
+        out = client.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+        assert out.usage.completion_tokens >= 1
+
+        result = CliRunner().invoke(
+            cli, ["bench", "serve", "--url", url, "--api-key", "k1", "--concurrency", "2", "--requests", "4", "--max-tokens", "4", "--json"]
+        )
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.output)
+        assert report["ok"] == 4 and report["failed"] == 0 and report["model"] == "smollm2-135m-instruct"
+        # ignore_eos makes every answer exactly max_tokens long
+        assert report["output_tokens"] == 16
+        assert 0 < report["ttft"]["p50"] <= report["ttft"]["p99"] <= report["e2e"]["p99"]
+        assert report["output_tok_s"] > 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, output
+    assert "serving smollm2" in output.lower() and "other machines can reach" not in output
+
+
+def test_bench_serve_reports_an_unreachable_server_in_one_line():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = CliRunner().invoke(cli, ["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--requests", "1"])
+    assert result.exit_code != 0
+    assert "cannot reach" in str(result.exception) or "cannot reach" in result.output
