@@ -21,8 +21,8 @@ class ConfirmScreen(ModalScreen[bool]):
         with Vertical(classes="dialog"):
             yield Label(self.question, classes="dialog-title")
             with Horizontal(classes="dialog-buttons"):
-                yield Button(self.yes, id="yes", variant="error")
-                yield Button("Cancel", id="no")
+                yield Button(self.yes, id="yes", variant="error", compact=True)
+                yield Button("Cancel", id="no", compact=True)
 
     def on_mount(self) -> None:
         self.query_one("#no", Button).focus()

@@ -31,31 +31,27 @@ class SettingsScreen(ModalScreen[dict | None]):
             with VerticalScroll():
                 yield Label("System prompt")
                 yield TextArea(_text(s.get("system_prompt")), id="system_prompt", soft_wrap=True)
-                with Horizontal(classes="fields"):
-                    with Vertical():
-                        yield Label("Temperature")
-                        yield Input(_text(s.get("temperature")), id="temperature", type="number")
-                    with Vertical():
-                        yield Label("Top-p")
-                        yield Input(_text(s.get("top_p")), id="top_p", type="number")
-                with Horizontal(classes="fields"):
-                    with Vertical():
-                        yield Label("Max tokens")
-                        yield Input(_text(s.get("max_tokens")), id="max_tokens", type="integer")
-                    with Vertical():
-                        yield Label("Seed (empty: random)")
-                        yield Input(_text(s.get("seed")), id="seed", type="integer")
+                for key, label, kind in (
+                    ("temperature", "Temperature", "number"),
+                    ("top_p", "Top-p", "number"),
+                    ("max_tokens", "Max tokens", "integer"),
+                    ("seed", "Seed (empty: random)", "integer"),
+                ):
+                    with Horizontal(classes="field"):
+                        yield Label(label)
+                        yield Input(_text(s.get(key)), id=key, type=kind, compact=True)
                 yield Label("Context policy (when the context is full)")
                 yield Select(
                     [(p.value, p.value) for p in ContextPolicy],
                     value=s.get("context_policy") or "shift",
                     allow_blank=False,
                     id="context_policy",
+                    compact=True,
                 )
             yield Label("", id="settings-error")
             with Horizontal(classes="dialog-buttons"):
-                yield Button("Save", id="save", variant="primary")
-                yield Button("Cancel", id="cancel")
+                yield Button("Save", id="save", variant="primary", compact=True)
+                yield Button("Cancel", id="cancel", compact=True)
 
     def values(self) -> dict:
         return {

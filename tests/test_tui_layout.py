@@ -1,0 +1,293 @@
+"""Layout and widget behaviour of the chat app, and snapshots of its screens.
+
+These use a scripted client (fixed text, fixed metrics) so that what is on screen is the same on
+every run; the flows with the real model are in test_tui_flows.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from edgechat.engine.request import Finished, Metrics, RequestMetrics, TextDelta
+from edgechat.tui.app import EdgechatApp
+from edgechat.tui.widgets.chatview import PAGE, ChatView, MessageBox
+
+ANSWER = (
+    "Here is a short answer with **bold** text and a list:\n\n"
+    "- one\n- two\n\n"
+    "```python\nprint('hello')\n```\n"
+)
+
+
+class ScriptedHandle:
+    def __init__(self, parts: list[str], delay: float):
+        self.parts = parts
+        self.delay = delay
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def __iter__(self):
+        text = ""
+        for part in self.parts:
+            if self.cancelled:
+                break
+            time.sleep(self.delay)
+            text += part
+            yield TextDelta(part)
+        m = RequestMetrics(ttft=0.05, decode=1.0, prompt_tokens=20, completion_tokens=len(self.parts) + 1,
+                           context_tokens=20 + len(self.parts), context_size=2048)
+        yield Metrics(m)
+        yield Finished("cancelled" if self.cancelled else "stop", text, m)
+
+
+class ScriptedClient:
+    """Answers every request with the same text, split into small deltas like a model's tokens."""
+
+    model_name = "scripted-model"
+    backend = "CPU"
+    n_ctx = 2048
+    template_mode = "chat"
+    template_warning = None
+
+    def __init__(self, text: str = ANSWER, delay: float = 0.0):
+        self.parts = [text[i : i + 3] for i in range(0, len(text), 3)]
+        self.delay = delay
+        self.requests = []
+
+    def submit(self, request):
+        self.requests.append(request)
+        return ScriptedHandle(self.parts, self.delay)
+
+    def release_session(self, session: str) -> None:
+        pass
+
+    def forget_session(self, session: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def fixed_memory(monkeypatch):
+    # The status bar shows process memory; fix it so screenshots do not change run to run.
+    monkeypatch.setattr("edgechat.tui.widgets.statusbar.process_memory", lambda: 200 * 2**20)
+
+
+def make_app(paths, client=None) -> EdgechatApp:
+    client = client or ScriptedClient()
+    return EdgechatApp(paths, client_factory=lambda ref: client)
+
+
+def seed(store, n_convs: int = 3):
+    convs = []
+    for i in range(n_convs):
+        c = store.create_conversation(model="scripted-model")
+        store.add_message(c.id, "user", ["How do I print in Python?", "Plan a trip to Lisbon", "Explain KV caches"][i % 3])
+        store.add_message(c.id, "assistant", ANSWER)
+        convs.append(c)
+    return convs
+
+
+async def until(pilot, condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await pilot.pause(0.02)
+
+
+# -- layout ------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_narrow_layout_sidebar_is_a_toggle(isolated_dirs):
+    app = make_app(isolated_dirs)
+    convs = seed(app.store)
+    async with app.run_test(size=(50, 30)) as pilot:
+        screen = app.chat_screen
+        assert screen.has_class("-narrow")
+        assert not screen.sidebar.display or screen.sidebar.region.width == 0
+        assert screen.query_one("#main").region.width == 50
+        await pilot.click("#toggle-sidebar")
+        await pilot.pause()
+        assert screen.sidebar.region.width == 50 and screen.query_one("#main").region.width == 0
+        # picking a conversation closes the sidebar again
+        options = screen.sidebar.options
+        options.focus()
+        options.highlighted = 1
+        await pilot.press("enter")
+        await pilot.pause()
+        assert screen.conv.id == convs[1].id
+        assert screen.query_one("#main").region.width == 50
+        # resizing to wide shows both; Ctrl+B hides the sidebar there
+        await pilot.resize_terminal(100, 30)
+        await pilot.pause()
+        assert not screen.has_class("-narrow") and screen.sidebar.region.width == 30
+        await pilot.press("ctrl+b")
+        await pilot.pause()
+        assert screen.query_one("#main").region.width == 100
+        await pilot.resize_terminal(40, 20)
+        await pilot.pause()
+        assert screen.prompt.region.width > 0 and screen.status.region.width == 40
+
+
+@pytest.mark.asyncio
+async def test_prompt_keys_send_newline_history(isolated_dirs):
+    client = ScriptedClient("ok")
+    app = make_app(isolated_dirs, client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = app.chat_screen
+        await until(pilot, lambda: app.client is not None)
+        await pilot.press(*"first", "ctrl+j", *"line")
+        assert screen.prompt.text == "first\nline"
+        await pilot.press("enter")
+        await until(pilot, lambda: screen.turn is None and len(screen.chat.boxes()) == 2)
+        assert client.requests[-1].messages[-1] == {"role": "user", "content": "first\nline"}
+        assert screen.prompt.text == ""
+        await pilot.press(*"draft", "up")
+        assert screen.prompt.text == "first\nline"
+        await pilot.press("down", "down")
+        assert screen.prompt.text == "draft"
+        # an empty prompt sends nothing
+        await pilot.press("ctrl+a", "ctrl+k", "enter")
+        assert len(client.requests) == 1
+
+
+@pytest.mark.asyncio
+async def test_streaming_updates_are_coalesced(isolated_dirs, monkeypatch):
+    """500 deltas in about a second reach the widget as a handful of updates, not 500."""
+    client = ScriptedClient("x" * 1500, delay=0.002)
+    app = make_app(isolated_dirs, client)
+    posted = []
+    original = ChatView.AnswerDelta.__init__
+
+    def counting(self, box, text):
+        posted.append(text)
+        original(self, box, text)
+
+    monkeypatch.setattr(ChatView.AnswerDelta, "__init__", counting)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = app.chat_screen
+        await until(pilot, lambda: app.client is not None)
+        screen.prompt.set_text("go")
+        await pilot.press("enter")
+        await until(pilot, lambda: len(app.store.messages(screen.conv.id)) == 2
+                    and app.store.messages(screen.conv.id)[1].status == "complete")
+        assert "".join(posted) == "x" * 1500
+        assert len(posted) <= 20
+        assert screen.chat.boxes()[-1].text == "x" * 1500
+
+
+@pytest.mark.asyncio
+async def test_long_conversation_opens_paged(isolated_dirs):
+    app = make_app(isolated_dirs)
+    c = app.store.create_conversation(title="Long")
+    app.store.db.execute("BEGIN")
+    for i in range(3000):
+        app.store.add_message(c.id, "user" if i % 2 == 0 else "assistant", f"message {i}")
+    app.store.db.execute("COMMIT")
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = app.chat_screen
+        start = time.perf_counter()
+        await screen.open_conversation(c.id)
+        await pilot.pause()
+        elapsed = time.perf_counter() - start
+        boxes = screen.chat.boxes()
+        assert len(boxes) == PAGE and boxes[-1].text == "message 2999"
+        assert elapsed < 2.0
+        screen.query_one("#load-earlier").press()  # scrolled out of view: press it as a user would after scrolling up
+        await until(pilot, lambda: "2920 earlier" in str(screen.query_one("#load-earlier").label))
+        boxes = screen.chat.boxes()
+        assert len(boxes) == 2 * PAGE and boxes[0].text == f"message {3000 - 2 * PAGE}"
+
+
+@pytest.mark.asyncio
+async def test_command_palette_runs_actions(isolated_dirs):
+    app = make_app(isolated_dirs)
+    seed(app.store, 1)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = app.chat_screen
+        await screen.open_conversation(app.store.list_conversations()[0].id)
+        await pilot.press("ctrl+p")
+        await pilot.press(*"new conv")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await until(pilot, lambda: screen.conv is None)
+        assert screen.chat.boxes() == []
+
+
+@pytest.mark.asyncio
+async def test_theme_is_remembered(isolated_dirs):
+    app = make_app(isolated_dirs)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await app.chat_screen.send("/theme nord")
+        await pilot.pause()
+        assert app.theme == "nord"
+    assert 'theme = "nord"' in isolated_dirs.config_file.read_text()
+    app2 = make_app(isolated_dirs)
+    async with app2.run_test(size=(80, 24)):
+        assert app2.theme == "nord"
+
+
+@pytest.mark.asyncio
+async def test_settings_dialog_validates_and_saves(isolated_dirs):
+    app = make_app(isolated_dirs)
+    seed(app.store, 1)
+    async with app.run_test(size=(80, 40)) as pilot:
+        screen = app.chat_screen
+        conv = app.store.list_conversations()[0]
+        await screen.open_conversation(conv.id)
+        await pilot.press("f4")
+        await pilot.pause()
+        dialog = app.screen
+        dialog.query_one("#temperature").value = "-1"
+        await pilot.click("#save")
+        await pilot.pause()
+        assert "temperature" in str(dialog.query_one("#settings-error").render())
+        dialog.query_one("#temperature").value = "0.3"
+        dialog.query_one("#seed").value = "42"
+        dialog.query_one("#system_prompt").load_text("Be brief.")
+        dialog.query_one("#save").press()
+        await pilot.pause(0.3)
+        assert app.screen is screen, str(dialog.query_one("#settings-error").render())
+        saved = app.store.get_conversation(conv.id).settings
+        assert (saved["temperature"], saved["seed"], saved["system_prompt"]) == (0.3, 42, "Be brief.")
+
+
+# -- snapshots (look at the SVGs in tests/__snapshots__ before accepting changes) -----------
+
+
+def _open_first(app):
+    async def run_before(pilot):
+        screen = app.chat_screen
+        await screen.open_conversation(app.store.list_conversations()[0].id)
+        await pilot.pause(0.2)
+
+    return run_before
+
+
+@pytest.mark.parametrize("size", [(80, 24), (50, 30)])
+def test_snapshot_chat(snap_compare, isolated_dirs, size):
+    app = make_app(isolated_dirs)
+    seed(app.store)
+    assert snap_compare(app, terminal_size=size, run_before=_open_first(app))
+
+
+@pytest.mark.parametrize("size", [(80, 24), (50, 30)])
+def test_snapshot_help(snap_compare, isolated_dirs, size):
+    assert snap_compare(make_app(isolated_dirs), terminal_size=size, press=["f1", "_"])
+
+
+@pytest.mark.parametrize("size", [(80, 24), (50, 30)])
+def test_snapshot_settings(snap_compare, isolated_dirs, size):
+    assert snap_compare(make_app(isolated_dirs), terminal_size=size, press=["f4", "_"])
+
+
+def test_snapshot_narrow_sidebar_open(snap_compare, isolated_dirs):
+    app = make_app(isolated_dirs)
+    seed(app.store)
+    assert snap_compare(app, terminal_size=(50, 30), press=["ctrl+b", "_"])
