@@ -44,14 +44,21 @@ except ImportError:  # the report says so when it runs; conversion does not need
 class Model:
     """A GGUF loaded for evaluation: `tokenize` and `logits` for one sequence."""
 
-    def __init__(self, path: str | os.PathLike, n_ctx: int = 512, n_batch: int = 64, threads: int | None = None):
+    def __init__(self, path: str | os.PathLike, n_ctx: int = 512, n_batch: int = 64, threads: int | None = None,
+                 vocab_only: bool = False):
         lc = _llama()
         self._lc = lc
         self.path = Path(path)
+        self.ctx = None
         mparams = lc.llama_model_default_params()
+        mparams.vocab_only = vocab_only
         self.model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self.model:
             raise QuantizeError(f"llama.cpp cannot load {self.path}; is it a complete GGUF?")
+        self.vocab = lc.llama_model_get_vocab(self.model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        if vocab_only:
+            return
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_batch
@@ -61,8 +68,6 @@ class Model:
         if not self.ctx:
             lc.llama_model_free(self.model)
             raise QuantizeError(f"llama.cpp cannot create a context for {self.path}")
-        self.vocab = lc.llama_model_get_vocab(self.model)
-        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = n_ctx
         self.n_batch = n_batch
 

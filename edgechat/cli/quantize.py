@@ -1,0 +1,127 @@
+"""`edgechat quantize`: a Hugging Face checkpoint to GGUF, then a quality report."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+import click
+
+from edgechat.errors import EdgechatError, UsageError
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'800MB', '1.5G', '700M', '123456' -> bytes (decimal units, as file managers show)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise UsageError(f"--target-size {text!r} is not a size; write it like 800MB or 1.5GB")
+    return int(float(m.group(1)) * 1000 ** "_kmgt".index((m.group(2) or "_").lower()))
+
+
+@click.command("quantize")
+@click.argument("src", required=False)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output .gguf (default: <folder>-<TYPE>.gguf here).")
+@click.option("--type", "type_name", default=None, metavar="TYPE",
+              help="Q4_K_M (default), Q4_K_S, Q5_K_M, Q6_K, Q8_0, Q4_0, F16 or BF16.")
+@click.option("--outtype", type=click.Choice(["f16", "bf16", "f32"], case_sensitive=False), default="f16",
+              show_default=True, help="Float type of unquantized tensors, and the one quantization starts from.")
+@click.option("--target-size", default=None, metavar="SIZE", help="Pick the best type whose file fits SIZE (e.g. 300MB).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all).")
+@click.option("--force", is_flag=True, help="Overwrite the output file if it exists.")
+@click.option("--no-report", is_flag=True, help="Skip the quality report (it converts an F16 copy to compare with).")
+@click.option("--allow-requantize", is_flag=True, help="Accept a GGUF as SRC and requantize it (quality suffers).")
+@click.option("--report", "report_of", type=click.Path(dir_okay=False), default=None, metavar="QUANT.gguf",
+              help="Only report the quality of QUANT.gguf against --reference.")
+@click.option("--reference", type=click.Path(dir_okay=False), default=None, metavar="F16.gguf",
+              help="The F16 GGUF that --report compares with.")
+def quantize_cmd(src, output, type_name, outtype, target_size, threads, force, no_report, allow_requantize,
+                 report_of, reference) -> None:
+    """Convert a Hugging Face model (folder or repo id) to GGUF, without PyTorch.
+
+    Uses llama.cpp's own quantization kernels and type mixtures, so a Q4_K_M made here is the
+    Q4_K_M llama.cpp would make. Only safetensors weights are read.
+    """
+    from quantize import QuantizeError
+
+    try:
+        if report_of is not None:
+            if reference is None:
+                raise UsageError("--report needs --reference F16.gguf to compare with")
+            _print_report(report_of, reference, None, threads)
+            return
+        if src is None:
+            raise UsageError("missing SRC: a Hugging Face model folder or repo id (see: edgechat quantize --help)")
+        if type_name and target_size:
+            raise UsageError("give --type or --target-size, not both")
+        if Path(src).suffix == ".gguf" and Path(src).is_file():
+            _requantize(Path(src), output, type_name or "Q4_K_M", threads, force, allow_requantize)
+            return
+        _convert(src, output, type_name, outtype, target_size, threads, force, no_report)
+    except QuantizeError as exc:
+        raise EdgechatError(str(exc)) from None
+
+
+def _progress(label: str):
+    bar = None
+
+    def update(name: str, done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = click.progressbar(length=total, label=label, file=click.get_text_stream("stderr"))
+            bar.__enter__()
+        bar.update(done - bar.pos)
+        if name == "done":
+            bar.__exit__(None, None, None)
+
+    return update
+
+
+def _convert(src, output, type_name, outtype, target_size, threads, force, no_report) -> None:
+    from quantize import convert
+    from quantize.mixture import file_type, is_quantized
+
+    limit = parse_size(target_size) if target_size else None
+    result = convert(src, output, type_name=type_name or ("Q4_K_M" if limit is None else None), outtype=outtype,
+                     target_size=limit, threads=threads, force=force, progress=_progress("converting"))
+    click.echo(f"wrote {result.path} ({result.file_type}, {result.nbytes / 1e6:.1f} MB, {result.n_tensors} tensors)")
+    if no_report or not is_quantized(file_type(result.file_type).default):
+        return
+    # The report compares with the F16 conversion, made next to the output and removed after.
+    with tempfile.TemporaryDirectory(prefix=".edgechat-report-", dir=result.path.parent) as tmp:
+        ref = convert(src, Path(tmp) / "reference-F16.gguf", type_name="F16", outtype=outtype, threads=threads,
+                      progress=_progress("reference F16"))
+        _print_report(result.path, ref.path, result.file_type, threads)
+
+
+def _print_report(quant, reference, type_name, threads) -> None:
+    from quantize.report import compare
+
+    quality = compare(quant, reference, threads=threads)
+    click.echo(quality.table())
+    warning = quality.warning(type_name)
+    if warning:
+        click.echo(f"edgechat: warning: {warning}", err=True)
+
+
+def _requantize(src: Path, output, type_name, threads, force, allow) -> None:
+    from quantize import QuantizeError
+    from quantize.requantize import requantize
+
+    if not allow:
+        raise UsageError(
+            f"{src.name} is already a GGUF; requantizing loses quality. Convert the original checkpoint, "
+            "or pass --allow-requantize"
+        )
+    out = Path(output) if output else src.with_name(f"{src.stem}-{type_name.upper()}.gguf")
+    if out.exists() and not force:
+        raise QuantizeError(f"{out} exists; pass --force to overwrite it")
+    click.echo("edgechat: warning: requantizing an already quantized model loses quality", err=True)
+    requantize(src, out, type_name, threads)
+    click.echo(f"wrote {out} ({type_name.upper()}, {out.stat().st_size / 1e6:.1f} MB)")
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(quantize_cmd)
