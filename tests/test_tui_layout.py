@@ -175,6 +175,9 @@ async def test_streaming_updates_are_coalesced(isolated_dirs, monkeypatch):
         await until(pilot, lambda: app.client is not None)
         screen.prompt.set_text("go")
         await pilot.press("enter")
+        await until(pilot, lambda: screen.turn is not None and len(screen.turn.text) >= 300)
+        live = screen.chat.boxes()[-1]
+        assert live.text == screen.turn.text and not live.has_class("-interrupted")  # shown as in progress
         await until(pilot, lambda: len(app.store.messages(screen.conv.id)) == 2
                     and app.store.messages(screen.conv.id)[1].status == "complete")
         assert "".join(posted) == "x" * 1500

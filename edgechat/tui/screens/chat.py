@@ -134,7 +134,7 @@ class ChatScreen(Screen):
             total = self.store.count_messages(conv.id)
             messages = self._with_live_text(self.store.messages(conv.id, limit=PAGE))
             self._shown = len(messages)
-            await self.chat.show(messages, total)
+            await self.chat.show(messages, total, self.turn.answer_id if self.turn else None)
         self._set_title()
         self.refresh_sidebar()
         self.status.context_used = 0
@@ -237,7 +237,7 @@ class ChatScreen(Screen):
         model = self.client.model_name if self.client else self.app.model_ref
         # Stored at once as "interrupted": a crash mid-answer leaves it marked, and each save updates it.
         answer = self.store.add_message(self.conv.id, "assistant", "", status="interrupted", meta={"model": model})
-        box = await self.chat.add(answer)
+        box = await self.chat.add(answer, streaming=True)
         turn = Turn(self.conv.id, answer.id, user_id, prompt)
         if self.client is None:
             self._waiting = (self.conv, turn)
@@ -338,8 +338,6 @@ class ChatScreen(Screen):
         self.store.update_message(turn.answer_id, content=f.text, status=status, meta=meta)
         box = self._box(turn.answer_id)
         if box is not None:
-            if box.text != f.text:
-                await box.set_text(f.text)
             box.finish(self.store.get_message(turn.answer_id))
         if f.reason == "cancelled":
             self._restore_prompt(turn.prompt)

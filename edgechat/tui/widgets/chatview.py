@@ -61,16 +61,18 @@ class MessageBox(Vertical, can_focus=True):
             self.box = box
             self.action = action
 
-    def __init__(self, message: StoredMessage):
+    def __init__(self, message: StoredMessage, streaming: bool = False):
         super().__init__(classes=f"message -{message.role}")
         self.message = message
+        #: an answer still arriving (stored as "interrupted" until it ends, shown as in progress)
+        self.streaming = streaming
         self.text = message.content
         self._body: Markdown | Static | None = None
         self._set_status_class()
 
     def _set_status_class(self) -> None:
-        self.set_class(self.message.status == "interrupted", "-interrupted")
-        self.set_class(self.message.status == "error", "-error")
+        self.set_class(not self.streaming and self.message.status == "interrupted", "-interrupted")
+        self.set_class(not self.streaming and self.message.status == "error", "-error")
 
     def compose(self):
         label = _ROLE_LABELS.get(self.message.role, self.message.role)
@@ -85,6 +87,8 @@ class MessageBox(Vertical, can_focus=True):
         yield Label(self._status_note(), classes="status-note")
 
     def _status_note(self) -> str:
+        if self.streaming:
+            return ""
         if self.message.status == "interrupted":
             return "(stopped)"
         if self.message.status == "error":
@@ -98,16 +102,10 @@ class MessageBox(Vertical, can_focus=True):
         elif self._body is not None:
             self._body.update(self.text)
 
-    async def set_text(self, text: str) -> None:
-        self.text = text
-        if isinstance(self._body, Markdown):
-            await self._body.update(text)
-        elif self._body is not None:
-            self._body.update(text)
-
     def finish(self, message: StoredMessage) -> None:
         """The answer ended: show its final status and stats."""
         self.message = message
+        self.streaming = False
         self._set_status_class()
         self.query_one(".stats", Label).update(stats_text(message))
         self.query_one(".status-note", Label).update(self._status_note())
@@ -172,14 +170,14 @@ class ChatView(VerticalScroll):
 
     # -- showing messages ------------------------------------------------
 
-    async def show(self, messages: list[StoredMessage], total: int) -> None:
+    async def show(self, messages: list[StoredMessage], total: int, streaming_id: int | None = None) -> None:
         """Replace what is shown: the newest `messages`, and a button for the `total - len` older ones."""
         with self.app.batch_update():
             await self.remove_children()
             widgets = []
             if total > len(messages):
                 widgets.append(Button(f"▲ {total - len(messages)} earlier messages", id="load-earlier"))
-            widgets += [MessageBox(m) for m in messages]
+            widgets += [MessageBox(m, streaming=m.id == streaming_id) for m in messages]
             if widgets:
                 await self.mount_all(widgets)
         self.scroll_end(animate=False, immediate=True)
@@ -201,8 +199,8 @@ class ChatView(VerticalScroll):
         event.stop()
         self.post_message(self.LoadEarlier())
 
-    async def add(self, message: StoredMessage) -> MessageBox:
-        box = MessageBox(message)
+    async def add(self, message: StoredMessage, streaming: bool = False) -> MessageBox:
+        box = MessageBox(message, streaming)
         await self.mount(box)
         self.scroll_end(animate=False)
         self.anchor()
@@ -254,10 +252,6 @@ class ChatView(VerticalScroll):
                 if pending:
                     self.post_message(self.AnswerDelta(box, "".join(pending)))
                 self.post_message(self.AnswerFinished(box, event))
-
-    @on(AnswerDelta)
-    async def _on_delta(self, message: AnswerDelta) -> None:
-        await message.box.append(message.text)
 
     @on(AnswerFinished)
     @on(AnswerFailed)
