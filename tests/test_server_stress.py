@@ -51,6 +51,9 @@ def _case(kind: str, rng: random.Random) -> tuple[dict, int]:
     if kind == "disconnect":
         body = {"model": MODEL, "messages": HI, "max_tokens": rng.choice([64, 10**9]), "stream": True, "ignore_eos": True}
         return {"json": body, "hangup": rng.randint(1, 3)}, 200
+    if kind == "abandon":
+        # a non-streaming client that gives up waiting: its sequence must be cancelled too
+        return {"json": {"model": MODEL, "messages": HI, "max_tokens": 256, "ignore_eos": True}, "abandon": True}, 0
     if kind == "bad_json":
         return {"content": rng.choice([b"{", b'{"messages": [}', b"null", b"", b'{"model": "x",}'])}, 400
     if kind == "wrong_type":
@@ -69,14 +72,21 @@ def _case(kind: str, rng: random.Random) -> tuple[dict, int]:
     raise AssertionError(kind)
 
 
-KINDS = ["normal", "normal", "stream", "disconnect", "bad_json", "wrong_type", "unknown_model", "oversized", "empty", "not_utf8"]
+KINDS = ["normal", "normal", "stream", "disconnect", "abandon", "bad_json", "wrong_type", "unknown_model", "oversized", "empty", "not_utf8"]
 
 
 async def _send(client: httpx.AsyncClient, url: str, case: dict) -> tuple[int, list[str]]:
     hangup = case.pop("hangup", None)
+    abandon = case.pop("abandon", False)
     headers = {"Content-Type": "application/json"}
     if "json" in case:
         case = {"content": json.dumps(case["json"]).encode()}
+    if abandon:
+        try:
+            await client.post(f"{url}/v1/chat/completions", headers=headers, timeout=httpx.Timeout(60, read=0.3), **case)
+        except httpx.ReadTimeout:
+            return 0, []
+        raise AssertionError("256 tokens came back within 0.3 s")
     async with client.stream("POST", f"{url}/v1/chat/completions", headers=headers, **case) as response:
         if response.status_code != 200 or "text/event-stream" not in response.headers.get("content-type", ""):
             await response.aread()
@@ -106,26 +116,29 @@ def test_hostile_traffic_never_breaks_the_server_or_leaks_sequences(models_root)
         with serving(create_app(settings, engine)) as url:
             rng = random.Random(7)
             rss = []
-            seen = set()
+            seen = []
             for _ in range(ROUNDS):
                 for kind, expected, status, lines in asyncio.run(_round(url, rng)):
-                    seen.add(kind)
+                    seen.append(kind)
                     assert status == expected, (kind, status, lines[:2])
                     if kind == "stream":
                         assert lines[-1] == "data: [DONE]", lines
                         assert '"finish_reason": "length"' in lines[-2] or '"finish_reason": "stop"' in lines[-2], lines
-                    if expected != 200:
+                    if expected not in (0, 200):
                         error = json.loads(lines[0])["error"]
                         assert error["message"] and error["type"], error
                 stats = wait_idle(engine)
                 assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_used"] == 0, stats
                 rss.append(_rss_kib())
-            assert seen == set(KINDS)
+            assert set(seen) == set(KINDS)
             health = httpx.get(f"{url}/health").json()
             assert health["status"] == "ok" and health["running"] == 0
+            # every hang-up cancelled its sequence (none of them could have finished first)
+            hangups = seen.count("disconnect") + seen.count("abandon")
             metrics = httpx.get(f"{url}/metrics").text
-            assert 'edgechat_requests_total{outcome="cancelled"}' in metrics
+            assert f'edgechat_requests_total{{outcome="cancelled"}} {float(hangups)}' in metrics
             # the first round warms caches and pools; later rounds must not keep growing
+            print("rss KiB per round", rss)
             assert rss[-1] - rss[1] < 16 * 1024, rss
     finally:
         engine.close()
