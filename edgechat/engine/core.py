@@ -265,8 +265,12 @@ class Engine:
         state = self._session_state(request.session) if request.session else {}
         already = min(state.get("evicted", 0), max(len(msgs) - 1 - keep_msgs, 0))
         summary = state.get("summary") if already else None
+        policy = self._policy(request)
         retained, seg_tokens, pinned, evicted = self._fit(request, msgs, keep_msgs, already, summary, limit)
-        if request.session and ContextPolicy(request.context_policy) is ContextPolicy.SUMMARIZE and evicted > already:
+        if evicted > already and policy is not ContextPolicy.SHIFT:
+            # truncate and summarize recompute what follows the cut: cut deeper, so that happens rarely
+            retained, seg_tokens, pinned, evicted = self._fit(request, msgs, keep_msgs, already, summary, limit // 2)
+        if evicted > already and policy is ContextPolicy.SUMMARIZE:
             # the model condenses what leaves the context; the summary stays pinned in its place
             summary = self._summarize(summary, msgs[keep_msgs + already : keep_msgs + evicted])
             retained, seg_tokens, pinned, evicted = self._fit(request, msgs, keep_msgs, evicted, summary, limit)

@@ -1,0 +1,135 @@
+"""The KV cache manager on the real model: prefix reuse, eviction policies, snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgechat.engine import ChatRequest, Engine, EngineConfig, Evicted, SamplingParams
+from edgechat.engine.kvcache import snapshot_path
+
+GREEDY = SamplingParams(temperature=0)
+SYSTEM = {"role": "system", "content": "The capital of the country Zubrowka is Lutz."}
+QUESTION = "What is the capital of Zubrowka?"
+
+
+def engine_for(model, paths, n_ctx=512, **kw):
+    return Engine(EngineConfig(model=str(model), n_ctx=n_ctx, n_threads=2, paths=paths, **kw))
+
+
+def turn(engine, history, text, session, policy="shift", max_tokens=16):
+    history.append({"role": "user", "content": text})
+    handle = engine.submit(ChatRequest(messages=[SYSTEM] + history, sampling=GREEDY, max_tokens=max_tokens,
+                                       session=session, context_policy=policy))
+    events = list(handle)
+    done = handle.finished
+    history.append({"role": "assistant", "content": done.text})
+    return done, [e for e in events if isinstance(e, Evicted)]
+
+
+def assert_positions_consistent(engine, session):
+    lo, hi, mirrored = engine.seq_positions(session)
+    assert lo == 0 and hi == mirrored - 1
+
+
+def test_each_turn_prefills_only_what_is_new(smollm2_path, isolated_dirs):
+    with engine_for(smollm2_path, isolated_dirs, n_ctx=2048) as engine:
+        history: list[dict] = []
+        first, _ = turn(engine, history, "Tell me one short fact about the number 1.", "chat")
+        second, _ = turn(engine, history, "Tell me one short fact about the number 2.", "chat")
+        third, _ = turn(engine, history, "Tell me one short fact about the number 3.", "chat")
+        assert first.metrics.cached_tokens == 0
+        # everything up to the previous answer comes from the cache
+        assert second.metrics.cached_tokens >= first.metrics.prompt_tokens
+        assert third.metrics.cached_tokens >= second.metrics.prompt_tokens
+        assert third.metrics.prompt_tokens - third.metrics.cached_tokens < 40
+        # editing the last question reuses everything before it
+        history = history[:-2]
+        edited, _ = turn(engine, history, "Tell me one short fact about the number 7.", "chat")
+        assert edited.metrics.cached_tokens >= second.metrics.prompt_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["shift", "truncate", "summarize"])
+def test_thirty_turns_in_a_small_context_keep_the_pinned_fact(smollm2_path, isolated_dirs, policy):
+    with engine_for(smollm2_path, isolated_dirs, n_ctx=512) as engine:
+        history: list[dict] = []
+        evictions = []
+        for i in range(30):
+            done, evicted = turn(engine, history, f"Tell me one short fact about the number {i + 1}.", "long", policy)
+            assert done.reason in ("stop", "length")
+            assert done.metrics.context_tokens <= 512
+            evictions += evicted
+            assert_positions_consistent(engine, "long")
+        assert evictions, "a 30-turn chat must outgrow a 512-token context"
+        assert all("left the context" in e.note for e in evictions)
+        assert len(history) == 60  # the conversation itself is never cut
+        done, _ = turn(engine, history, QUESTION, "long", policy)
+        assert "Lutz" in done.text
+
+
+def test_an_answer_three_times_the_context_completes_under_shift(smollm2_path, isolated_dirs):
+    with engine_for(smollm2_path, isolated_dirs, n_ctx=256) as engine:
+        handle = engine.submit(ChatRequest(messages=[SYSTEM, {"role": "user", "content": "Count from one to one thousand."}],
+                                           sampling=GREEDY, max_tokens=768, ignore_eos=True, session="count"))
+        events = list(handle)
+        done = handle.finished
+        assert done.reason == "length" and done.metrics.completion_tokens == 768
+        assert any(isinstance(e, Evicted) for e in events)
+        assert done.metrics.context_tokens <= 256
+        assert_positions_consistent(engine, "count")
+
+
+def _two_turns(engine, session):
+    history: list[dict] = []
+    turn(engine, history, "Tell me one short fact about the number 5.", session)
+    turn(engine, history, "And one about the number 6.", session)
+    return history
+
+
+def test_snapshot_round_trip_matches_a_cold_prefill(smollm2_path, isolated_dirs, tmp_path):
+    with engine_for(smollm2_path, isolated_dirs) as engine:
+        history = _two_turns(engine, "snap")
+        engine.release_session("snap")
+    assert snapshot_path(isolated_dirs.snapshots, "snap").is_file()
+    with engine_for(smollm2_path, isolated_dirs) as engine:
+        warm, _ = turn(engine, list(history), QUESTION, "snap")
+    from edgechat.config import get_paths
+
+    with engine_for(smollm2_path, get_paths(tmp_path / "elsewhere")) as engine:
+        cold, _ = turn(engine, list(history), QUESTION, "snap")
+    assert warm.metrics.cached_tokens > 50 and cold.metrics.cached_tokens == 0
+    assert warm.text == cold.text and "Lutz" in warm.text
+
+
+def test_bad_snapshots_are_rebuilt_not_trusted(smollm2_path, gemma3_path, isolated_dirs):
+    with engine_for(smollm2_path, isolated_dirs) as engine:
+        history = _two_turns(engine, "s1")
+    path = snapshot_path(isolated_dirs.snapshots, "s1")
+    good = path.read_bytes()
+
+    # corrupt: garbage, then a truncated file
+    for damaged in (b"\x00garbage" * 100, good[: len(good) // 3]):
+        path.write_bytes(damaged)
+        with engine_for(smollm2_path, isolated_dirs) as engine:
+            done, _ = turn(engine, list(history), QUESTION, "s1")
+        assert done.metrics.cached_tokens == 0 and "Lutz" in done.text
+
+    # another context size
+    path.write_bytes(good)
+    with engine_for(smollm2_path, isolated_dirs, n_ctx=1024) as engine:
+        done, _ = turn(engine, list(history), QUESTION, "s1")
+    assert done.metrics.cached_tokens == 0 and "Lutz" in done.text
+
+    # another model
+    path.write_bytes(good)
+    with engine_for(gemma3_path, isolated_dirs) as engine:
+        done, _ = turn(engine, list(history), QUESTION, "s1", max_tokens=4)
+    assert done.metrics.cached_tokens == 0
+
+
+def test_identical_system_prompts_share_their_kv(smollm2_path, isolated_dirs):
+    with engine_for(smollm2_path, isolated_dirs, hot_sessions=1) as engine:
+        turn(engine, [], "Hello!", "a")
+        second, _ = turn(engine, [], "Good morning!", "b")
+        n_system = len(engine.prompt_tokens(ChatRequest(messages=[SYSTEM, {"role": "user", "content": "x"}])))
+        assert second.metrics.cached_tokens >= n_system - 10
