@@ -74,11 +74,7 @@ def wait_idle(engine, timeout=5.0) -> dict:
 
 
 def metric(base_url: str, name: str) -> float:
-    text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"{name} not in /metrics")
+    return _value(httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text, name)
 
 
 def test_models_lists_the_loaded_model(client):
@@ -190,17 +186,17 @@ def test_full_queue_answers_429_with_retry_after(client, engine, base_url):
 
     def one(_):
         try:
-            client.chat.completions.create(model=MODEL, messages=HI, max_tokens=24, extra_body={"ignore_eos": True})
+            client.chat.completions.create(model=MODEL, messages=HI, max_tokens=16, extra_body={"ignore_eos": True})
             return 200, None
         except openai.RateLimitError as exc:
             return 429, exc.response.headers.get("retry-after")
 
     # at most 4 wait for the 4 sequences; the rest arrive while those are still generating
-    with concurrent.futures.ThreadPoolExecutor(14) as pool:
-        results = list(pool.map(one, range(14)))
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(one, range(12)))
     statuses = [s for s, _ in results]
     assert statuses.count(200) >= 4 and statuses.count(429) >= 1
-    assert statuses.count(200) + statuses.count(429) == 14
+    assert statuses.count(200) + statuses.count(429) == 12
     assert all(int(ra) >= 1 for s, ra in results if s == 429)
     assert metric(base_url, 'edgechat_requests_total{outcome="rejected"}') - rejected_before == statuses.count(429)
     assert wait_idle(engine)["kv_used"] == 0
@@ -258,27 +254,41 @@ def test_metrics_count_what_was_served(client, base_url, engine):
         assert name in text
 
 
-def test_degrade_switch_caps_max_tokens_under_sustained_queueing(models_root):
-    # its own engine: 2 sequences and an unbounded queue, so 6 clients make requests wait
-    engine = Engine(EngineConfig(model=MODEL, n_ctx=256, n_threads=2, n_parallel=2, paths=models_root))
+def test_degrade_switch_caps_max_tokens_and_routes_to_the_fallback_under_sustained_queueing(models_root):
+    # its own engines: 2 sequences and an unbounded queue, so 6 clients make requests wait;
+    # the "smaller" fallback is a second SmolLM2 engine, told apart by the model id it reports
+    def load():
+        return Engine(EngineConfig(model=MODEL, n_ctx=256, n_threads=2, n_parallel=2, paths=models_root))
+
+    engine, fallback = load(), load()
+    fallback_id = fallback.model_info.path.stem
     settings = ServerSettings(model_id=MODEL, degrade_queue_wait=0.3, degrade_max_tokens=3)
     body = {"model": MODEL, "messages": HI, "max_tokens": 12, "ignore_eos": True}
     try:
-        with serving(create_app(settings, engine)) as url, httpx.Client(timeout=120) as http:
+        with serving(create_app(settings, engine, fallback)) as url, httpx.Client(timeout=120) as http:
+            assert [m["id"] for m in http.get(f"{url}/v1/models").json()["data"]] == [MODEL, fallback_id]
 
             def one(_):
                 r = http.post(f"{url}/v1/chat/completions", json=body)
                 assert r.status_code == 200, r.text
-                return r.json()["usage"]["completion_tokens"]
+                return r.json()["usage"]["completion_tokens"], r.json()["model"]
 
             with concurrent.futures.ThreadPoolExecutor(6) as pool:
-                tokens = list(pool.map(one, range(14)))
-            # whole answers first, capped ones once the queue wait passed 0.3 s
-            assert tokens[:2] == [12, 12] and 3 in tokens and set(tokens) == {3, 12}, tokens
-            switches = [l for l in http.get(f"{url}/metrics").text.splitlines() if l.startswith("edgechat_degrade_switches_total")]
-            assert float(switches[0].split()[-1]) >= 1
+                answers = list(pool.map(one, range(14)))
+            # whole answers from the main model first; capped ones from the fallback once the
+            # queue wait passed 0.3 s
+            assert answers[:2] == [(12, MODEL)] * 2, answers
+            assert (3, fallback_id) in answers and set(answers) == {(12, MODEL), (3, fallback_id)}, answers
+            metrics = http.get(f"{url}/metrics").text
+            assert _value(metrics, "edgechat_degrade_switches_total") >= 1
+            assert _value(metrics, "edgechat_fallback_requests_total") == answers.count((3, fallback_id))
             # a lone request finds the queue empty: the switch turns off and answers are whole again
-            assert one(0) == 12
-            assert "edgechat_degraded 0.0" in http.get(f"{url}/metrics").text
+            assert one(0) == (12, MODEL)
+            assert _value(http.get(f"{url}/metrics").text, "edgechat_degraded") == 0
     finally:
         engine.close()
+        fallback.close()
+
+
+def _value(metrics_text: str, name: str) -> float:
+    return next(float(line.split()[-1]) for line in metrics_text.splitlines() if line.startswith(name + " "))

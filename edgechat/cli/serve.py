@@ -31,6 +31,7 @@ def _is_loopback(host: str) -> bool:
 @click.option("--timeout", "request_timeout", type=click.FloatRange(min=1.0), default=600.0, show_default=True, help="Seconds before a request is cancelled.")
 @click.option("--degrade-queue-wait", type=click.FloatRange(min=0.0), default=10.0, show_default=True, help="Average queue wait (s) that caps max_tokens; 0 disables.")
 @click.option("--degrade-max-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="The max_tokens cap while degraded.")
+@click.option("--fallback-model", default=None, help="A smaller model that serves new requests while degraded.")
 @data_dir_option
 def serve_cmd(
     model: str | None,
@@ -46,6 +47,7 @@ def serve_cmd(
     request_timeout: float,
     degrade_queue_wait: float,
     degrade_max_tokens: int,
+    fallback_model: str | None,
     data_dir: str | None,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
@@ -60,20 +62,29 @@ def serve_cmd(
     log = logging.getLogger("edgechat.server")
     if not _is_loopback(host):
         log.warning("listening on %s: other machines can reach this server%s", host, "" if api_key else " and it has no --api-key")
-    engine = Engine(
-        EngineConfig(
-            model=model or DEFAULT_MODEL,
-            n_ctx=ctx,
-            n_threads=threads,
-            n_parallel=parallel,
-            kv_type=kv_type,
-            max_queue=max_queue,
-            paths=get_paths(data_dir),
+
+    def load(name: str) -> Engine:
+        return Engine(
+            EngineConfig(
+                model=name,
+                n_ctx=ctx,
+                n_threads=threads,
+                n_parallel=parallel,
+                kv_type=kv_type,
+                max_queue=max_queue,
+                paths=get_paths(data_dir),
+            )
         )
-    )
+
+    engine = load(model or DEFAULT_MODEL)
+    fallback = None
     try:
-        if engine.template_mode != "chat":
-            log.warning("%s has no usable chat template: chat messages are joined as plain text", engine.model_name)
+        if fallback_model:
+            fallback = load(fallback_model)
+            log.info("degraded requests go to %s", fallback.model_name)
+        for eng in (engine, fallback):
+            if eng is not None and eng.template_mode != "chat":
+                log.warning("%s has no usable chat template: chat messages are joined as plain text", eng.model_name)
         settings = ServerSettings(
             api_key=api_key,
             max_input_tokens=max_input_tokens,
@@ -84,9 +95,11 @@ def serve_cmd(
             degrade_max_tokens=degrade_max_tokens,
         )
         log.info("serving %s: %d sequences of %d tokens on http://%s:%d/v1", engine.model_name, parallel, engine.n_ctx, host, port)
-        uvicorn.run(create_app(settings, engine), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        uvicorn.run(create_app(settings, engine, fallback), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     finally:
         engine.close()
+        if fallback is not None:
+            fallback.close()
 
 
 def register(cli: click.Group) -> None:

@@ -45,6 +45,33 @@ def _sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+class _Served:
+    """One engine and the names requests may call it by."""
+
+    def __init__(self, engine, model_id: str | None):
+        path = engine.model_info.path
+        self.engine = engine
+        self.id = model_id or path.stem
+        # requests may also name the model by its file or by the name in its metadata
+        self.names = {n.lower() for n in (self.id, path.stem, path.name, engine.model_name) if n}
+
+    def card(self, created: int) -> dict:
+        info, engine = self.engine.model_info, self.engine
+        return {
+            "id": self.id,
+            "object": "model",
+            "created": created,
+            "owned_by": "edgechat",
+            "meta": {
+                "architecture": info.architecture,
+                "quant": info.quant,
+                "size_bytes": info.size_bytes,
+                "n_ctx": engine.n_ctx,
+                "template_mode": engine.template_mode,
+            },
+        }
+
+
 class _Generation:
     """One submitted request as the event loop sees it; its end is counted here, exactly once."""
 
@@ -82,20 +109,18 @@ class _Generation:
 
 
 class _Server:
-    def __init__(self, settings: ServerSettings, engine):
+    def __init__(self, settings: ServerSettings, engine, fallback=None):
         self.settings = settings
         self.engine = engine
+        self.primary = _Served(engine, settings.model_id)
+        #: the smaller model degraded requests go to, if any
+        self.fallback = _Served(fallback, None) if fallback is not None else None
         self.metrics = ServerMetrics()
         self.degrade = DegradeSwitch(
             settings.degrade_queue_wait,
             settings.degrade_max_tokens,
             on_switch=lambda on: self.metrics.degrade_switches.inc() if on else None,
         )
-        path = engine.model_info.path
-        self.model_id = settings.model_id or path.stem
-        # requests may also name the model by its file or by the name in its metadata
-        names = [self.model_id, path.stem, path.name, engine.model_name]
-        self._accepted_models = {n.lower() for n in names if n}
         self.created = int(time.time())
         #: submitted and not finished: the degrade switch reads how long the queued ones wait
         self.in_flight: set[_Generation] = set()
@@ -130,30 +155,16 @@ class _Server:
 
     async def health(self, request: Request) -> Response:
         stats = self.engine.stats()
-        return JSONResponse({"status": "ok", "model": self.model_id, **stats, "degraded": self.degrade.active})
+        return JSONResponse({"status": "ok", "model": self.primary.id, **stats, "degraded": self.degrade.active})
 
-    def _model_card(self) -> dict:
-        info = self.engine.model_info
-        return {
-            "id": self.model_id,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "edgechat",
-            "meta": {
-                "architecture": info.architecture,
-                "quant": info.quant,
-                "size_bytes": info.size_bytes,
-                "n_ctx": self.engine.n_ctx,
-                "template_mode": self.engine.template_mode,
-            },
-        }
+    def served(self) -> list[_Served]:
+        return [self.primary] + ([self.fallback] if self.fallback else [])
 
     async def list_models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": [m.card(self.created) for m in self.served()]})
 
     async def get_model(self, request: Request) -> Response:
-        self.check_model(request.path_params["model"])
-        return JSONResponse(self._model_card())
+        return JSONResponse(self.find_model(request.path_params["model"]).card(self.created))
 
     async def metrics_endpoint(self, request: Request) -> Response:
         body = self.metrics.render(self.engine.stats(), self.degrade.active)
@@ -161,15 +172,23 @@ class _Server:
 
     # ---- generation --------------------------------------------------------------------------
 
-    def check_model(self, name: str | None) -> None:
+    def find_model(self, name: str | None) -> _Served:
         # a missing or empty model means "whatever is loaded", as llama-server does
-        if name and name.lower() not in self._accepted_models:
-            raise ApiError(
-                404,
-                f"the model '{name}' does not exist here; this server has '{self.model_id}'",
-                param="model",
-                code="model_not_found",
-            )
+        if not name:
+            return self.primary
+        for served in self.served():
+            if name.lower() in served.names:
+                return served
+        have = ", ".join(f"'{m.id}'" for m in self.served())
+        raise ApiError(404, f"the model '{name}' does not exist here; this server has {have}", param="model", code="model_not_found")
+
+    def route(self, name: str | None) -> _Served:
+        """The model a request runs on: the one it names, or the fallback while degraded."""
+        served = self.find_model(name)
+        if served is self.primary and self.fallback is not None and self.degrade.active:
+            self.metrics.fallback_requests.inc()
+            return self.fallback
+        return served
 
     async def read_body(self, request: Request) -> dict:
         limit = self.settings.max_body_bytes
@@ -191,16 +210,16 @@ class _Server:
         parsed = parse_completion(await self.read_body(request))
         return await self.generate(request, parsed, "text", arrival)
 
-    async def admit(self, req: ChatRequest) -> None:
+    async def admit(self, engine, req: ChatRequest) -> None:
         """Enforce --max-input-tokens and fit max_tokens to the room the prompt leaves.
 
         The engine keeps going past a full context by shifting it, so an unbounded or huge
         max_tokens (10**9) must be cut to what the context holds, or the answer never ends.
         """
-        n_ctx, limit = self.engine.n_ctx, self.settings.max_input_tokens
+        n_ctx, limit = engine.n_ctx, self.settings.max_input_tokens
         # up to a quarter of the context, the engine itself checks that prompt + answer fit
         if limit is not None or req.max_tokens is None or req.max_tokens > n_ctx // 4:
-            n = await run_in_threadpool(self.engine.count_tokens, req)
+            n = await run_in_threadpool(engine.count_tokens, req)
             if limit is not None and n > limit:
                 raise self.reject(prompt_too_long(n, limit, "the server's --max-input-tokens"))
             room = n_ctx - n
@@ -213,20 +232,22 @@ class _Server:
         req.max_tokens = self.degrade.cap(req.max_tokens)
 
     async def generate(self, request: Request, parsed: ParsedRequest, kind: str, arrival: float) -> Response:
-        self.check_model(parsed.model)
+        self.find_model(parsed.model)
         req = parsed.request
-        self.degrade.on_admit(self.engine.stats()["waiting"], self.oldest_queued_wait())
+        waiting = sum(m.engine.stats()["waiting"] for m in self.served())
+        self.degrade.on_admit(waiting, self.oldest_queued_wait())
+        served = self.route(parsed.model)
         gen = _Generation(self, asyncio.get_running_loop(), arrival + self.settings.request_timeout)
         try:
-            await self.admit(req)
+            await self.admit(served.engine, req)
             # submit tokenizes the prompt; keep that off the event loop
-            handle = await run_in_threadpool(self.engine.submit, req, gen.on_event)
+            handle = await run_in_threadpool(served.engine.submit, req, gen.on_event)
         except EdgechatError as exc:
             raise self.reject(from_engine_error(exc, self.retry_after())) from None
         gen.handle = handle
         if not gen.finished.done():
             self.in_flight.add(gen)
-        ids = (f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()))
+        ids = (f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), served.id)
         if parsed.stream:
             return StreamingResponse(self.stream(gen, parsed, kind, ids), media_type="text/event-stream", headers=_SSE_HEADERS)
         finished = await self.wait(request, gen)
@@ -266,7 +287,7 @@ class _Server:
             "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
         }
 
-    def completion_body(self, finished: Finished, kind: str, ids: tuple[str, int]) -> dict:
+    def completion_body(self, finished: Finished, kind: str, ids: tuple[str, int, str]) -> dict:
         if kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": finished.text}}
             obj = "chat.completion"
@@ -274,9 +295,9 @@ class _Server:
             choice = {"index": 0, "text": finished.text}
             obj = "text_completion"
         choice.update(logprobs=None, finish_reason=finished.reason)
-        return {"id": ids[0], "object": obj, "created": ids[1], "model": self.model_id, "choices": [choice], "usage": self._usage(finished)}
+        return {"id": ids[0], "object": obj, "created": ids[1], "model": ids[2], "choices": [choice], "usage": self._usage(finished)}
 
-    def _chunk(self, kind: str, ids: tuple[str, int], text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def _chunk(self, kind: str, ids: tuple[str, int, str], text: str | None, finish_reason: str | None, role: bool = False) -> dict:
         if kind == "chat":
             delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
             choice = {"index": 0, "delta": delta}
@@ -285,9 +306,9 @@ class _Server:
             choice = {"index": 0, "text": text or ""}
             obj = "text_completion"
         choice.update(logprobs=None, finish_reason=finish_reason)
-        return {"id": ids[0], "object": obj, "created": ids[1], "model": self.model_id, "choices": [choice]}
+        return {"id": ids[0], "object": obj, "created": ids[1], "model": ids[2], "choices": [choice]}
 
-    async def stream(self, gen: _Generation, parsed: ParsedRequest, kind: str, ids: tuple[str, int]) -> AsyncIterator[str]:
+    async def stream(self, gen: _Generation, parsed: ParsedRequest, kind: str, ids: tuple[str, int, str]) -> AsyncIterator[str]:
         finished: Finished | None = None
         try:
             if kind == "chat":
@@ -319,7 +340,7 @@ class _Server:
             yield _sse(self._chunk(kind, ids, None, finished.reason))
             if parsed.include_usage:
                 usage = {"id": ids[0], "object": self._chunk(kind, ids, None, None)["object"], "created": ids[1]}
-                yield _sse({**usage, "model": self.model_id, "choices": [], "usage": self._usage(finished)})
+                yield _sse({**usage, "model": ids[2], "choices": [], "usage": self._usage(finished)})
             yield _sse("[DONE]")
         finally:
             if finished is None:
@@ -377,9 +398,12 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return ApiError(500, "internal server error", type="server_error").response()
 
 
-def create_app(settings: ServerSettings, engine) -> Starlette:
-    """The ASGI app serving `engine`; it does not own the engine (the caller closes it)."""
-    server = _Server(settings, engine)
+def create_app(settings: ServerSettings, engine, fallback=None) -> Starlette:
+    """The ASGI app serving `engine` (and, while degraded, `fallback`, a smaller model's engine).
+
+    It does not own the engines: the caller closes them.
+    """
+    server = _Server(settings, engine, fallback)
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.list_models, methods=["GET"]),

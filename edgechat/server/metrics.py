@@ -42,6 +42,7 @@ class ServerMetrics:
         self.kv_total = Gauge("edgechat_kv_cells_total", "KV cache cells in the context.", registry=r)
         self.degraded = Gauge("edgechat_degraded", "1 while the degrade switch caps max_tokens, else 0.", registry=r)
         self.degrade_switches = Counter("edgechat_degrade_switches", "Times the degrade switch turned on.", registry=r)
+        self.fallback_requests = Counter("edgechat_fallback_requests", "Requests routed to the fallback model while degraded.", registry=r)
 
     def observe_finished(self, m: RequestMetrics, outcome: str) -> None:
         self.requests.labels(outcome).inc()
