@@ -182,9 +182,8 @@ class _Server:
         have = ", ".join(f"'{m.id}'" for m in self.served())
         raise ApiError(404, f"the model '{name}' does not exist here; this server has {have}", param="model", code="model_not_found")
 
-    def route(self, name: str | None) -> _Served:
+    def route(self, served: _Served) -> _Served:
         """The model a request runs on: the one it names, or the fallback while degraded."""
-        served = self.find_model(name)
         if served is self.primary and self.fallback is not None and self.degrade.active:
             self.metrics.fallback_requests.inc()
             return self.fallback
@@ -232,11 +231,11 @@ class _Server:
         req.max_tokens = self.degrade.cap(req.max_tokens)
 
     async def generate(self, request: Request, parsed: ParsedRequest, kind: str, arrival: float) -> Response:
-        self.find_model(parsed.model)
+        served = self.find_model(parsed.model)
         req = parsed.request
         waiting = sum(m.engine.stats()["waiting"] for m in self.served())
         self.degrade.on_admit(waiting, self.oldest_queued_wait())
-        served = self.route(parsed.model)
+        served = self.route(served)
         gen = _Generation(self, asyncio.get_running_loop(), arrival + self.settings.request_timeout)
         try:
             await self.admit(served.engine, req)

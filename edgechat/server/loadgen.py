@@ -194,7 +194,7 @@ async def run_load(
         model = await _model_id(client, base)
         for i in range(warmup):
             await _one(client, base, model, make_prompt(_MIN_TOKENS, rng), _MIN_TOKENS, 8, seed + 10_000 + i)
-        pending = list(enumerate(zip(prompts, targets)))
+        pending = list(enumerate(zip(prompts, targets, strict=True)))
         pending.reverse()
         results: list[RequestResult] = []
 
