@@ -132,6 +132,12 @@ def test_typed_errors_reach_the_official_client(client, base_url):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "   "}], max_tokens=2)
     assert "empty" in info.value.message
 
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{base_url}/v1/chat/completions", content=b"x" * (9 << 20), headers=auth)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.get(f"{base_url}/v1/chat/completions", headers=auth)
+    assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
 
 def test_over_long_prompts_get_400_with_both_counts(client, engine):
     # over --max-input-tokens (300), checked before any compute
