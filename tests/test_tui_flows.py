@@ -246,3 +246,46 @@ async def test_switch_model_and_a_model_that_does_not_fit(paths, gemma3_path, mo
         assert app.client is loaded
         await send(pilot, "The sea is")
         assert app.store.messages(screen.conv.id)[-1].status == "complete"
+
+
+@pytest.fixture(scope="module")
+def small_client(tmp_path_factory, smollm2_path):
+    """A 512-token context: long conversations overflow it quickly."""
+    from edgechat.config import get_paths
+
+    c = LocalClient(str(smollm2_path), get_paths(tmp_path_factory.mktemp("tui-small")), n_ctx=512)
+    yield c
+    c.close()
+
+
+LONG = " ".join(f"Fact {i}: the lighthouse keeper counted {i * 7} gulls at dawn." for i in range(12))
+
+
+async def test_eviction_is_announced_and_history_kept(paths, small_client):
+    app = app_for(paths, small_client)
+    conv = app.store.create_conversation(settings={**app.config.chat})
+    for i in range(4):
+        app.store.add_message(conv.id, "user", f"Part {i}. {LONG}")
+        app.store.add_message(conv.id, "assistant", f"Noted part {i}.")
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        await screen.open_conversation(conv.id)
+        await send(pilot, "How many parts did I send?")
+        notes = [str(n.render()) for n in screen.chat.query(".note")]
+        assert len(notes) == 1 and "oldest messages left the context" in notes[0]
+        msgs = app.store.messages(conv.id)
+        assert len(msgs) == 10 and msgs[-1].status == "complete"  # nothing deleted from the stored history
+        assert screen.status.context_used <= screen.status.context_size == 512
+
+
+async def test_prompt_too_long_is_refused_and_the_prompt_kept(paths, small_client):
+    app = app_for(paths, small_client)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        too_long = " ".join([LONG] * 4)
+        await send(pilot, too_long)
+        assert any("tokens but this context allows" in n.message for n in app._notifications)
+        assert app.store.messages(screen.conv.id) == [] and screen.chat.boxes() == []
+        assert screen.prompt.text == too_long

@@ -33,9 +33,9 @@ class ScriptedHandle:
     def __iter__(self):
         text = ""
         for part in self.parts:
+            time.sleep(self.delay)
             if self.cancelled:
                 break
-            time.sleep(self.delay)
             text += part
             yield TextDelta(part)
         m = RequestMetrics(ttft=0.05, decode=1.0, prompt_tokens=20, completion_tokens=len(self.parts) + 1,
@@ -294,3 +294,64 @@ def test_snapshot_narrow_sidebar_open(snap_compare, isolated_dirs):
     app = make_app(isolated_dirs)
     seed(app.store)
     assert snap_compare(app, terminal_size=(50, 30), press=["ctrl+b", "_"])
+
+
+@pytest.mark.asyncio
+async def test_copy_answer_and_code_block(isolated_dirs):
+    app = make_app(isolated_dirs)
+    seed(app.store, 1)
+    copied = []
+    app.copy_to_clipboard = copied.append  # what would go to the terminal as OSC 52
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = app.chat_screen
+        await screen.open_conversation(app.store.list_conversations()[0].id)
+        await screen.send("/copy")
+        assert copied[-1] == ANSWER
+        assert (isolated_dirs.data / "clipboard.txt").read_text() == ANSWER
+        await screen.send("/copycode")
+        assert copied[-1] == "print('hello')\n"
+        screen.chat.boxes()[0].focus()
+        await pilot.press("c")
+        assert copied[-1] == "How do I print in Python?"
+
+
+@pytest.mark.asyncio
+async def test_stop_before_the_first_token_undoes_the_send(isolated_dirs):
+    client = ScriptedClient("slow answer", delay=0.5)
+    app = make_app(isolated_dirs, client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = app.chat_screen
+        await until(pilot, lambda: app.client is not None)
+        await pilot.press(*"hello there", "enter")
+        await until(pilot, lambda: screen.turn is not None)
+        await pilot.press("escape")
+        await until(pilot, lambda: screen.turn is None)
+        await pilot.pause(0.05)
+        assert app.store.messages(screen.conv.id) == [] and screen.chat.boxes() == []
+        assert screen.prompt.text == "hello there"
+
+
+@pytest.mark.asyncio
+async def test_model_picker_lists_embedded_models_and_loads_the_pick(isolated_dirs):
+    asked = []
+    client = ScriptedClient()
+
+    def factory(ref):
+        asked.append(ref)
+        return client
+
+    app = EdgechatApp(isolated_dirs, client_factory=factory)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.client is not None)
+        await pilot.press("ctrl+o")
+        picker = app.screen
+        listing = picker.query_one("#model-list")
+        await until(pilot, lambda: listing.option_count >= 2 and listing.get_option_at_index(0).id is not None)
+        first = str(listing.get_option_at_index(0).prompt)
+        assert "smollm2-135m-instruct" in first and "Q4_1" in first and "fits" in first
+        assert "gemma3-270m" in str(listing.get_option_at_index(1).prompt)
+        listing.focus()
+        listing.highlighted = 0
+        await pilot.press("enter")
+        await until(pilot, lambda: len(asked) == 2)
+        assert asked[-1] == "smollm2-135m-instruct"

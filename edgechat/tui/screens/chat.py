@@ -301,8 +301,12 @@ class ChatScreen(Screen):
             turn.saved_at = now
 
     @on(ChatView.AnswerEvicted)
-    def _evicted(self, event: ChatView.AnswerEvicted) -> None:
-        self.notify(f"Context full: {event.event.note} (still saved in the conversation).", timeout=8)
+    async def _evicted(self, event: ChatView.AnswerEvicted) -> None:
+        note = f"Context full: {event.event.note} (still saved in the conversation)."
+        self.notify(note, timeout=8)
+        box = self._box(self.turn.answer_id) if self.turn else None
+        if box is not None:
+            await self.chat.add_note("⚠ " + note, before=box)
 
     @on(ChatView.AnswerMetrics)
     def _metrics(self, event: ChatView.AnswerMetrics) -> None:

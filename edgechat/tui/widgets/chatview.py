@@ -206,6 +206,10 @@ class ChatView(VerticalScroll):
         self.anchor()
         return box
 
+    async def add_note(self, text: str, before: MessageBox | None = None) -> None:
+        """A line between messages that is not part of the conversation (context evictions)."""
+        await self.mount(Static(text, markup=False, classes="note"), before=before)
+
     def boxes(self) -> list[MessageBox]:
         return list(self.query(MessageBox))
 
