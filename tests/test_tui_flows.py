@@ -235,7 +235,7 @@ async def test_switch_model_and_a_model_that_does_not_fit(paths, gemma3_path, mo
         assert screen.status.model == app.client.model_name
         assert any("no chat template" in n.message for n in app._notifications)  # completion-mode warning
         # a machine with 64 MiB free: the planner refuses, the loaded model keeps serving
-        import edgechat.engine.planner as planner
+        from edgechat.engine import planner
 
         monkeypatch.setattr(planner, "available_memory", lambda: 64 << 20)
         loaded = app.client
@@ -271,6 +271,8 @@ async def test_eviction_is_announced_and_history_kept(paths, small_client):
         await ready(pilot)
         screen = app.chat_screen
         await screen.open_conversation(conv.id)
+        # the gauge is filled on opening: the whole history no longer fits the context
+        await until(pilot, lambda: screen.status.context_used > 512, what="the context gauge")
         await send(pilot, "How many parts did I send?")
         notes = [str(n.render()) for n in screen.chat.query(".note")]
         assert len(notes) == 1 and "oldest messages left the context" in notes[0]

@@ -12,13 +12,9 @@ import pytest
 
 from edgechat.engine.request import Finished, Metrics, RequestMetrics, TextDelta
 from edgechat.tui.app import EdgechatApp
-from edgechat.tui.widgets.chatview import PAGE, ChatView, MessageBox
+from edgechat.tui.widgets.chatview import PAGE, ChatView
 
-ANSWER = (
-    "Here is a short answer with **bold** text and a list:\n\n"
-    "- one\n- two\n\n"
-    "```python\nprint('hello')\n```\n"
-)
+ANSWER = "Here is a short answer with **bold** text and a list:\n\n- one\n- two\n\n```python\nprint('hello')\n```\n"
 
 
 class ScriptedHandle:
@@ -38,8 +34,14 @@ class ScriptedHandle:
                 break
             text += part
             yield TextDelta(part)
-        m = RequestMetrics(ttft=0.05, decode=1.0, prompt_tokens=20, completion_tokens=len(self.parts) + 1,
-                           context_tokens=20 + len(self.parts), context_size=2048)
+        m = RequestMetrics(
+            ttft=0.05,
+            decode=1.0,
+            prompt_tokens=20,
+            completion_tokens=len(self.parts) + 1,
+            context_tokens=20 + len(self.parts),
+            context_size=2048,
+        )
         yield Metrics(m)
         yield Finished("cancelled" if self.cancelled else "stop", text, m)
 
@@ -87,7 +89,9 @@ def seed(store, n_convs: int = 3):
     convs = []
     for i in range(n_convs):
         c = store.create_conversation(model="scripted-model")
-        store.add_message(c.id, "user", ["How do I print in Python?", "Plan a trip to Lisbon", "Explain KV caches"][i % 3])
+        store.add_message(
+            c.id, "user", ["How do I print in Python?", "Plan a trip to Lisbon", "Explain KV caches"][i % 3]
+        )
         store.add_message(c.id, "assistant", ANSWER)
         convs.append(c)
     return convs
@@ -178,8 +182,13 @@ async def test_streaming_updates_are_coalesced(isolated_dirs, monkeypatch):
         await until(pilot, lambda: screen.turn is not None and len(screen.turn.text) >= 300)
         live = screen.chat.boxes()[-1]
         assert live.text == screen.turn.text and not live.has_class("-interrupted")  # shown as in progress
-        await until(pilot, lambda: len(app.store.messages(screen.conv.id)) == 2
-                    and app.store.messages(screen.conv.id)[1].status == "complete")
+        await until(
+            pilot,
+            lambda: (
+                len(app.store.messages(screen.conv.id)) == 2
+                and app.store.messages(screen.conv.id)[1].status == "complete"
+            ),
+        )
         assert "".join(posted) == "x" * 1500
         assert len(posted) <= 20
         assert screen.chat.boxes()[-1].text == "x" * 1500

@@ -9,7 +9,15 @@ import time
 import pytest
 import uvicorn
 
-from edgechat.engine import ChatRequest, Engine, EngineConfig, Finished, Metrics, SamplingParams, TextDelta
+from edgechat.engine import (
+    ChatRequest,
+    Engine,
+    EngineConfig,
+    Finished,
+    Metrics,
+    SamplingParams,
+    TextDelta,
+)
 from edgechat.errors import EdgechatError
 from edgechat.server import ServerSettings, create_app
 from edgechat.tui.app import EdgechatApp
@@ -46,8 +54,9 @@ def test_remote_client_streams_events_like_the_engine(server_url):
     client = RemoteClient(server_url, KEY)
     assert client.model_name == "smollm2"
     handle = client.submit(
-        ChatRequest(messages=[{"role": "user", "content": "Say hi."}], max_tokens=8,
-                    sampling=SamplingParams(temperature=0.0))
+        ChatRequest(
+            messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, sampling=SamplingParams(temperature=0.0)
+        )
     )
     events = list(handle)
     deltas = [e.text for e in events if isinstance(e, TextDelta)]

@@ -14,7 +14,9 @@ from edgechat.store import open_store
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not (shutil.which("tmux") and shutil.which("edgechat")), reason="needs tmux and an installed edgechat"),
+    pytest.mark.skipif(
+        not (shutil.which("tmux") and shutil.which("edgechat")), reason="needs tmux and an installed edgechat"
+    ),
 ]
 
 PLACEHOLDER = "Message (Enter sends"
@@ -31,14 +33,18 @@ class Tmux:
     def start(self, command: str) -> None:
         subprocess.run(
             ["tmux", "-L", self.socket, "new-session", "-d", "-x", "100", "-y", "30", command],
-            check=True, env=self.env,
+            check=True,
+            env=self.env,
         )
 
     def screen(self) -> str:
         return self.tmux("capture-pane", "-p")
 
     def running(self) -> bool:
-        return subprocess.run(["tmux", "-L", self.socket, "has-session"], capture_output=True, env=self.env).returncode == 0
+        return (
+            subprocess.run(["tmux", "-L", self.socket, "has-session"], capture_output=True, env=self.env).returncode
+            == 0
+        )
 
     def wait_for(self, condition, timeout: float, what: str) -> float:
         start = time.monotonic()

@@ -1,6 +1,14 @@
 """Conversations on disk: SQLite (WAL, FTS5 search) under the data directory, schema by migrations."""
 
-from edgechat.store.db import DEFAULT_TITLE, Conversation, Message, SearchHit, Store, open_store, title_from
+from edgechat.store.db import (
+    DEFAULT_TITLE,
+    Conversation,
+    Message,
+    SearchHit,
+    Store,
+    open_store,
+    title_from,
+)
 from edgechat.store.export import atomic_write_text, export_conversation, to_markdown
 from edgechat.store.migrations import MIGRATIONS, migrate
 

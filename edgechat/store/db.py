@@ -99,7 +99,7 @@ class Store:
     # -- lifecycle ---------------------------------------------------------
 
     @classmethod
-    def connect(cls, path: str | Path) -> "Store":
+    def connect(cls, path: str | Path) -> Store:
         """Open (creating if needed) and migrate a database; ':memory:' for tests."""
         try:
             # isolation_level=None: autocommit, so each write is on disk when the call returns.
@@ -378,8 +378,14 @@ class Store:
                 "INSERT INTO messages (conversation_id, role, content, status, meta, created_at)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
                 [
-                    (data["id"], m["role"], m["content"], m.get("status", "complete"), json.dumps(m.get("meta") or {}),
-                     m.get("created_at", data["created_at"]))
+                    (
+                        data["id"],
+                        m["role"],
+                        m["content"],
+                        m.get("status", "complete"),
+                        json.dumps(m.get("meta") or {}),
+                        m.get("created_at", data["created_at"]),
+                    )
                     for m in data["messages"]
                 ],
             )

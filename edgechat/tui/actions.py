@@ -23,13 +23,30 @@ ACTIONS: list[Action] = [
     Action("edit_last", "Edit and resend", "Edit your last message and send it again", "ctrl+g", "/edit"),
     Action("branch", "Branch conversation", "Fork the conversation at the selected (or last) message", None, "/branch"),
     Action("rename", "Rename conversation", "Give the conversation a title", "f2", "/rename", "TITLE"),
-    Action("delete", "Delete conversation", "Delete the conversation (asks first; /undo brings it back)", None, "/delete"),
+    Action(
+        "delete", "Delete conversation", "Delete the conversation (asks first; /undo brings it back)", None, "/delete"
+    ),
     Action("undo", "Undo delete", "Bring back the last deleted conversation", None, "/undo"),
-    Action("search", "Search conversations", "Full-text search across every conversation", "ctrl+f", "/search", "WORDS"),
-    Action("settings", "Conversation settings", "System prompt, temperature, top-p, max tokens, seed, context policy", "f4", "/settings"),
+    Action(
+        "search", "Search conversations", "Full-text search across every conversation", "ctrl+f", "/search", "WORDS"
+    ),
+    Action(
+        "settings",
+        "Conversation settings",
+        "System prompt, temperature, top-p, max tokens, seed, context policy",
+        "f4",
+        "/settings",
+    ),
     Action("system", "Set system prompt", "Set this conversation's system prompt", None, "/system", "TEXT"),
     Action("model", "Switch model", "Pick or load a model (name or .gguf path)", "ctrl+o", "/model", "NAME"),
-    Action("export", "Export conversation", "Write it as Markdown, or JSON with /export json or a .json path", None, "/export", "[json|PATH]"),
+    Action(
+        "export",
+        "Export conversation",
+        "Write it as Markdown, or JSON with /export json or a .json path",
+        None,
+        "/export",
+        "[json|PATH]",
+    ),
     Action("clear", "Clear conversation", "Remove every message of this conversation (asks first)", None, "/clear"),
     Action("copy", "Copy last answer", "Copy the last answer to the clipboard", "ctrl+y", "/copy"),
     Action("copy_code", "Copy last code block", "Copy the last code block to the clipboard", None, "/copycode"),

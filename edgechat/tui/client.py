@@ -10,11 +10,19 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Protocol
 
 from edgechat.config import Paths
-from edgechat.engine.request import ChatRequest, Event, Finished, Metrics, RequestMetrics, TextDelta
+from edgechat.engine.request import (
+    ChatRequest,
+    Event,
+    Finished,
+    Metrics,
+    RequestMetrics,
+    TextDelta,
+)
 from edgechat.errors import EdgechatError, ModelNotFoundError, UsageError
 
 
@@ -70,6 +78,9 @@ class LocalClient:
     def submit(self, request: ChatRequest) -> Handle:
         return self.engine.submit(request)
 
+    def count_tokens(self, request: ChatRequest) -> int:
+        return self.engine.count_tokens(request)
+
     def release_session(self, session: str) -> None:
         self.engine.release_session(session)
 
@@ -89,7 +100,7 @@ class _RemoteState:
 class RemoteHandle:
     """One streamed chat completion over HTTP. Iterating it performs the request (in the caller's thread)."""
 
-    def __init__(self, client: "RemoteClient", request: ChatRequest):
+    def __init__(self, client: RemoteClient, request: ChatRequest):
         self._client = client
         self._request = request
         self._lock = threading.Lock()
@@ -182,9 +193,7 @@ class RemoteClient:
             raise UsageError(f"--url must start with http:// or https:// (got {url})")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # No read timeout: a slow model may think for a long time between tokens.
-        self.http = httpx.Client(
-            base_url=url.rstrip("/"), headers=headers, timeout=httpx.Timeout(timeout, read=None)
-        )
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=httpx.Timeout(timeout, read=None))
         self.url = url
         self.backend = f"remote {url}"
         self.template_mode = "chat"

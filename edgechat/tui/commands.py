@@ -32,4 +32,6 @@ class ChatCommands(Provider):
         for action in ACTIONS:
             score = max(matcher.match(action.title), matcher.match(action.slash or "") * 0.9)
             if score > 0:
-                yield Hit(score, matcher.highlight(action.title), partial(self._run, action.name), help=self._help(action))
+                yield Hit(
+                    score, matcher.highlight(action.title), partial(self._run, action.name), help=self._help(action)
+                )

@@ -32,7 +32,7 @@ NARROW = 70
 #: seconds between writes of a streaming answer to the store (it is also written when it ends)
 SAVE_INTERVAL = 1.0
 
-_CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)```", re.S)
+_CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)```", re.DOTALL)
 
 
 @dataclass
@@ -138,6 +138,8 @@ class ChatScreen(Screen):
         self._set_title()
         self.refresh_sidebar()
         self.status.context_used = 0
+        if self.conv is not None and self.client is not None:
+            self._measure_context(self.conv)
         if previous is not None and (self.conv is None or previous.id != self.conv.id):
             self._release(previous.id)
         if self.has_class("-narrow"):
@@ -157,6 +159,28 @@ class ChatScreen(Screen):
         client = self.client
         if client is not None and (self.turn is None or self.turn.conversation_id != conv_id):
             client.release_session(conv_id)
+
+    @work(thread=True, exclusive=True, group="measure", exit_on_error=False)
+    def _measure_context(self, conv: Conversation) -> None:
+        """Fill the context gauge for a conversation just opened (its whole history, template applied)."""
+        count = getattr(self.client, "count_tokens", None)
+        history = self._history(conv.id)
+        if count is None or not history:
+            return
+        used = count(build_request({**conv.settings, "context_policy": "shift"}, history, session=None))
+        self.app.call_from_thread(self._show_context, conv.id, used)
+
+    def _show_context(self, conv_id: str, used: int) -> None:
+        if self.conv is not None and self.conv.id == conv_id and self.turn is None:
+            self.status.context_used = used
+
+    def _history(self, conv_id: str) -> list[dict]:
+        """What the model is given: every user and assistant message with text, stopped answers included."""
+        return [
+            {"role": m.role, "content": m.content}
+            for m in self.store.messages(conv_id)
+            if m.role in ("user", "assistant") and m.status != "error" and m.content
+        ]
 
     @work(thread=True, group="release", exit_on_error=False)
     def _forget(self, conv_id: str) -> None:
@@ -229,11 +253,7 @@ class ChatScreen(Screen):
 
     async def start_answer(self, user_id: int | None, prompt: str) -> None:
         assert self.conv is not None
-        history = [
-            {"role": m.role, "content": m.content}
-            for m in self.store.messages(self.conv.id)
-            if m.role in ("user", "assistant") and m.status != "error" and m.content
-        ]
+        history = self._history(self.conv.id)
         model = self.client.model_name if self.client else self.app.model_ref
         # Stored at once as "interrupted": a crash mid-answer leaves it marked, and each save updates it.
         answer = self.store.add_message(self.conv.id, "assistant", "", status="interrupted", meta={"model": model})
@@ -261,16 +281,14 @@ class ChatScreen(Screen):
         self.status.backend = client.backend
         self.status.context_size = client.n_ctx or 0
         self.status.state = "ready"
+        if self.conv is not None:
+            self._measure_context(self.conv)
         if client.template_warning:
             self.notify(f"{client.model_name}: {client.template_warning}", severity="warning", timeout=8)
         if self._waiting is not None:
             conv, turn = self._waiting
             self._waiting = None
-            history = [
-                {"role": m.role, "content": m.content}
-                for m in self.store.messages(conv.id)
-                if m.role in ("user", "assistant") and m.status != "error" and m.content
-            ]
+            history = self._history(conv.id)
             box = self._box(turn.answer_id)
             if box is not None:
                 box.loading = False
@@ -661,7 +679,8 @@ class ChatScreen(Screen):
             # A bug in the stream (not a user error): keep what arrived, say so.
             turn, self.turn = self.turn, None
             if turn is not None:
-                self.store.update_message(turn.answer_id, content=turn.text, status="error",
-                                          meta={"error": str(event.worker.error)})
+                self.store.update_message(
+                    turn.answer_id, content=turn.text, status="error", meta={"error": str(event.worker.error)}
+                )
             self.status.state = "ready"
             self.notify(f"Generation failed: {event.worker.error}", severity="error")

@@ -16,7 +16,14 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Button, Label, Markdown, Static
 
-from edgechat.engine.request import ChatRequest, Evicted, Finished, Metrics, RequestMetrics, TextDelta
+from edgechat.engine.request import (
+    ChatRequest,
+    Evicted,
+    Finished,
+    Metrics,
+    RequestMetrics,
+    TextDelta,
+)
 from edgechat.errors import EdgechatError
 from edgechat.store import Message as StoredMessage
 from edgechat.tui.client import ChatClient
@@ -56,7 +63,7 @@ class MessageBox(Vertical, can_focus=True):
     class Action(Message):
         """The user asked for something on this message (copy, edit, branch, regenerate)."""
 
-        def __init__(self, box: "MessageBox", action: str):
+        def __init__(self, box: MessageBox, action: str):
             super().__init__()
             self.box = box
             self.action = action
@@ -166,7 +173,6 @@ class ChatView(VerticalScroll):
         super().__init__(**kwargs)
         self._handle = None
         self._cancel = threading.Event()
-        self.generating = False
 
     # -- showing messages ------------------------------------------------
 
@@ -218,7 +224,6 @@ class ChatView(VerticalScroll):
     def generate(self, client: ChatClient, request: ChatRequest, box: MessageBox) -> None:
         self._cancel.clear()
         self._handle = None
-        self.generating = True
         self._stream(client, request, box)
 
     def cancel(self) -> None:
@@ -260,5 +265,4 @@ class ChatView(VerticalScroll):
     @on(AnswerFinished)
     @on(AnswerFailed)
     def _on_end(self, message: Message) -> None:
-        self.generating = False
         self._handle = None

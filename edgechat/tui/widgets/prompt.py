@@ -14,7 +14,7 @@ class PromptInput(TextArea):
     ]
 
     class Submitted(Message):
-        def __init__(self, prompt: "PromptInput", text: str):
+        def __init__(self, prompt: PromptInput, text: str):
             super().__init__()
             self.prompt = prompt
             self.text = text
