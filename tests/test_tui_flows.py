@@ -291,3 +291,32 @@ async def test_prompt_too_long_is_refused_and_the_prompt_kept(paths, small_clien
         assert any("tokens but this context allows" in n.message for n in app._notifications)
         assert app.store.messages(screen.conv.id) == [] and screen.chat.boxes() == []
         assert screen.prompt.text == too_long
+
+
+async def test_switching_chats_while_answering(paths, client):
+    """The answer keeps streaming while the user looks at (and types in) another conversation."""
+    app = app_for(paths, client)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        other = app.store.create_conversation(title="Other chat")
+        app.store.add_message(other.id, "user", "earlier question")
+        busy = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 400})
+        await screen.open_conversation(busy.id)
+        screen.prompt.set_text("Tell me a long story about a cat.")
+        await pilot.press("enter")
+        await until(pilot, lambda: screen.turn is not None and len(screen.turn.text) > 3, what="some text")
+        await screen.open_conversation(other.id)
+        assert [b.text for b in screen.chat.boxes()] == ["earlier question"]
+        await pilot.press(*"typing meanwhile")
+        assert screen.prompt.text == "typing meanwhile"
+        await screen.open_conversation(busy.id)
+        live = screen.chat.boxes()[-1]
+        assert live.streaming and live.text == screen.turn.text  # what arrived while away is shown
+        shown = len(live.text)
+        await until(pilot, lambda: len(live.text) > shown, what="more text in the reopened view")
+        await pilot.press("escape")
+        await until(pilot, lambda: screen.turn is None, what="the stop")
+        await pilot.pause(0.05)
+        answer = app.store.messages(busy.id)[-1]
+        assert answer.status == "interrupted" and live.text == answer.content and not live.streaming

@@ -364,3 +364,18 @@ async def test_model_picker_lists_embedded_models_and_loads_the_pick(isolated_di
         await pilot.press("enter")
         await until(pilot, lambda: len(asked) == 2)
         assert asked[-1] == "smollm2-135m-instruct"
+
+
+@pytest.mark.asyncio
+async def test_stats_on_demand(isolated_dirs):
+    app = make_app(isolated_dirs)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = app.chat_screen
+        await until(pilot, lambda: app.client is not None)
+        await screen.send("hi")
+        await until(pilot, lambda: screen.turn is None and len(screen.chat.boxes()) == 2)
+        stats = screen.chat.boxes()[-1].query_one(".stats")
+        assert "TTFT 0.05s" in str(stats.render()) and not stats.display
+        await pilot.press("ctrl+t")
+        assert stats.display
+        assert "TTFT 0.05s" in str(screen.status.render())
