@@ -379,3 +379,27 @@ async def test_stats_on_demand(isolated_dirs):
         await pilot.press("ctrl+t")
         assert stats.display
         assert "TTFT 0.05s" in str(screen.status.render())
+
+
+def test_slash_parsing():
+    from edgechat.tui.actions import parse_slash, unknown_slash
+
+    action, arg = parse_slash("/model  gemma3 ")
+    assert (action.name, arg) == ("model", "gemma3")
+    assert parse_slash("/MODEL")[0].name == "model"
+    assert parse_slash("hello /model") is None
+    assert unknown_slash("/frobnicate now") == "/frobnicate"
+    assert unknown_slash("/usr/bin/env is a path") is None
+    assert unknown_slash("/new") is None
+
+
+@pytest.mark.asyncio
+async def test_unknown_slash_command_is_not_sent(isolated_dirs):
+    client = ScriptedClient("ok")
+    app = make_app(isolated_dirs, client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.client is not None)
+        await app.chat_screen.send("/frobnicate")
+        await pilot.pause()
+        assert client.requests == [] and app.store.list_conversations() == []
+        assert any("Unknown command /frobnicate" in n.message for n in app._notifications)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -58,6 +59,8 @@ ACTIONS: list[Action] = [
 ]
 
 BY_SLASH = {a.slash: a for a in ACTIONS if a.slash}
+#: "/word" or "/word args" on one line: meant as a command (a path like /usr/bin is not)
+_COMMAND_SHAPE = re.compile(r"/[A-Za-z]+(?: .*)?")
 
 
 def parse_slash(text: str) -> tuple[Action, str] | None:
@@ -67,6 +70,14 @@ def parse_slash(text: str) -> tuple[Action, str] | None:
     word, _, rest = text.strip().partition(" ")
     action = BY_SLASH.get(word.lower())
     return (action, rest.strip()) if action else None
+
+
+def unknown_slash(text: str) -> str | None:
+    """The command word when `text` looks like a slash command that does not exist, else None."""
+    text = text.strip()
+    if _COMMAND_SHAPE.fullmatch(text) and parse_slash(text) is None:
+        return text.split(" ", 1)[0]
+    return None
 
 
 def key_label(key: str | None) -> str:

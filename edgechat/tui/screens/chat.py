@@ -16,7 +16,7 @@ from textual.worker import Worker, WorkerState
 from edgechat.errors import EdgechatError
 from edgechat.store import Conversation, export_conversation
 from edgechat.store import Message as StoredMessage
-from edgechat.tui.actions import ACTIONS, parse_slash
+from edgechat.tui.actions import ACTIONS, parse_slash, unknown_slash
 from edgechat.tui.config import build_request, validate_settings
 from edgechat.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from edgechat.tui.screens.help import HelpScreen
@@ -230,6 +230,10 @@ class ChatScreen(Screen):
             action, arg = slash
             self.prompt.clear()
             await self.run_action(action.name + "(" + repr(arg) + ")")
+            return
+        unknown = unknown_slash(text)
+        if unknown is not None:
+            self.notify(f"Unknown command {unknown}; /help lists them.", severity="warning")
             return
         if self.turn is not None or self._waiting is not None:
             self.notify("Still answering: wait, or press Esc to stop.", severity="warning")
