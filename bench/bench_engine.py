@@ -1,0 +1,95 @@
+"""Engine speed against llama.cpp's own llama-bench, same machine, same run.
+
+For each embedded model: prefill of a 512-token prompt and decode of 128 tokens through
+edgechat's engine (2 threads), and llama-bench pp512/tg128 on the same file; rounds alternate
+between the two so drift on a noisy machine hits both. Prints the ratios (target >= 0.97).
+
+    python -m bench.bench_engine [--rounds 2] [--threads 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from bench.llamabench import run_llama_bench
+from edgechat.config import get_paths
+from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
+from edgechat.models import resolve_model
+
+MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
+#: a different first word per request, so no prompt reuses another's cached prefix
+OPENERS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday", "January", "February", "March", "April", "May", "June"]
+
+
+def prompt_of(engine: Engine, n_tokens: int, salt: int) -> str:
+    """Text the model tokenizes to exactly n_tokens (with BOS when the model adds one)."""
+    words = [OPENERS[salt % len(OPENERS)]] + [("alpha", "beta", "gamma", "delta", "river", "stone")[i % 6] for i in range(n_tokens * 2)]
+    lo, hi = 1, len(words)
+    while lo < hi:  # binary search on the word count
+        mid = (lo + hi + 1) // 2
+        if engine.count_tokens(ChatRequest(prompt=" ".join(words[:mid]))) <= n_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    text = " ".join(words[:lo])
+    while engine.count_tokens(ChatRequest(prompt=text)) < n_tokens:
+        text += "."
+    return text
+
+
+def engine_run(engine: Engine, salt: int) -> tuple[float, float]:
+    """(prefill tok/s of 512 tokens, decode tok/s of 128 tokens) for one request."""
+    text = prompt_of(engine, 512, salt)
+    done = engine.submit(ChatRequest(prompt=text, sampling=SamplingParams(temperature=0), max_tokens=129, ignore_eos=True)).result()
+    m = done.metrics
+    # at most the BOS token can come from the cache
+    assert m.cached_tokens <= 1 and m.prompt_tokens == 512, (m.cached_tokens, m.prompt_tokens)
+    return m.prefill_tps, m.decode_tps
+
+
+def bench_model(name: str, threads: int, rounds: int) -> dict:
+    path = resolve_model(name, get_paths())
+    ours_pp, ours_tg, ref_pp, ref_tg = [], [], [], []
+    with Engine(EngineConfig(model=str(path), n_ctx=1024, n_threads=threads)) as engine:
+        engine_run(engine, salt=0)  # warm-up, as llama-bench does
+        for r in range(rounds):
+            ref = run_llama_bench(path, threads=threads, repetitions=3)
+            ref_pp.append(ref["pp_tps"])
+            ref_tg.append(ref["tg_tps"])
+            for rep in range(3):
+                pp, tg = engine_run(engine, salt=1 + r * 3 + rep)
+                ours_pp.append(pp)
+                ours_tg.append(tg)
+    row = {
+        "model": name,
+        "engine_pp512": statistics.mean(ours_pp),
+        "engine_tg128": statistics.mean(ours_tg),
+        "llama_bench_pp512": statistics.mean(ref_pp),
+        "llama_bench_tg128": statistics.mean(ref_tg),
+    }
+    row["pp_ratio"] = row["engine_pp512"] / row["llama_bench_pp512"]
+    row["tg_ratio"] = row["engine_tg128"] / row["llama_bench_tg128"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("models", nargs="*", default=MODELS)
+    args = ap.parse_args()
+    rows = [bench_model(m, args.threads, args.rounds) for m in args.models]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{'model':24} {'engine pp512':>13} {'llama-bench':>12} {'ratio':>6}   {'engine tg128':>13} {'llama-bench':>12} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['model']:24} {r['engine_pp512']:13.1f} {r['llama_bench_pp512']:12.1f} {r['pp_ratio']:6.3f}   "
+              f"{r['engine_tg128']:13.1f} {r['llama_bench_tg128']:12.1f} {r['tg_ratio']:6.3f}")
+
+
+if __name__ == "__main__":
+    main()
