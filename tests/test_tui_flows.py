@@ -320,3 +320,30 @@ async def test_switching_chats_while_answering(paths, client):
         await pilot.pause(0.05)
         answer = app.store.messages(busy.id)[-1]
         assert answer.status == "interrupted" and live.text == answer.content and not live.streaming
+
+
+async def test_usable_while_the_model_loads(paths, client):
+    """Typing and sending work before the model is up; the message is answered once it is."""
+    import threading
+
+    gate = threading.Event()
+
+    def slow_factory(ref):
+        gate.wait(30)  # a model that takes a while to load
+        return client
+
+    app = EdgechatApp(paths, client_factory=slow_factory)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = app.chat_screen
+        await pilot.press(*"Hello early")
+        assert screen.prompt.text == "Hello early" and app.client is None
+        assert "loading" in screen.status.state
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        assert [m.content for m in app.store.messages(screen.conv.id)] == ["Hello early", ""]
+        gate.set()
+        await until(pilot, lambda: app.client is not None and screen.turn is None and screen._waiting is None)
+        await pilot.pause(0.05)
+        answer = app.store.messages(screen.conv.id)[-1]
+        assert answer.status == "complete" and answer.content.strip()
+        assert screen.chat.boxes()[-1].text == answer.content
