@@ -162,6 +162,8 @@ def test_messages_and_auto_title(store):
     assert (msgs[1].content, msgs[1].status, msgs[1].meta) == ("Paris.", "interrupted", {"model": "m", "ttft": 0.1})
     assert [m.content for m in store.messages(c.id, limit=2)] == ["Paris.", "another question"]
     assert store.count_messages(c.id) == 3
+    assert [m.content for m in store.messages(c.id, limit=1, before=msgs[2].id)] == ["Paris."]
+    assert store.count_messages(c.id, before=msgs[2].id) == 2
     with pytest.raises(ValueError):
         store.add_message(c.id, "assistant", "x", status="bogus")
     with pytest.raises(StoreError):

@@ -215,6 +215,13 @@ async def test_long_conversation_opens_paged(isolated_dirs):
         await until(pilot, lambda: "2920 earlier" in str(screen.query_one("#load-earlier").label))
         boxes = screen.chat.boxes()
         assert len(boxes) == 2 * PAGE and boxes[0].text == f"message {3000 - 2 * PAGE}"
+        # messages sent since opening do not shift the pages: no duplicates, none skipped
+        await screen.send("one more")
+        await until(pilot, lambda: screen.turn is None and len(screen.chat.boxes()) == 2 * PAGE + 2)
+        screen.query_one("#load-earlier").press()
+        await until(pilot, lambda: "2880 earlier" in str(screen.query_one("#load-earlier").label))
+        texts = [b.text for b in screen.chat.boxes()]
+        assert texts[: 3 * PAGE] == [f"message {i}" for i in range(3000 - 3 * PAGE, 3000)]
 
 
 @pytest.mark.asyncio

@@ -205,24 +205,29 @@ class Store:
 
     # -- messages ----------------------------------------------------------
 
-    def messages(self, conv_id: str, limit: int | None = None) -> list[Message]:
-        """Oldest first; with `limit`, only the newest `limit` messages (long chats open fast)."""
+    def messages(self, conv_id: str, limit: int | None = None, before: int | None = None) -> list[Message]:
+        """Oldest first; with `limit`, only the newest `limit` (of those with id < `before`, if given)."""
+        where, args = "conversation_id = ?", [conv_id]
+        if before is not None:
+            where += " AND id < ?"
+            args.append(before)
         with self._lock:
             if limit is None:
-                rows = self.db.execute(
-                    "SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conv_id,)
-                ).fetchall()
+                rows = self.db.execute(f"SELECT * FROM messages WHERE {where} ORDER BY id", args).fetchall()
             else:
                 rows = self.db.execute(
-                    "SELECT * FROM (SELECT * FROM messages WHERE conversation_id = ? ORDER BY id DESC LIMIT ?)"
-                    " ORDER BY id",
-                    (conv_id, limit),
+                    f"SELECT * FROM (SELECT * FROM messages WHERE {where} ORDER BY id DESC LIMIT ?) ORDER BY id",
+                    (*args, limit),
                 ).fetchall()
         return [_message(r) for r in rows]
 
-    def count_messages(self, conv_id: str) -> int:
+    def count_messages(self, conv_id: str, before: int | None = None) -> int:
         with self._lock:
-            return self.db.execute("SELECT count(*) FROM messages WHERE conversation_id = ?", (conv_id,)).fetchone()[0]
+            if before is None:
+                sql, args = "SELECT count(*) FROM messages WHERE conversation_id = ?", (conv_id,)
+            else:
+                sql, args = "SELECT count(*) FROM messages WHERE conversation_id = ? AND id < ?", (conv_id, before)
+            return self.db.execute(sql, args).fetchone()[0]
 
     def get_message(self, msg_id: int) -> Message | None:
         with self._lock:

@@ -61,7 +61,6 @@ class ChatScreen(Screen):
         self._editing: int | None = None
         #: the last deleted conversation, for undo
         self._deleted: dict | None = None
-        self._shown = 0
 
     @property
     def store(self):
@@ -133,7 +132,6 @@ class ChatScreen(Screen):
             self.conv = conv
             total = self.store.count_messages(conv.id)
             messages = self._with_live_text(self.store.messages(conv.id, limit=PAGE))
-            self._shown = len(messages)
             await self.chat.show(messages, total, self.turn.answer_id if self.turn else None)
         self._set_title()
         self.refresh_sidebar()
@@ -189,13 +187,13 @@ class ChatScreen(Screen):
 
     @on(ChatView.LoadEarlier)
     async def _load_earlier(self) -> None:
-        if self.conv is None:
+        boxes = self.chat.boxes()
+        if self.conv is None or not boxes:
             return
-        total = self.store.count_messages(self.conv.id)
-        want = min(total, self._shown + PAGE)
-        older = self.store.messages(self.conv.id, limit=want)[: want - self._shown]
-        self._shown = want
-        await self.chat.prepend(older, total - want)
+        first = boxes[0].message.id
+        older = self.store.messages(self.conv.id, limit=PAGE, before=first)
+        remaining = self.store.count_messages(self.conv.id, before=older[0].id) if older else 0
+        await self.chat.prepend(older, remaining)
 
     @on(Sidebar.Picked)
     async def _picked(self, event: Sidebar.Picked) -> None:
