@@ -338,8 +338,8 @@ class _Server:
                 return
             yield _sse(self._chunk(kind, ids, None, finished.reason))
             if parsed.include_usage:
-                usage = {"id": ids[0], "object": self._chunk(kind, ids, None, None)["object"], "created": ids[1]}
-                yield _sse({**usage, "model": ids[2], "choices": [], "usage": self._usage(finished)})
+                last = self._chunk(kind, ids, None, None)
+                yield _sse({**last, "choices": [], "usage": self._usage(finished)})
             yield _sse("[DONE]")
         finally:
             if finished is None:

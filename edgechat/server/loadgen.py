@@ -97,11 +97,11 @@ class Report:
             f"{self.url}  model {self.model}  concurrency {self.concurrency}",
             f"requests {self.ok} ok / {self.failed} failed in {self.duration_s:.1f} s; "
             f"{self.output_tokens} output tokens, {self.output_tok_s:.1f} tok/s",
-            f"{'':10}{'p50':>10}{'p95':>10}{'p99':>10}",
+            f"{'':6}{'p50':>12}{'p95':>12}{'p99':>12}",
         ]
         for name, stats, scale, unit in (("TTFT", self.ttft, 1, "s"), ("TPOT", self.tpot, 1000, "ms"), ("E2E", self.e2e, 1, "s")):
-            cells = "".join(f"{stats[p] * scale:>8.3f}{unit:<2}" for p in ("p50", "p95", "p99"))
-            lines.append(f"{name:10}{cells}")
+            cells = "".join(f"{stats[p] * scale:>10.3f}{unit:<2}" for p in ("p50", "p95", "p99"))
+            lines.append(f"{name:6}{cells}")
         for err in self.errors[:5]:
             lines.append(f"error: {err}")
         return "\n".join(lines)
