@@ -13,7 +13,7 @@ import openai
 import pytest
 import uvicorn
 
-from edgechat.engine import Engine, EngineConfig
+from edgechat.engine import ChatRequest, Engine, EngineConfig
 from edgechat.server import ServerSettings, create_app
 
 KEY = "sk-test-key"
@@ -145,14 +145,8 @@ def test_over_long_prompts_get_400_with_both_counts(client, engine):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=long, max_tokens=4)
     assert info.value.code == "context_length_exceeded"
-    n = engine.count_tokens(engine_request(long))
+    n = engine.count_tokens(ChatRequest(messages=long))
     assert f"{n} tokens" in info.value.message and "300" in info.value.message
-
-
-def engine_request(messages):
-    from edgechat.engine import ChatRequest
-
-    return ChatRequest(messages=messages)
 
 
 @pytest.fixture(scope="module")
@@ -162,18 +156,21 @@ def open_url(engine):
         yield url
 
 
-def test_a_prompt_that_leaves_no_room_for_the_answer_is_refused_by_the_engine(open_url):
+def test_a_prompt_that_leaves_no_room_for_the_answer_is_refused_by_the_engine(open_url, engine):
+    messages = [{"role": "user", "content": "word " * 450}]
     c = openai.OpenAI(base_url=f"{open_url}/v1", api_key="none", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
-        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 450}])
+        c.chat.completions.create(model=MODEL, messages=messages)
     assert info.value.code == "context_length_exceeded"
-    assert "tokens" in info.value.message
+    # the engine keeps a quarter of the context for the answer
+    n = engine.count_tokens(ChatRequest(messages=messages))
+    assert f"{n} tokens" in info.value.message and f"the {N_CTX - N_CTX // 4} allowed" in info.value.message
 
 
 def test_huge_max_tokens_is_clamped_to_the_room_left_in_the_context(open_url, engine):
     # a prompt a dozen or so tokens short of the context keeps the clamped answer short
     words = N_CTX - 40
-    while engine.count_tokens(engine_request([{"role": "user", "content": "word " * words}])) < N_CTX - 16:
+    while engine.count_tokens(ChatRequest(messages=[{"role": "user", "content": "word " * words}])) < N_CTX - 16:
         words += 4
     c = openai.OpenAI(base_url=f"{open_url}/v1", api_key="none", max_retries=0, timeout=120)
     out = c.chat.completions.create(
