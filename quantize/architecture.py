@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
-from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGUFWriter, get_tensor_name_map
+from gguf import (
+    MODEL_ARCH,
+    MODEL_ARCH_NAMES,
+    GGUFWriter,
+    RopeScalingType,
+    get_tensor_name_map,
+)
 
 from quantize.errors import QuantizeError
 from quantize.safetensors import Checkpoint, TensorRef
@@ -129,10 +134,10 @@ class Family:
     def write_rope_scaling(self, w: GGUFWriter) -> None:
         kind, factor = self.rope.get("rope_type") or self.rope.get("type"), self.rope.get("factor")
         if kind == "linear" and factor:
-            w.add_rope_scaling_type(_rope_type("LINEAR"))
+            w.add_rope_scaling_type(RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(float(factor))
         elif kind == "yarn" and factor:
-            w.add_rope_scaling_type(_rope_type("YARN"))
+            w.add_rope_scaling_type(RopeScalingType.YARN)
             w.add_rope_scaling_factor(float(factor))
             w.add_rope_scaling_orig_ctx_len(int(self.rope["original_max_position_embeddings"]))
         elif kind not in (None, "default", "llama3"):
@@ -167,12 +172,6 @@ class Family:
         return planned
 
 
-def _rope_type(name: str):
-    from gguf import RopeScalingType
-
-    return RopeScalingType[name]
-
-
 FAMILIES: dict[str, type[Family]] = {}
 
 
@@ -202,6 +201,3 @@ def permutation_for_rope(n_rows: int, n_head: int) -> np.ndarray:
     """
     half = n_rows // n_head // 2
     return np.arange(n_rows).reshape(n_head, 2, half).swapaxes(1, 2).reshape(-1)
-
-
-RowsFn = Callable[[int, int], np.ndarray]

@@ -12,10 +12,10 @@ import os
 import re
 import shutil
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
@@ -23,7 +23,14 @@ from gguf import GGMLQuantizationType as T
 from quantize.architecture import Family, PlannedTensor, family_for
 from quantize.errors import QuantizeError
 from quantize.ggml import quantize_rows
-from quantize.mixture import FILE_TYPES, FileType, TensorShape, choose_types, file_type, is_quantized
+from quantize.mixture import (
+    FILE_TYPES,
+    FileType,
+    TensorShape,
+    choose_types,
+    file_type,
+    is_quantized,
+)
 from quantize.safetensors import Checkpoint
 from quantize.source import read_config, resolve_source
 from quantize.writer import StreamingGGUF, padded, tensor_nbytes

@@ -56,8 +56,8 @@ def row_size(qtype: GGMLQuantizationType, n_per_row: int) -> int:
     return n_per_row // block * size
 
 
-def quantize_rows(qtype: GGMLQuantizationType, rows: np.ndarray) -> bytes:
-    """Quantize a C-contiguous float32 matrix (rows x n_per_row) to `qtype`; returns the raw blocks."""
+def quantize_rows(qtype: GGMLQuantizationType, rows: np.ndarray) -> np.ndarray:
+    """Quantize a float32 matrix (rows x n_per_row) to `qtype`; returns the raw blocks as uint8."""
     if rows.dtype != np.float32 or not rows.flags.c_contiguous:
         rows = np.ascontiguousarray(rows, dtype=np.float32)
     nrows, n_per_row = rows.shape
@@ -68,4 +68,4 @@ def quantize_rows(qtype: GGMLQuantizationType, rows: np.ndarray) -> bytes:
     written = lib.ggml_quantize_chunk(int(qtype), rows.ctypes.data, out.ctypes.data, 0, nrows, n_per_row, None)
     if written != out.nbytes or not lib.ggml_validate_row_data(int(qtype), out.ctypes.data, out.nbytes):
         raise RuntimeError(f"ggml_quantize_chunk produced invalid {qtype.name} data")
-    return out.tobytes()
+    return out

@@ -79,7 +79,7 @@ class Model:
             self._lc.llama_model_free(self.model)
             self.model = None
 
-    def __enter__(self) -> "Model":
+    def __enter__(self) -> Model:
         return self
 
     def __exit__(self, *exc) -> None:

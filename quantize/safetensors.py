@@ -29,7 +29,7 @@ class TensorRef:
     name: str
     dtype: str  # "F32", "F16" or "BF16"
     shape: tuple[int, ...]
-    file: "SafetensorsFile"
+    file: SafetensorsFile
     start: int  # byte offset of the data in the file
     nbytes: int
 
@@ -155,7 +155,7 @@ class Checkpoint:
         for f in self.files:
             f.close()
 
-    def __enter__(self) -> "Checkpoint":
+    def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc) -> None:

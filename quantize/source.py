@@ -28,7 +28,11 @@ def resolve_source(src: str) -> Path:
 def _download(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+        from huggingface_hub.errors import (
+            HfHubHTTPError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+        )
     except ImportError:
         raise QuantizeError("huggingface_hub is not installed; download the checkpoint and pass its folder") from None
     try:

@@ -8,13 +8,12 @@ name next to the destination and renamed only when complete.
 from __future__ import annotations
 
 import os
+import struct
 import tempfile
 from pathlib import Path
 
-import struct
-
 import numpy as np
-from gguf import GGUFValueType, GGUFWriter, GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.gguf_writer import WriterState
 
 from quantize.errors import QuantizeError
@@ -93,7 +92,7 @@ class StreamingGGUF:
         self._fh = None
         self._pending: list[tuple[str, int]] = []
 
-    def __enter__(self) -> "StreamingGGUF":
+    def __enter__(self) -> StreamingGGUF:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

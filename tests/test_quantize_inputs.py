@@ -34,7 +34,7 @@ def _copy_folder(src: Path, dest: Path, skip: tuple[str, ...] = ()) -> Path:
 
 
 def _edgechat(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edgechat", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "edgechat", *args], check=False, capture_output=True, text=True, timeout=300)
 
 
 def test_missing_folder_is_one_line_error(tmp_path):
@@ -159,3 +159,26 @@ def test_report_needs_reference(tmp_path):
     result = _edgechat("quantize", "--report", str(tmp_path / "q.gguf"))
     assert result.returncode == 2
     assert result.stderr.strip() == "edgechat: error: --report needs --reference F16.gguf to compare with"
+
+
+def test_conversion_imports_nothing_heavy_or_from_the_app(smollm2, tmp_path):
+    """House rule: the quantizer runs without torch and without edgechat (a phone has neither to spare)."""
+    code = (
+        "import sys; from quantize import convert; "
+        f"convert({str(smollm2)!r}, {str(tmp_path / 'out.gguf')!r}, type_name='Q8_0'); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'edgechat', 'llama_cpp'}))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+    assert (tmp_path / "out.gguf").stat().st_size > 100_000_000
+
+
+def test_report_warns_only_when_the_loss_is_large_for_the_type():
+    from quantize.report import Quality
+
+    typical = Quality(400, 14.0, 14.6, 0.07, 0.81)
+    assert typical.warning("Q4_K_M") is None
+    assert "Q8_0" in typical.warning("Q8_0")  # the same loss is too much for an 8-bit type
+    assert abs(typical.ppl_ratio - 14.6 / 14.0) < 1e-12
+    assert "top-1 agreement        81.0%" in typical.table()
