@@ -262,6 +262,10 @@ class _Server:
             done, _ = await asyncio.wait(
                 {gen.finished, disconnect}, timeout=gen.remaining(), return_when=asyncio.FIRST_COMPLETED
             )
+        except asyncio.CancelledError:
+            # the server is shutting down under us: free the sequence
+            gen.handle.cancel()
+            raise
         finally:
             disconnect.cancel()
         if gen.finished.done():

@@ -33,7 +33,7 @@ class ServerMetrics:
         self.prompt_tokens = Counter("edgechat_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.cached_tokens = Counter("edgechat_prompt_cached_tokens", "Prompt tokens taken from the KV cache instead of prefilled.", registry=r)
         self.completion_tokens = Counter("edgechat_completion_tokens", "Generated tokens.", registry=r)
-        self.requests = Counter("edgechat_requests", "Generation requests by outcome.", ["outcome"], registry=r)
+        self.requests = Counter("edgechat_requests", "Generation requests by outcome (rejected: refused before any compute, for a full queue or a long prompt).", ["outcome"], registry=r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
         self.running = Gauge("edgechat_running_sequences", "Sequences being generated now.", registry=r)
