@@ -139,6 +139,9 @@ class LlamaBackend:
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.kv_unified = True
+        # full-size sliding-window cache (llama.cpp's default): rewinding a sequence for prefix
+        # reuse, shifting it and restoring snapshots need the tokens a pruned window drops
+        cparams.swa_full = True
         cparams.no_perf = True
         cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
         if kv_type != "f16":

@@ -86,7 +86,8 @@ def _compute_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int = 512) -> int:
 
 def plan_for(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: str = "f16", available: int | None = None) -> Plan:
     avail = available_memory() if available is None else available
-    kv = int(info.kv_cache_bytes(n_ctx * n_seq, KV_BYTES[kv_type]))
+    # edgechat keeps llama.cpp's full-size SWA cache: prefix reuse, shifts and snapshots need it
+    kv = int(info.kv_cache_bytes(n_ctx * n_seq, KV_BYTES[kv_type], swa_full=True))
     return Plan(n_ctx, n_seq, info.size_bytes, kv, _compute_bytes(info, n_ctx * n_seq), avail)
 
 
