@@ -34,8 +34,9 @@ def _model_rows(paths, kv_type: str = "f16") -> list[dict]:
                 "quant": info.quant,
                 "arch": info.architecture,
                 "trained_ctx": info.context_length,
-                "kv_per_token": info.kv_bytes_per_token(planner.KV_BYTES[kv_type]),
-                "kv_per_token_q8": info.kv_bytes_per_token(planner.KV_BYTES["q8_0"]),
+                # as the planner counts it: every layer, sliding ones included (full SWA cache)
+                "kv_per_token": info.kv_cache_bytes(1, planner.KV_BYTES[kv_type], swa_full=True),
+                "kv_per_token_q8": info.kv_cache_bytes(1, planner.KV_BYTES["q8_0"], swa_full=True),
                 "fits_ctx": fits,
             }
         )

@@ -42,11 +42,6 @@ class ModelInfo:
     def n_swa_layers(self) -> int:
         return sum(self.swa_layers)
 
-    def kv_bytes_per_token(self, bytes_per_element: float = 2.0) -> float:
-        """K and V bytes one token costs in every full-attention layer (GQA-aware)."""
-        n_global = self.n_layer - self.n_swa_layers
-        return n_global * self.n_head_kv * (self.head_dim_k + self.head_dim_v) * bytes_per_element
-
     def kv_cache_bytes(self, n_ctx: int, bytes_per_element: float = 2.0, swa_full: bool = False) -> float:
         """KV memory for n_ctx tokens: full layers hold every token, sliding layers only their window
         (unless swa_full: then they keep every token too, which prefix reuse and shifts need)."""

@@ -174,7 +174,41 @@ def _summary(values: list[float]) -> dict:
     return {p: percentile(values, q) for p, q in (("p50", 50), ("p95", 95), ("p99", 99))}
 
 
-async def run_load(
+@dataclass
+class Run:
+    """One load run's raw material: per-request results and the wall time they took."""
+
+    url: str
+    model: str
+    concurrency: int
+    results: list[RequestResult]
+    duration_s: float
+
+
+def summarize(runs: list[Run]) -> Report:
+    """One report over one or more runs at the same concurrency (throughput over their total time)."""
+    results = [r for run in runs for r in run.results]
+    duration = sum(run.duration_s for run in runs)
+    ok = [r for r in results if r.ok]
+    out = sum(r.output_tokens for r in ok)
+    return Report(
+        url=runs[0].url,
+        model=runs[0].model,
+        concurrency=runs[0].concurrency,
+        requests=len(results),
+        ok=len(ok),
+        failed=len(results) - len(ok),
+        duration_s=duration,
+        output_tokens=out,
+        output_tok_s=out / duration if duration > 0 else 0.0,
+        ttft=_summary([r.ttft for r in ok]),
+        tpot=_summary([t for r in ok if (t := r.tpot) is not None]),
+        e2e=_summary([r.e2e for r in ok]),
+        errors=[r.error for r in results if r.error],
+    )
+
+
+async def load(
     url: str,
     concurrency: int = 1,
     requests: int = 16,
@@ -183,7 +217,7 @@ async def run_load(
     api_key: str | None = None,
     warmup: int = 1,
     timeout: float = 900.0,
-) -> Report:
+) -> Run:
     base = _base_url(url)
     rng = random.Random(seed)
     targets = prompt_token_targets(requests, rng)
@@ -206,20 +240,8 @@ async def run_load(
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         duration = time.perf_counter() - start
-    ok = [r for r in results if r.ok]
-    out = sum(r.output_tokens for r in ok)
-    return Report(
-        url=url,
-        model=model,
-        concurrency=concurrency,
-        requests=requests,
-        ok=len(ok),
-        failed=len(results) - len(ok),
-        duration_s=duration,
-        output_tokens=out,
-        output_tok_s=out / duration if duration > 0 else 0.0,
-        ttft=_summary([r.ttft for r in ok]),
-        tpot=_summary([t for r in ok if (t := r.tpot) is not None]),
-        e2e=_summary([r.e2e for r in ok]),
-        errors=[r.error for r in results if r.error],
-    )
+    return Run(url, model, concurrency, results, duration)
+
+
+async def run_load(url: str, concurrency: int = 1, requests: int = 16, max_tokens: int = 128, seed: int = 0, **kw) -> Report:
+    return summarize([await load(url, concurrency, requests, max_tokens, seed, **kw)])
