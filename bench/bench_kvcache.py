@@ -1,0 +1,104 @@
+"""KV cache manager benchmarks (issue 3), ratios measured in the same run.
+
+1. Multi-turn prefix reuse: in a 40-turn conversation (new-message length held equal, answers
+   fixed at 24 tokens), TTFT of turn 40 against turn 2 (target <= 1.5x), beside the TTFT of
+   re-prefilling turn 40's whole history cold, which is what a cache-less chat pays.
+2. Reopening a ~2,000-token conversation from its snapshot against a cold re-prefill of it
+   (target <= 0.05x), on both embedded models.
+
+    python -m bench.bench_kvcache [--threads 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+from edgechat.config import get_paths
+from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+SYSTEM = {"role": "system", "content": "You are a concise assistant."}
+
+
+def _turn(engine, history, text, session, max_tokens=24):
+    history.append({"role": "user", "content": text})
+    done = engine.submit(ChatRequest(messages=[SYSTEM] + history, sampling=GREEDY, max_tokens=max_tokens,
+                                     ignore_eos=True, session=session)).result()
+    history.append({"role": "assistant", "content": done.text})
+    return done.metrics
+
+
+def multi_turn(model: str, threads: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp, Engine(EngineConfig(model=model, n_ctx=8192, n_threads=threads, paths=get_paths(tmp))) as engine:
+        history: list[dict] = []
+        ttft = []
+        for i in range(40):
+            m = _turn(engine, history, f"Question {i + 10}: name one animal that lives in water.", "bench")
+            ttft.append(m.ttft)
+        cold_request = ChatRequest(messages=[SYSTEM] + history[:-1], sampling=GREEDY, max_tokens=1)
+        history_tokens = engine.count_tokens(cold_request)
+    with tempfile.TemporaryDirectory() as tmp, Engine(EngineConfig(model=model, n_ctx=8192, n_threads=threads, paths=get_paths(tmp))) as engine:
+        cold = engine.submit(cold_request).result().metrics.ttft
+    return {
+        "model": model,
+        "ttft_turn2_ms": ttft[1] * 1000,
+        "ttft_turn40_ms": ttft[39] * 1000,
+        "turn40_over_turn2": ttft[39] / ttft[1],
+        "history_tokens_turn40": history_tokens,
+        "cold_reprefill_turn40_ms": cold * 1000,
+    }
+
+
+def reopen(model: str, threads: int) -> dict:
+    filler = " ".join(f"Fact {i}: the river stones are smooth and grey." for i in range(160))
+    with tempfile.TemporaryDirectory() as warm_dir, tempfile.TemporaryDirectory() as cold_dir:
+        history: list[dict] = []
+        with Engine(EngineConfig(model=model, n_ctx=4096, n_threads=threads, paths=get_paths(warm_dir))) as engine:
+            _turn(engine, history, f"Remember these notes. {filler}", "long", max_tokens=8)
+            tokens = engine.count_tokens(ChatRequest(messages=[SYSTEM] + history))
+            t = time.perf_counter()
+            engine.release_session("long")
+            save_s = time.perf_counter() - t
+        results = {}
+        for label, root in (("restore", warm_dir), ("cold", cold_dir)):
+            with Engine(EngineConfig(model=model, n_ctx=4096, n_threads=threads, paths=get_paths(root))) as engine:
+                m = _turn(engine, list(history), "Thanks.", "long", max_tokens=1)
+                results[label] = m
+        snap = sum(p.stat().st_size for p in get_paths(warm_dir).snapshots.glob("*.kv"))
+    return {
+        "model": model,
+        "conversation_tokens": tokens,
+        "snapshot_mb": snap / 1e6,
+        "save_ms": save_s * 1000,
+        "restore_ttft_ms": results["restore"].ttft * 1000,
+        "cold_ttft_ms": results["cold"].ttft * 1000,
+        "restored_tokens": results["restore"].cached_tokens,
+        "ratio": results["restore"].ttft / results["cold"].ttft,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    turns = multi_turn("smollm2-135m-instruct", args.threads)
+    reopened = [reopen(m, args.threads) for m in ("smollm2-135m-instruct", "gemma3-270m")]
+    if args.json:
+        print(json.dumps({"multi_turn": turns, "reopen": reopened}, indent=2))
+        return
+    t = turns
+    print(f"40-turn chat on {t['model']}: TTFT turn 2 {t['ttft_turn2_ms']:.0f} ms, turn 40 {t['ttft_turn40_ms']:.0f} ms "
+          f"-> {t['turn40_over_turn2']:.2f}x (target <= 1.5x); cold re-prefill of turn 40's "
+          f"{t['history_tokens_turn40']} tokens: {t['cold_reprefill_turn40_ms']:.0f} ms")
+    for r in reopened:
+        print(f"reopen {r['model']}: {r['conversation_tokens']} tokens, snapshot {r['snapshot_mb']:.1f} MB saved in "
+              f"{r['save_ms']:.0f} ms; TTFT restored {r['restore_ttft_ms']:.0f} ms vs cold {r['cold_ttft_ms']:.0f} ms "
+              f"-> {r['ratio']:.3f}x (target <= 0.05x)")
+
+
+if __name__ == "__main__":
+    main()
