@@ -67,6 +67,22 @@ def test_tokenization_matches_hugging_face(model, converted):
             assert ours.tokenize(text, add_special=True) == hf(text, add_special_tokens=True)["input_ids"], text
 
 
+def test_sentencepiece_vocabulary_from_tokenizer_json_alone(tmp_path):
+    """Without tokenizer.model, Gemma's vocabulary comes from tokenizer.json and tokenizes the same."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "gemma-json-only"
+    folder.mkdir()
+    for f in hf_checkpoint("gemma3-270m").iterdir():
+        if f.name != "tokenizer.model":
+            (folder / f.name).symlink_to(f)
+    result = convert(folder, tmp_path / "model.gguf", type_name="Q8_0")
+    hf = AutoTokenizer.from_pretrained(folder)
+    with Model(result.path, vocab_only=True) as ours:
+        for text in CORPUS:
+            assert ours.tokenize(text, add_special=True) == hf(text, add_special_tokens=True)["input_ids"], text
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_f16_logits_match_transformers(model, converted):
     import torch

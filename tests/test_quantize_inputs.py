@@ -182,3 +182,14 @@ def test_report_warns_only_when_the_loss_is_large_for_the_type():
     assert "Q8_0" in typical.warning("Q8_0")  # the same loss is too much for an 8-bit type
     assert abs(typical.ppl_ratio - 14.6 / 14.0) < 1e-12
     assert "top-1 agreement        81.0%" in typical.table()
+
+
+def test_allow_requantize_requantizes_a_gguf(smollm2_path, tmp_path):
+    out = tmp_path / "requantized.gguf"
+    result = _edgechat("quantize", str(smollm2_path), "--allow-requantize", "--type", "Q4_0", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "edgechat: warning: requantizing an already quantized model loses quality" in result.stderr
+    import gguf
+
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert "Q4_0" in types and "Q4_1" not in types
