@@ -1,14 +1,17 @@
 """`edgechat serve --parallel 4` against llama.cpp's `llama-server -np 4`, same model, same machine, same run.
 
-Each server runs alone (never both at once) under the same load from edgechat's load generator:
-SmolLM2-135M Q4_1, 2 threads, 8k context in all (4 sequences of 2048), 128 output tokens per
-request, the long-tail prompt mix (20-400 tokens), at concurrency 1 and 4. Prints both reports
-and the ratios the issue sets as targets:
+Both servers are up for the whole run but only one is loaded at a time (an idle one sleeps); the
+measurements alternate between them in short rounds, in alternating order, so a machine whose
+load drifts (other work, thermal limits) weighs on both alike. The load comes from edgechat's
+load generator: SmolLM2-135M Q4_1, 2 threads, 8k context in all (4 sequences of 2048), 128 output
+tokens per request, the long-tail prompt mix (20-400 tokens), at concurrency 1 and 4, the same
+prompts for both. Prints both reports and the ratios the issue sets as targets:
 
     conc 4: throughput >= 1.0x llama-server and TTFT p95 <= llama-server's
     conc 1: throughput >= 0.95x llama-server
 
-    python -m bench.bench_serve [--requests-c1 8] [--requests-c4 16] [--json]
+    python -m bench.bench_serve [--rounds 2] [--requests-c1 4] [--requests-c4 8] [--json]
+    (requests per round and server)
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import httpx
 
 from edgechat.config import get_paths
 from edgechat.models import resolve_model
-from edgechat.server.loadgen import Report, run_load
+from edgechat.server.loadgen import Run, load, summarize
 
 MODEL = "smollm2-135m-instruct"
 THREADS, CTX_TOTAL, PARALLEL, MAX_TOKENS = 2, 8192, 4, 128
@@ -67,14 +70,11 @@ def _server(cmd: list[str], port: int, name: str, log_dir: Path):
                 proc.wait()
 
 
-def _measure(url: str, plan: list[tuple[int, int]], seed: int) -> dict[int, Report]:
-    return {c: asyncio.run(run_load(url, concurrency=c, requests=n, max_tokens=MAX_TOKENS, seed=seed)) for c, n in plan}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests-c1", type=int, default=8)
-    ap.add_argument("--requests-c4", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests-c1", type=int, default=4)
+    ap.add_argument("--requests-c4", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the reports and ratios as JSON")
     ap.add_argument("--log-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")))
@@ -84,24 +84,30 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = resolve_model(MODEL, get_paths())
     plan = [(1, args.requests_c1), (4, args.requests_c4)]
-    results: dict[str, dict[int, Report]] = {}
-
-    port = _free_port()
+    llama_port, edge_port = _free_port(), _free_port()
     llama_cmd = [
         str(find_llama_server()), "-m", str(model_path), "-t", str(THREADS), "-tb", str(THREADS),
-        "-c", str(CTX_TOTAL), "-np", str(PARALLEL), "--no-webui", "--host", "127.0.0.1", "--port", str(port),
+        "-c", str(CTX_TOTAL), "-np", str(PARALLEL), "--no-webui", "--host", "127.0.0.1", "--port", str(llama_port),
     ]
-    with _server(llama_cmd, port, "llama-server", args.log_dir) as url:
-        results["llama-server"] = _measure(url, plan, args.seed)
-
-    port = _free_port()
     edge_cmd = [
         sys.executable, "-m", "edgechat", "serve", "-m", MODEL, "--threads", str(THREADS),
-        "--ctx", str(CTX_TOTAL // PARALLEL), "--parallel", str(PARALLEL), "--port", str(port),
+        "--ctx", str(CTX_TOTAL // PARALLEL), "--parallel", str(PARALLEL), "--port", str(edge_port),
         "--degrade-queue-wait", "0",
     ]
-    with _server(edge_cmd, port, "edgechat-serve", args.log_dir) as url:
-        results["edgechat"] = _measure(url, plan, args.seed)
+    runs: dict[str, dict[int, list[Run]]] = {"llama-server": {1: [], 4: []}, "edgechat": {1: [], 4: []}}
+    with contextlib.ExitStack() as stack:
+        urls = {
+            "llama-server": stack.enter_context(_server(llama_cmd, llama_port, "llama-server", args.log_dir)),
+            "edgechat": stack.enter_context(_server(edge_cmd, edge_port, "edgechat-serve", args.log_dir)),
+        }
+        for rnd in range(args.rounds):
+            order = list(urls) if rnd % 2 == 0 else list(reversed(urls))
+            for conc, n in plan:
+                for name in order:
+                    run = asyncio.run(load(urls[name], conc, n, MAX_TOKENS, seed=args.seed + 1000 * rnd))
+                    runs[name][conc].append(run)
+                    print(f"round {rnd + 1}/{args.rounds} {name} c{conc}: {sum(r.output_tokens for r in run.results if r.ok) / run.duration_s:.1f} tok/s", file=sys.stderr)
+    results = {name: {c: summarize(rs) for c, rs in by_c.items()} for name, by_c in runs.items()}
 
     ref, ours = results["llama-server"], results["edgechat"]
     ratios = {

@@ -8,7 +8,7 @@ import pytest
 
 from edgechat.server.degrade import DegradeSwitch
 from edgechat.server.errors import ApiError
-from edgechat.server.loadgen import make_prompt, percentile, prompt_token_targets
+from edgechat.server.loadgen import RequestResult, Run, make_prompt, percentile, prompt_token_targets, summarize
 from edgechat.server.schemas import decode_body, parse_chat, parse_completion
 
 USER = [{"role": "user", "content": "hi"}]
@@ -171,3 +171,20 @@ def test_prompt_mix_is_long_tailed_and_reproducible():
     long = sum(t >= 200 for t in targets) / len(targets)
     assert short > 0.6 and 0.01 < long < 0.15
     assert len(make_prompt(400, random.Random(0)).split()) > 4 * len(make_prompt(20, random.Random(0)).split())
+
+
+def test_summaries_pool_requests_and_time_across_runs():
+    def run(duration, *tokens):
+        results = [RequestResult(50, status=200, ttft=0.1 * t, e2e=1.0 * t, output_tokens=t) for t in tokens]
+        return Run("u", "m", 2, results, duration)
+
+    failed = RequestResult(50, status=429, error="HTTP 429")
+    second = run(3.0, 2, 4)
+    second.results.append(failed)
+    report = summarize([run(1.0, 10, 10), second])
+    assert (report.requests, report.ok, report.failed) == (5, 4, 1)
+    assert report.output_tokens == 26 and report.output_tok_s == pytest.approx(26 / 4.0)
+    assert report.ttft["p50"] == pytest.approx(0.7)  # median of 0.2, 0.4, 1.0, 1.0
+    # TPOT: (e2e - ttft) / (tokens - 1) = 0.9 t / (t - 1)
+    assert report.tpot["p50"] == pytest.approx((0.9 * 4 / 3 + 0.9 * 10 / 9) / 2)
+    assert report.errors == ["HTTP 429"]
