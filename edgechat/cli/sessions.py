@@ -21,7 +21,7 @@ from edgechat.store import open_store
 def conversation_messages(store, conv) -> list[dict]:
     """The history the model sees: system prompt from the settings, then every kept message."""
     msgs = []
-    system = (conv.settings or {}).get("system")
+    system = (conv.settings or {}).get("system_prompt")
     if system:
         msgs.append({"role": "system", "content": system})
     for m in store.messages(conv.id):
@@ -42,7 +42,7 @@ def run_session_turn(cfg: EngineConfig, name: str, text: str, system, sampling, 
         conv = store.conversation_by_name(name, create=True)
         settings = dict(conv.settings or {})
         if system is not None:
-            settings["system"] = system
+            settings["system_prompt"] = system
         if context_policy is not None:
             settings["context_policy"] = context_policy
         if settings != (conv.settings or {}):
