@@ -193,3 +193,23 @@ def test_allow_requantize_requantizes_a_gguf(smollm2_path, tmp_path):
 
     types = {t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
     assert "Q4_0" in types and "Q4_1" not in types
+
+
+def test_bf16_rounding_matches_torch():
+    """--outtype bf16 rounds to nearest even like torch (which wrote the checkpoints), NaN stays NaN."""
+    import numpy as np
+    import torch
+
+    from quantize.convert import _to_bf16_bits
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate([
+        rng.standard_normal(10_000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 10_000),
+        np.array([0.0, -0.0, np.inf, -np.inf, 1e-45, 3.4e38], dtype=np.float32),
+        # exact ties between two bf16 values: even mantissa wins
+        (np.arange(1, 200, dtype=np.uint32) << 16 | 0x8000).view(np.float32),
+    ]).astype(np.float32)
+    expected = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(_to_bf16_bits(values), expected)
+    nan = _to_bf16_bits(np.array([np.nan], dtype=np.float32))
+    assert np.isnan((nan.astype(np.uint32) << 16).view(np.float32)[0])
