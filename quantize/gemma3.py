@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 from gguf import MODEL_ARCH
 
 from quantize.architecture import Family, PlannedTensor, register
@@ -54,6 +53,5 @@ class Gemma3(Family):
         for p in planned:
             # rows past the vocabulary are never produced; llama.cpp expects exactly n_vocab rows
             if p.name == "token_embd.weight" and p.shape[0] > self.n_vocab:
-                p.shape = (self.n_vocab, *p.shape[1:])
-                p.row_index = np.arange(self.n_vocab)
+                p.shape = (self.n_vocab, *p.shape[1:])  # rows are read by range, so the rest are never read
         return planned
