@@ -1,7 +1,7 @@
-"""The OpenAI-compatible HTTP API on one Engine.
+"""The OpenAI-compatible HTTP API on an Engine (and optionally a smaller fallback one).
 
 create_app(settings, engine) builds a Starlette app whose state lives in one _Server object, so
-several apps (tests, a fallback model) can share a process. Each HTTP request becomes one
+several apps can share a process, even an engine. Each HTTP request becomes one
 engine.submit(); the engine calls back on its own thread and call_soon_threadsafe carries the
 events into the event loop. The engine does the batching; this layer parses, admits, streams,
 cancels on disconnect or timeout, and counts.
