@@ -32,7 +32,7 @@ def _register() -> None:
     cli.add_command(run.run_cmd)
     cli.add_command(models.models_cmd)
     cli.add_command(models.doctor_cmd)
-    for optional in ("sessions", "serve", "quantize", "bench"):
+    for optional in ("sessions", "serve", "quantize", "bench", "pull"):
         try:
             module = __import__(f"edgechat.cli.{optional}", fromlist=["register"])
         except ModuleNotFoundError as exc:

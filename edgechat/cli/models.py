@@ -12,6 +12,8 @@ from edgechat.config import get_paths
 from edgechat.engine import planner
 from edgechat.errors import EdgechatError
 from edgechat.models import known_model_names, read_model_info, resolve_model
+from edgechat.models.catalog import load_catalog
+from edgechat.models.hub import is_downloaded
 
 
 def _size(n: float) -> str:
@@ -49,11 +51,25 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def _catalog_table(paths) -> str:
+    rows = []
+    for e in load_catalog().values():
+        quants = ", ".join(f"{q} {_size(f.size)}" for q, f in e.files.items())
+        have = ", ".join(q for q, f in e.files.items() if is_downloaded(e, f, paths)) or "-"
+        rows.append([e.name, quants, have, e.licence, str(e.context), e.repo, e.description])
+    return _table(["NAME", "QUANTS (about)", "DOWNLOADED", "LICENCE", "TRAINED CTX", "HUB REPO", "DESCRIPTION"], rows)
+
+
 @click.command("models")
+@click.option("--catalog", "show_catalog", is_flag=True, help="Show the curated catalog: quants, sizes, licences, Hub repos.")
 @data_dir_option
-def models_cmd(data_dir):
-    """List the models available offline: size, quant, architecture, and whether they fit."""
+def models_cmd(show_catalog, data_dir):
+    """List the models available offline: size, quant, architecture, and whether they fit.
+    Catalog models not downloaded yet are listed too; `edgechat pull NAME` fetches one."""
     paths = get_paths(data_dir)
+    if show_catalog:
+        click.echo(_catalog_table(paths))
+        return
     rows = []
     for r in _model_rows(paths):
         if "error" in r:
@@ -61,7 +77,13 @@ def models_cmd(data_dir):
         else:
             fit = f"yes, up to {r['fits_ctx']} ctx" if r["fits_ctx"] else "no"
             rows.append([r["name"], r["size"], r["quant"], r["arch"], str(r["trained_ctx"]), fit])
+    listed = {row[0] for row in rows}
+    for e in load_catalog().values():
+        if e.name not in listed:
+            rows.append([e.name, f"~{_size(e.default.size)}", e.default.quant, e.architecture, str(e.context), "not downloaded"])
     click.echo(_table(["NAME", "SIZE", "QUANT", "ARCH", "TRAINED CTX", "FITS HERE"], rows))
+    if len(rows) > len(listed):
+        click.echo("\nnot downloaded: `edgechat pull NAME` once (or first use online fetches it); details: edgechat models --catalog")
 
 
 @click.command("doctor")

@@ -1,4 +1,5 @@
-"""Model references: an embedded short name, a path to a .gguf, or a file in the models cache."""
+"""Model references: an embedded short name, a path to a .gguf, a file in the models cache,
+a catalog name, or a Hugging Face Hub reference."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 from edgechat.config import Paths
 from edgechat.errors import ModelNotFoundError
+from edgechat.models import catalog, hub
 from edgechat.models.embedded import ALIASES, EMBEDDED, GEMMA3_FILE
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -17,6 +19,11 @@ def known_model_names(paths: Paths) -> list[str]:
     if paths.models_cache.is_dir():
         # the assembled embedded Gemma lives in the cache too; it is listed under its short name
         names += sorted(p.stem for p in paths.models_cache.glob("*.gguf") if p.name != GEMMA3_FILE)
+    # catalog models count once downloaded; the default quant goes by the bare name
+    for entry in catalog.load_catalog().values():
+        for cfile in entry.files.values():
+            if hub.is_downloaded(entry, cfile, paths):
+                names.append(entry.name if cfile is entry.default else f"{entry.name}:{cfile.quant}")
     return list(dict.fromkeys(names))
 
 
@@ -43,9 +50,14 @@ def resolve_model(ref: str | None, paths: Paths) -> Path:
     cached = paths.models_cache / f"{ref}.gguf"
     if cached.is_file():
         return cached
+    if found := catalog.lookup(ref):
+        return hub.resolve_catalog(*found, paths)
+    if hub_ref := hub.parse_hub_ref(ref):
+        return hub.resolve_hub(hub_ref, paths)
     if looks_like_path:
-        raise ModelNotFoundError(f"model file not found: {ref}")
-    names = known_model_names(paths) + list(ALIASES)
+        hint = f" (a Hub repository? add a quant: {ref}:Q4_K_M)" if hub.looks_like_repo(ref) else ""
+        raise ModelNotFoundError(f"model file not found: {ref}{hint}")
+    names = known_model_names(paths) + list(ALIASES) + list(catalog.load_catalog())
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.4)
     hint = f"did you mean {', '.join(close)}?" if close else "see: edgechat models"
     raise ModelNotFoundError(f"unknown model '{ref}'; {hint}")

@@ -1,0 +1,253 @@
+"""Hugging Face Hub references: downloaded once into edgechat's cache, read from it offline after.
+
+Forms: `hf:OWNER/REPO/FILE.gguf`, `OWNER/REPO:QUANT` (or `hf:OWNER/REPO[:QUANT]`, default Q4_K_M),
+and catalog names (`qwen2.5-0.5b-instruct`, `qwen2.5-0.5b-instruct:Q8_0`).
+A file already in the cache is used without asking the network, so a pulled model never
+waits on (or breaks with) the Hub. HF_HUB_OFFLINE=1 forbids the network altogether.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgechat.config import Paths
+from edgechat.errors import ModelNotFoundError
+from edgechat.models.catalog import QUANT_RE, CatalogEntry, CatalogFile, load_catalog
+
+HUB_PREFIX = "hf:"
+DEFAULT_QUANT = "Q4_K_M"
+_REPO = r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
+_QUANT_REF = re.compile(rf"^(?P<repo>{_REPO})(?::(?P<quant>[A-Za-z0-9_]+))?$")
+_FILE_REF = re.compile(rf"^(?P<repo>{_REPO})/(?P<file>[^:\\]+)$")
+_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+_USAGE = "write hf:OWNER/REPO/FILE.gguf or OWNER/REPO:QUANT, e.g. Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M"
+
+
+@dataclass(frozen=True)
+class HubRef:
+    repo: str
+    #: exact file in the repo, or None to pick one by `quant`
+    file: str | None
+    quant: str | None
+    #: what the user typed, for messages and `edgechat pull` hints
+    text: str
+
+
+def parse_hub_ref(ref: str) -> HubRef | None:
+    """The Hub reference in `ref`, None when it is not one; a malformed `hf:` reference is an error."""
+    text = ref.strip()
+    explicit = text.lower().startswith(HUB_PREFIX)
+    body = text[len(HUB_PREFIX):] if explicit else text
+    if explicit and body.count("/") >= 2:
+        m = _FILE_REF.match(body)
+        if m is None or ".." in m["file"].split("/"):
+            raise ModelNotFoundError(f"malformed Hub reference '{text}'; {_USAGE}")
+        if not m["file"].lower().endswith(".gguf"):
+            raise ModelNotFoundError(f"{text}: edgechat runs GGUF files only; name a .gguf file ({_USAGE})")
+        return HubRef(m["repo"], m["file"], None, text)
+    m = _QUANT_REF.match(body)
+    if m is None or not (explicit or m["quant"]):
+        if explicit:
+            raise ModelNotFoundError(f"malformed Hub reference '{text}'; {_USAGE}")
+        return None
+    quant = (m["quant"] or DEFAULT_QUANT).upper()
+    if not QUANT_RE.match(quant):
+        if not explicit:
+            return None
+        raise ModelNotFoundError(f"{text}: '{m['quant']}' is not a GGUF quant name like Q4_K_M or Q8_0")
+    return HubRef(m["repo"], None, quant, text)
+
+
+def looks_like_repo(ref: str) -> bool:
+    """OWNER/REPO with nothing after it: a Hub repository named without a quant or file."""
+    return re.fullmatch(_REPO, ref.strip()) is not None and not ref.strip().lower().endswith(".gguf")
+
+
+def hub_cache(paths: Paths) -> Path:
+    return paths.models_cache / "hub"
+
+
+def offline() -> bool:
+    # read at call time: huggingface_hub reads it once at import, before tests or callers set it
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _endpoint() -> str | None:
+    return os.environ.get("HF_ENDPOINT") or None
+
+
+def _pull_hint(text: str) -> str:
+    why = "HF_HUB_OFFLINE is set" if offline() else "the Hub cannot be reached"
+    return f"{text} is not downloaded and {why}; connect once, or run `edgechat pull {text}` while online"
+
+
+def cached_file(repo: str, file: str, paths: Paths) -> Path | None:
+    """The cached copy of repo/file (newest revision the cache knows), or None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo, file, cache_dir=hub_cache(paths))
+    return Path(found) if isinstance(found, str) else None
+
+
+def _matches_quant(file: str, quant: str) -> bool:
+    name = file.rsplit("/", 1)[-1]
+    # Q4_0 must not match Q4_0_4_4, Q4_K must not match Q4_K_M: the quant ends at a non-word char
+    return (
+        name.lower().endswith(".gguf")
+        and "mmproj" not in name.lower()
+        and re.search(rf"(?<![A-Za-z0-9]){re.escape(quant)}(?![A-Za-z0-9_])", name, re.IGNORECASE) is not None
+    )
+
+
+def _pick(ref: HubRef, files: list[str]) -> str:
+    matches = sorted(f for f in files if _matches_quant(f, ref.quant))
+    if not matches:
+        have = sorted({q for f in files for q in _quants_in(f)})
+        listing = f"it has {', '.join(have)}" if have else "it holds no GGUF files"
+        raise ModelNotFoundError(f"{ref.repo} has no {ref.quant} GGUF file; {listing}")
+    if any(_SPLIT.search(f) for f in matches):
+        raise ModelNotFoundError(f"{ref.repo}:{ref.quant} is split into several files; edgechat loads single-file GGUFs")
+    if len(matches) > 1:
+        raise ModelNotFoundError(
+            f"{ref.repo} has several {ref.quant} files ({', '.join(matches)}); name one: hf:{ref.repo}/{matches[0]}"
+        )
+    return matches[0]
+
+
+def _quants_in(file: str) -> list[str]:
+    if not file.lower().endswith(".gguf"):
+        return []
+    return [t.upper() for t in re.split(r"[-.]", file.rsplit("/", 1)[-1][: -len(".gguf")]) if QUANT_RE.match(t.upper())]
+
+
+def _cached_snapshot_files(repo: str, paths: Paths) -> list[Path]:
+    """GGUF files of the cached revision of `repo` (the one refs/main points at, else the newest)."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    root = hub_cache(paths) / repo_folder_name(repo_id=repo, repo_type="model")
+    snapshots = root / "snapshots"
+    if not snapshots.is_dir():
+        return []
+    main = root / "refs" / "main"
+    order = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+    if main.is_file():
+        head = snapshots / main.read_text().strip()
+        order = [head] + [p for p in order if p != head]
+    for snapshot in order:
+        found = [p for p in snapshot.rglob("*.gguf") if p.is_file()]
+        if found:
+            return found
+    return []
+
+
+def _catalog_file_for(ref: HubRef) -> str | None:
+    """A quant reference to a catalogued repo needs no listing: the catalog knows the file."""
+    for entry in load_catalog().values():
+        if entry.repo.lower() == ref.repo.lower() and ref.quant in entry.files:
+            return entry.files[ref.quant].file
+    return None
+
+
+def resolve_hub(ref: HubRef, paths: Paths) -> Path:
+    """Local GGUF for a Hub reference: from the cache, else downloaded (unless offline)."""
+    file = ref.file or _catalog_file_for(ref)
+    if file is None:
+        snapshot_files = _cached_snapshot_files(ref.repo, paths)
+        if snapshot_files:
+            root = snapshot_files[0]
+            while root.parent.name != "snapshots":
+                root = root.parent
+            names = [p.relative_to(root).as_posix() for p in snapshot_files]
+            with contextlib.suppress(ModelNotFoundError):
+                return root / _pick(ref, names)
+        if offline():
+            raise ModelNotFoundError(_pull_hint(ref.text))
+        file = _pick(ref, _list_repo_files(ref))
+    cached = cached_file(ref.repo, file, paths)
+    if cached is not None:
+        return cached
+    if offline():
+        raise ModelNotFoundError(_pull_hint(ref.text))
+    return _download(ref.repo, file, ref.text, paths)
+
+
+def resolve_catalog(entry: CatalogEntry, cfile: CatalogFile, paths: Paths) -> Path:
+    text = entry.name if cfile is entry.default else f"{entry.name}:{cfile.quant}"
+    return resolve_hub(HubRef(entry.repo, cfile.file, cfile.quant, text), paths)
+
+
+def is_downloaded(entry: CatalogEntry, cfile: CatalogFile, paths: Paths) -> bool:
+    return cached_file(entry.repo, cfile.file, paths) is not None
+
+
+def _list_repo_files(ref: HubRef) -> list[str]:
+    from huggingface_hub import HfApi
+
+    with _hub_errors(ref.text, ref.repo):
+        return HfApi(endpoint=_endpoint()).list_repo_files(ref.repo)
+
+
+@contextlib.contextmanager
+def _progress_on_tty():
+    """Hub progress bars on a terminal only; piped output and logs stay clean."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    if not sys.stderr.isatty():
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            enable_progress_bars()
+
+
+def _download(repo: str, file: str, text: str, paths: Paths) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    cache = hub_cache(paths)
+    cache.mkdir(parents=True, exist_ok=True)
+    # hf_hub_download writes to an .incomplete file, resumes it after an interruption, and
+    # renames it into place only when complete, so a half-downloaded model is never loaded.
+    with _hub_errors(text, repo, file), _progress_on_tty():
+        return Path(hf_hub_download(repo, file, cache_dir=cache, endpoint=_endpoint(), library_name="edgechat"))
+
+
+@contextlib.contextmanager
+def _hub_errors(text: str, repo: str, file: str | None = None):
+    """Every Hub failure becomes one ModelNotFoundError line that says what to do."""
+    import httpx
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        yield
+    except GatedRepoError:
+        raise ModelNotFoundError(
+            f"{repo} is gated: accept its licence on huggingface.co, log in with `hf auth login`, then retry"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(f"no Hub repository {repo} (or it is private); check the name: {text}") from None
+    except RevisionNotFoundError:
+        raise ModelNotFoundError(f"{repo} has no main revision; check the reference {text}") from None
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled, httpx.TransportError):
+        raise ModelNotFoundError(_pull_hint(text)) from None
+    except EntryNotFoundError:
+        raise ModelNotFoundError(f"{repo} has no file {file}; see https://huggingface.co/{repo}/tree/main") from None
+    except HfHubHTTPError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelNotFoundError(f"the Hub refused {text}: {first}") from None
+    except OSError as exc:
+        raise ModelNotFoundError(f"cannot download {text}: {exc.strerror or exc}") from None

@@ -1,0 +1,216 @@
+"""Catalog names and Hub references, offline: a real Hugging Face cache layout on disk whose
+files are the embedded SmolLM2 GGUF, resolved with HF_HUB_OFFLINE=1 and loaded by the engine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from importlib import resources
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from edgechat.cli import cli
+from edgechat.errors import ModelNotFoundError
+from edgechat.models import catalog, hub, known_model_names, read_model_info, resolve_model
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+TEST_REPO = "edgetest/tiny-GGUF"
+TEST_FILE = "SmolLM2-135M-Instruct-Q4_1.gguf"
+# the real catalog entry whose cached copy the tests fake, so the shipped catalog itself is exercised
+CATALOG_NAME = "smollm2-360m-instruct"
+
+
+def add_to_hub_cache(paths, repo: str, filename: str, target: Path) -> Path:
+    """Lay out repo/filename as huggingface_hub stores a download: blob, snapshot link, refs/main."""
+    root = hub.hub_cache(paths) / f"models--{repo.replace('/', '--')}"
+    blob = root / "blobs" / ("b" * 64)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    if not blob.exists():
+        blob.symlink_to(target)
+    snap = root / "snapshots" / COMMIT / filename
+    snap.parent.mkdir(parents=True, exist_ok=True)
+    snap.symlink_to(os.path.relpath(blob, snap.parent))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(COMMIT)
+    return snap
+
+
+@pytest.fixture
+def hub_cache(isolated_dirs, smollm2_path):
+    """edgetest/tiny-GGUF and the catalog's SmolLM2 360M repo, both 'downloaded' as SmolLM2 135M."""
+    entry = catalog.load_catalog()[CATALOG_NAME]
+    return {
+        "test": add_to_hub_cache(isolated_dirs, TEST_REPO, TEST_FILE, smollm2_path),
+        "catalog": add_to_hub_cache(isolated_dirs, entry.repo, entry.default.file, smollm2_path),
+    }
+
+
+def edgechat(*args, timeout: int = 300):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "edgechat", *args], check=False, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def one_line_error(proc) -> str:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("edgechat: error: "), proc.stderr
+    return lines[0]
+
+
+# --- the catalog -------------------------------------------------------------------------------
+
+
+def test_shipped_catalog_is_complete_and_consistent():
+    raw = tomllib.loads(resources.files("edgechat.models").joinpath("catalog.toml").read_text())
+    names = [m["name"] for m in raw["model"]]
+    assert len(names) == len(set(names)) >= 8
+    entries = catalog.load_catalog()
+    assert list(entries) == names
+    for e in entries.values():
+        assert e.repo.count("/") == 1 and e.licence and e.architecture and e.description and e.context >= 2048
+        assert e.default.quant == "Q4_K_M", e.name
+        for quant, f in e.files.items():
+            assert catalog.QUANT_RE.match(quant) and f.file.endswith(".gguf") and f.size > 50_000_000
+            # uploaders put the quant in the file name; a mismatch is a copy-paste slip
+            assert quant.lower() in f.file.lower(), (e.name, quant, f.file)
+    # the repository root's models/catalog.toml is the same file the package ships
+    root_copy = Path(__file__).resolve().parents[1] / "models" / "catalog.toml"
+    assert tomllib.loads(root_copy.read_text()) == raw
+
+
+def test_catalog_validation_names_every_problem():
+    bad = {
+        "schema": 1,
+        "model": [
+            {"name": "a", "repo": "o/r", "architecture": "llama", "licence": "mit", "context": 4096,
+             "description": "x", "files": {"Q4_K_M": {"file": "a-Q4_K_M.gguf", "size": 10}}},
+            {"name": "a", "repo": "o/r", "architecture": "llama", "licence": "mit", "context": 4096,
+             "description": "x", "files": {"Q4KM": {"file": "a.safetensors", "size": 10}}},
+            {"name": "b", "repo": "not-a-repo", "architecture": "llama", "context": 4096, "description": "x", "files": {}},
+        ],
+    }
+    with pytest.raises(ValueError) as exc:
+        catalog.parse_catalog(bad)
+    msg = str(exc.value)
+    for needle in ("duplicate name", "'Q4KM' is not a GGUF quant", "not a .gguf", "licence missing", "repo must be OWNER/NAME", "no files"):
+        assert needle in msg, needle
+    with pytest.raises(ValueError, match="schema"):
+        catalog.parse_catalog({"schema": 2, "model": bad["model"][:1]})
+
+
+def test_catalog_lookup_by_name_and_quant():
+    entry, f = catalog.lookup("Qwen2.5-0.5B-Instruct")
+    assert f is entry.default and f.quant == "Q4_K_M"
+    assert catalog.lookup("qwen2.5-0.5b-instruct:q8_0")[1].quant == "Q8_0"
+    assert catalog.lookup("no-such-model") is None
+    with pytest.raises(ModelNotFoundError, match=r"has no Q3_K_S file.*Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q3_K_S"):
+        catalog.lookup("qwen2.5-0.5b-instruct:q3_k_s")
+
+
+# --- references --------------------------------------------------------------------------------
+
+
+def test_reference_forms_parse():
+    assert hub.parse_hub_ref(f"hf:{TEST_REPO}/{TEST_FILE}") == hub.HubRef(TEST_REPO, TEST_FILE, None, f"hf:{TEST_REPO}/{TEST_FILE}")
+    assert hub.parse_hub_ref(f"{TEST_REPO}:q4_1").quant == "Q4_1"
+    assert hub.parse_hub_ref(f"hf:{TEST_REPO}").quant == "Q4_K_M"
+    assert hub.parse_hub_ref("hf:o/r/sub/dir/m.gguf").file == "sub/dir/m.gguf"
+    # plain names and paths are not Hub references
+    for ref in ("smollm2", "models/x.gguf", "o/r", "./o/r:Q4_0", "o/r:notaquant"):
+        assert hub.parse_hub_ref(ref) is None, ref
+
+
+@pytest.mark.parametrize(
+    "ref, needle",
+    [
+        ("hf:onlyowner", "malformed Hub reference"),
+        ("hf:o/r/model.safetensors", "GGUF files only"),
+        ("hf:o/r/../../etc/passwd.gguf", "malformed Hub reference"),
+        ("hf:o/r:Q9_Z", "not a GGUF quant name"),
+    ],
+)
+def test_malformed_references_are_clear_errors(ref, needle, isolated_dirs):
+    with pytest.raises(ModelNotFoundError, match=needle):
+        resolve_model(ref, isolated_dirs)
+
+
+def test_quant_picking_from_a_listing():
+    files = ["README.md", "m-Q4_0.gguf", "m-Q4_0_4_4.gguf", "m-Q4_K_M.gguf", "mmproj-m-Q4_K_M.gguf", "m-UD-Q4_K_XL.gguf"]
+    pick = lambda q, fs=files: hub._pick(hub.HubRef("o/r", None, q, f"o/r:{q}"), fs)
+    assert pick("Q4_0") == "m-Q4_0.gguf"  # not Q4_0_4_4
+    assert pick("Q4_K_M") == "m-Q4_K_M.gguf"  # not the vision projector
+    with pytest.raises(ModelNotFoundError, match=r"has no Q8_0 GGUF file; it has Q4_0, Q4_K_M, Q4_K_XL"):
+        pick("Q8_0")
+    with pytest.raises(ModelNotFoundError, match="several Q4_K_M files"):
+        pick("Q4_K_M", files + ["m-abliterated-Q4_K_M.gguf"])
+    with pytest.raises(ModelNotFoundError, match="split"):
+        pick("Q8_0", ["m-Q8_0-00001-of-00002.gguf", "m-Q8_0-00002-of-00002.gguf"])
+
+
+# --- offline resolution from the cache ---------------------------------------------------------
+
+
+def test_hub_references_resolve_offline_from_the_cache(hub_cache, isolated_dirs):
+    expected = hub_cache["test"]
+    for ref in (f"hf:{TEST_REPO}/{TEST_FILE}", f"{TEST_REPO}:Q4_1", f"hf:{TEST_REPO}:q4_1"):
+        path = resolve_model(ref, isolated_dirs)
+        assert path == expected, ref
+    info = read_model_info(path)
+    assert info.architecture == "llama" and info.quant == "Q4_1" and info.name.lower().startswith("smollm2")
+
+
+def test_catalog_name_resolves_offline_and_is_listed(hub_cache, isolated_dirs):
+    assert resolve_model(CATALOG_NAME, isolated_dirs) == hub_cache["catalog"]
+    assert resolve_model(CATALOG_NAME.upper(), isolated_dirs) == hub_cache["catalog"]
+    names = known_model_names(isolated_dirs)
+    assert CATALOG_NAME in names and "qwen3-0.6b" not in names
+    out = CliRunner().invoke(cli, ["models"]).output
+    downloaded = next(line for line in out.splitlines() if line.startswith(CATALOG_NAME))
+    assert "Q4_1" in downloaded and "not downloaded" not in downloaded
+    qwen = next(line for line in out.splitlines() if line.startswith("qwen3-0.6b "))
+    assert "not downloaded" in qwen and "MiB" in qwen
+    listing = CliRunner().invoke(cli, ["models", "--catalog"]).output
+    assert "unsloth/Qwen3-0.6B-GGUF" in listing
+    assert "Q4_K_M" in next(line for line in listing.splitlines() if line.startswith(CATALOG_NAME))
+
+
+def test_missing_files_offline_say_how_to_get_them(hub_cache, isolated_dirs):
+    for ref in (f"{CATALOG_NAME}:Q8_0", f"{TEST_REPO}:Q8_0", "hf:nobody/nothing-GGUF/x.gguf", "qwen3-0.6b"):
+        with pytest.raises(ModelNotFoundError) as exc:
+            resolve_model(ref, isolated_dirs)
+        msg = str(exc.value)
+        assert "\n" not in msg and "HF_HUB_OFFLINE" in msg and f"edgechat pull {ref}" in msg, msg
+
+
+def test_names_close_to_catalog_entries_are_suggested(isolated_dirs):
+    with pytest.raises(ModelNotFoundError, match="did you mean qwen3-0.6b"):
+        resolve_model("qwen3-0.5b", isolated_dirs)
+    with pytest.raises(ModelNotFoundError, match=r"add a quant: Qwen/Qwen3-GGUF:Q4_K_M"):
+        resolve_model("Qwen/Qwen3-GGUF", isolated_dirs)
+
+
+# --- the commands, as a user runs them ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_run_loads_a_hub_model_offline(hub_cache):
+    proc = edgechat("run", "-m", f"hf:{TEST_REPO}/{TEST_FILE}", "--temperature", "0", "--max-tokens", "4", "--ctx", "256", "--threads", "2", "Hi")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+
+
+def test_cli_errors_are_one_line(hub_cache):
+    line = one_line_error(edgechat("run", "-m", "hf:nobody/nothing-GGUF/x.gguf", "--max-tokens", "1", "Hi"))
+    assert "edgechat pull hf:nobody/nothing-GGUF/x.gguf" in line
+    line = one_line_error(edgechat("pull", "hf:o/r/model.bin"))
+    assert "GGUF files only" in line
+    line = one_line_error(edgechat("pull", "qwen3-0.6b"))
+    assert "HF_HUB_OFFLINE" in line
+    proc = edgechat("pull", f"{TEST_REPO}:Q4_1")
+    assert proc.returncode == 0, proc.stderr
+    assert f"ready: {hub_cache['test']}" in proc.stdout and "llama, Q4_1" in proc.stdout
