@@ -7,6 +7,7 @@ results go back to each request's handle as events.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -130,7 +131,8 @@ class Engine:
         self._active: list[_Active] = []
         self._lock = threading.Lock()
         self._n_waiting = 0
-        self._sessions: dict[str, dict] = {}  # session -> {"evicted": int}
+        self._sessions: dict[str, dict] = {}  # session -> {"evicted": int, "summary": str}
+        self._seg_cache: dict[str, tuple[list[dict], list[str]]] = {}  # session -> rendered messages
         self._snapshots: SnapshotStore | None = None
         self._batch = Batch(be.n_batch, self.n_slots)
         self._closed = False
@@ -289,18 +291,61 @@ class Engine:
     def _fit(self, request, msgs, keep_msgs, evicted, summary, limit):
         """Leave out the oldest unpinned messages (sessions only) until the prompt fits."""
         extra = [{"role": "system", "content": f"{SUMMARY_PREFIX}{summary}"}] if summary else []
+        if request.session is not None:
+            evicted = max(evicted, self._estimate_eviction(msgs, keep_msgs, limit))
         while True:
             retained = msgs[:keep_msgs] + extra + msgs[keep_msgs + evicted :]
-            if self.format.mode == "completion":
-                segs = ["\n\n".join(m["content"] for m in retained)]
-            else:
-                segs = self.format.segments(retained)
+            segs = self._segments(retained, request.session)
             seg_tokens = self._tokens_for(segs)
             total = sum(len(t) for t in seg_tokens)
             can_evict = request.session is not None and keep_msgs + evicted < len(msgs) - 1
             if total <= limit or not can_evict or len(segs) == 1:
                 return retained, seg_tokens, keep_msgs + len(extra), evicted
-            evicted += 1
+            # drop as many of the oldest unpinned messages as cover the excess, in one go
+            excess, first = total - limit, keep_msgs + len(extra)
+            for st in seg_tokens[first : len(retained) - 1]:
+                evicted += 1
+                excess -= len(st)
+                if excess <= 0:
+                    break
+            evicted = min(evicted, len(msgs) - 1 - keep_msgs)
+
+    def _estimate_eviction(self, msgs: list[dict], keep_msgs: int, limit: int) -> int:
+        """A cheap lower bound on how many old messages must go, so a long history is not
+        re-rendered once per evicted message (each message counted alone plus a small framing)."""
+        if len(msgs) < 32:
+            return 0
+        budget = limit - sum(len(self.tokenize(m["content"])) + self._framing for m in msgs[:keep_msgs])
+        used = 0
+        for i in range(len(msgs) - 1, keep_msgs - 1, -1):
+            used += len(self.tokenize(msgs[i]["content"])) + self._framing
+            if used > budget:
+                return max(i + 1 - keep_msgs, 0)
+        return 0
+
+    @functools.cached_property
+    def _framing(self) -> int:
+        """Tokens the template adds around one message's content (role markers, separators)."""
+        probe = [{"role": "system", "content": "x"}, {"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}]
+        segs = self._segments(probe, None)
+        if len(segs) != len(probe) + 1:
+            return 0
+        return max(len(self._tokens_for([segs[1]])[0]) - len(self.tokenize("x")), 0)
+
+    def _segments(self, retained: list[dict], session: str | None) -> list[str]:
+        """Template segments, reusing those of the conversation's earlier turns (a long chat
+        renders only its new messages)."""
+        if self.format.mode == "completion":
+            return ["\n\n".join(m["content"] for m in retained)]
+        cached = self._seg_cache.get(session) if session else None
+        known = _reusable_segments(retained, *cached) if cached else None
+        segs = self.format.segments(retained, known)
+        if session and len(segs) == len(retained) + 1:
+            self._seg_cache.pop(session, None)
+            self._seg_cache[session] = (retained, segs[:-1])
+            while len(self._seg_cache) > 64:
+                self._seg_cache.pop(next(iter(self._seg_cache)))
+        return segs
 
     def _summarize(self, previous: str | None, leaving: list[dict]) -> str | None:
         lines = [f"Earlier summary: {previous}"] if previous else []
@@ -654,4 +699,23 @@ class Engine:
         with self._lock:
             self._sessions.setdefault(session, {}).update(snap.session_state)
         return True
+
+
+def _reusable_segments(retained: list[dict], old_msgs: list[dict], old_segs: list[str]) -> list[str] | None:
+    """Segments of the last turn that still apply: the same leading (pinned) messages, then the
+    old messages from wherever the new history resumes them (old ones may have been evicted).
+    ChatFormat.segments() checks the result against a full render, so a wrong guess costs time only."""
+    p = 0
+    while p < min(len(retained), len(old_msgs)) and retained[p] == old_msgs[p]:
+        p += 1
+    if p == len(old_msgs) or p == len(retained):
+        return old_segs[:p]
+    try:
+        j = old_msgs.index(retained[p], p + 1)
+    except ValueError:
+        return old_segs[:p]
+    n = 0
+    while j + n < len(old_msgs) and p + n < len(retained) and old_msgs[j + n] == retained[p + n]:
+        n += 1
+    return old_segs[:p] + old_segs[j : j + n]
 
