@@ -107,11 +107,14 @@ class StreamingGGUF:
 
     def begin_data(self) -> None:
         w = self.writer
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        self._fh = w.fout[0]
-        w.write_padding(self._fh, self._fh.tell())
+        try:
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            self._fh = w.fout[0]
+            w.write_padding(self._fh, self._fh.tell())
+        except OSError as exc:
+            raise QuantizeError(f"cannot write {self.out}: {exc.strerror}") from None
 
     def write_tensor(self, name: str, chunks) -> None:
         """Append one tensor from an iterable of byte-like chunks, checking its size against its info."""
@@ -132,7 +135,10 @@ class StreamingGGUF:
     def commit(self) -> None:
         if self._pending:
             raise RuntimeError(f"{len(self._pending)} tensors were never written")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self.writer.close()
-        os.replace(self.tmp, self.out)
+        try:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self.writer.close()
+            os.replace(self.tmp, self.out)
+        except OSError as exc:
+            raise QuantizeError(f"cannot write {self.out}: {exc.strerror}") from None
