@@ -214,3 +214,142 @@ def test_cli_errors_are_one_line(hub_cache):
     proc = edgechat("pull", f"{TEST_REPO}:Q4_1")
     assert proc.returncode == 0, proc.stderr
     assert f"ready: {hub_cache['test']}" in proc.stdout and "llama, Q4_1" in proc.stdout
+
+
+# --- online, against a local server that answers like the Hub ----------------------------------
+
+
+class FakeHub:
+    """Serves the Hub's file listing and resolve endpoints for a few repos, from local files."""
+
+    def __init__(self, files: dict[tuple[str, str], Path]):
+        import hashlib
+        import http.server
+        import json
+        import threading
+
+        self.files, self.requests = files, []
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep pytest output clean
+                pass
+
+            def _file(self):
+                # /OWNER/REPO/resolve/main/FILE
+                parts = self.path.split("?")[0].strip("/").split("/", 4)
+                if len(parts) == 5 and parts[2:4] == ["resolve", "main"]:
+                    key = (f"{parts[0]}/{parts[1]}", parts[4])
+                    if key in hub.files:
+                        return hub.files[key]
+                    self._missing(f"{parts[0]}/{parts[1]}")
+                else:
+                    self.send_error(400)
+                return None
+
+            def _missing(self, repo):
+                known = any(r == repo for r, _ in hub.files)
+                self.send_response(404)
+                self.send_header("X-Error-Code", "EntryNotFound" if known else "RepoNotFound")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def _headers(self, path: Path, status=200, length=None):
+                self.send_response(status)
+                self.send_header("X-Repo-Commit", COMMIT)
+                # the cache names blobs by ETag: distinct files need distinct tags
+                self.send_header("ETag", f'"{hashlib.sha256(str(path).encode()).hexdigest()}"')
+                self.send_header("Content-Length", str(length if length is not None else path.stat().st_size))
+                self.end_headers()
+
+            def do_HEAD(self):
+                hub.requests.append(("HEAD", self.path))
+                if path := self._file():
+                    self._headers(path)
+
+            def do_GET(self):
+                hub.requests.append(("GET", self.path))
+                if self.path.startswith("/api/models/"):
+                    repo = "/".join(self.path.split("?")[0].split("/")[3:5])
+                    listing = [{"type": "file", "path": f, "size": p.stat().st_size, "oid": "0" * 40}
+                               for (r, f), p in hub.files.items() if r == repo]
+                    if not listing:
+                        return self._missing(repo)
+                    body = json.dumps(listing).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                if path := self._file():
+                    start = 0
+                    if rng := self.headers.get("Range"):
+                        start = int(rng.split("=")[1].split("-")[0])
+                    size = path.stat().st_size
+                    self._headers(path, 206 if start else 200, size - start)
+                    with open(path, "rb") as fh:
+                        fh.seek(start)
+                        while block := fh.read(1 << 20):
+                            self.wfile.write(block)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_hub(smollm2_path, tmp_path):
+    entry = catalog.load_catalog()[CATALOG_NAME]
+    not_gguf = tmp_path / "not-a-model.gguf"
+    not_gguf.write_bytes(b"<html>not a model</html>" * 100)
+    server = FakeHub({
+        (TEST_REPO, TEST_FILE): smollm2_path,
+        (TEST_REPO, "README.md"): not_gguf,
+        (TEST_REPO, "broken-Q8_0.gguf"): not_gguf,
+        (entry.repo, entry.default.file): smollm2_path,
+    })
+    yield server
+    server.close()
+
+
+def online(fake_hub, tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    return dict(env, HF_ENDPOINT=fake_hub.url, HF_HOME=str(tmp_path / "hf-home"))
+
+
+@pytest.mark.slow
+def test_pull_downloads_once_then_runs_offline(fake_hub, isolated_dirs, tmp_path):
+    env = online(fake_hub, tmp_path)
+    pull = lambda ref: subprocess.run([sys.executable, "-m", "edgechat", "pull", ref],  # noqa: E731
+                                      capture_output=True, text=True, timeout=300, env=env, check=False)
+    proc = pull(f"{TEST_REPO}:Q4_1")  # picked from the repo listing
+    assert proc.returncode == 0, proc.stderr
+    assert "ready: " in proc.stdout and "llama, Q4_1" in proc.stdout
+    assert any(r[1].startswith(f"/api/models/{TEST_REPO}/tree/main") for r in fake_hub.requests)
+    proc = pull(CATALOG_NAME)
+    assert proc.returncode == 0, proc.stderr
+    assert "about 258 MiB" in proc.stderr  # the catalog's size, announced before the download
+    # a second pull of a cached model asks the network nothing
+    seen = len(fake_hub.requests)
+    assert pull(CATALOG_NAME).returncode == 0 and len(fake_hub.requests) == seen
+    # the wrong things fail in one line
+    for ref, needle in ((f"{TEST_REPO}:Q8_0", "broken-Q8_0.gguf is not a GGUF file; it was not kept"),
+                        (f"{TEST_REPO}:Q5_K_M", "has no Q5_K_M GGUF file; it has Q4_1, Q8_0"),
+                        ("nobody/nothing-GGUF:Q4_K_M", "no Hub repository nobody/nothing-GGUF"),
+                        (f"hf:{TEST_REPO}/missing.gguf", f"{TEST_REPO} has no file missing.gguf")):
+        proc = pull(ref)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode != 0 and lines[-1].startswith("edgechat: error: ") and needle in lines[-1], proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not list(hub.hub_cache(isolated_dirs).rglob("broken-Q8_0.gguf"))
+    fake_hub.close()
+    # offline after: both resolve from edgechat's cache with the server gone
+    for ref in (f"{TEST_REPO}:Q4_1", f"hf:{TEST_REPO}/{TEST_FILE}", CATALOG_NAME):
+        path = resolve_model(ref, isolated_dirs)
+        assert path.is_relative_to(hub.hub_cache(isolated_dirs)) and read_model_info(path).quant == "Q4_1"

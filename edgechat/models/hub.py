@@ -9,6 +9,7 @@ waits on (or breaks with) the Hub. HF_HUB_OFFLINE=1 forbids the network altogeth
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import re
 import sys
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgechat.config import Paths
-from edgechat.errors import ModelNotFoundError
+from edgechat.errors import ModelFormatError, ModelNotFoundError
 from edgechat.models.catalog import QUANT_RE, CatalogEntry, CatalogFile, load_catalog
+from edgechat.models.ggufinfo import GGUF_MAGIC
 
 HUB_PREFIX = "hf:"
 DEFAULT_QUANT = "Q4_K_M"
@@ -125,24 +127,25 @@ def _quants_in(file: str) -> list[str]:
     return [t.upper() for t in re.split(r"[-.]", file.rsplit("/", 1)[-1][: -len(".gguf")]) if QUANT_RE.match(t.upper())]
 
 
-def _cached_snapshot_files(repo: str, paths: Paths) -> list[Path]:
-    """GGUF files of the cached revision of `repo` (the one refs/main points at, else the newest)."""
+def _cached_snapshot(repo: str, paths: Paths) -> tuple[Path, list[str]] | None:
+    """The cached revision of `repo` holding GGUF files (refs/main's first, else the newest) and
+    those files' paths within it."""
     from huggingface_hub.file_download import repo_folder_name
 
     root = hub_cache(paths) / repo_folder_name(repo_id=repo, repo_type="model")
     snapshots = root / "snapshots"
     if not snapshots.is_dir():
-        return []
+        return None
     main = root / "refs" / "main"
     order = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
     if main.is_file():
         head = snapshots / main.read_text().strip()
         order = [head] + [p for p in order if p != head]
     for snapshot in order:
-        found = [p for p in snapshot.rglob("*.gguf") if p.is_file()]
+        found = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf") if p.is_file()]
         if found:
-            return found
-    return []
+            return snapshot, found
+    return None
 
 
 def _catalog_file_for(ref: HubRef) -> str | None:
@@ -157,14 +160,11 @@ def resolve_hub(ref: HubRef, paths: Paths) -> Path:
     """Local GGUF for a Hub reference: from the cache, else downloaded (unless offline)."""
     file = ref.file or _catalog_file_for(ref)
     if file is None:
-        snapshot_files = _cached_snapshot_files(ref.repo, paths)
-        if snapshot_files:
-            root = snapshot_files[0]
-            while root.parent.name != "snapshots":
-                root = root.parent
-            names = [p.relative_to(root).as_posix() for p in snapshot_files]
+        if cached := _cached_snapshot(ref.repo, paths):
+            snapshot, names = cached
+            # only other quants of this repo are cached: ask the Hub's listing instead
             with contextlib.suppress(ModelNotFoundError):
-                return root / _pick(ref, names)
+                return snapshot / _pick(ref, names)
         if offline():
             raise ModelNotFoundError(_pull_hint(ref.text))
         file = _pick(ref, _list_repo_files(ref))
@@ -215,13 +215,30 @@ def _download(repo: str, file: str, text: str, paths: Paths) -> Path:
     # hf_hub_download writes to an .incomplete file, resumes it after an interruption, and
     # renames it into place only when complete, so a half-downloaded model is never loaded.
     with _hub_errors(text, repo, file), _progress_on_tty():
-        return Path(hf_hub_download(repo, file, cache_dir=cache, endpoint=_endpoint(), library_name="edgechat"))
+        path = Path(hf_hub_download(repo, file, cache_dir=cache, endpoint=_endpoint(), library_name="edgechat"))
+    with open(path, "rb") as fh:
+        is_gguf = fh.read(4) == GGUF_MAGIC
+    if not is_gguf:
+        # a file named .gguf that is not one would fail every later run from the cache: drop it
+        blob = path.resolve()
+        path.unlink()
+        blob.unlink(missing_ok=True)
+        raise ModelFormatError(f"{text}: the Hub's {file} is not a GGUF file; it was not kept")
+    return path
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """Connection failures of whichever HTTP client this huggingface_hub release is built on."""
+    found = []
+    for module, name in (("httpx2", "TransportError"), ("httpx", "TransportError"), ("requests", "ConnectionError")):
+        with contextlib.suppress(ImportError):
+            found.append(getattr(importlib.import_module(module), name))
+    return tuple(found)
 
 
 @contextlib.contextmanager
 def _hub_errors(text: str, repo: str, file: str | None = None):
     """Every Hub failure becomes one ModelNotFoundError line that says what to do."""
-    import httpx
     from huggingface_hub.errors import (
         EntryNotFoundError,
         GatedRepoError,
@@ -242,7 +259,7 @@ def _hub_errors(text: str, repo: str, file: str | None = None):
         raise ModelNotFoundError(f"no Hub repository {repo} (or it is private); check the name: {text}") from None
     except RevisionNotFoundError:
         raise ModelNotFoundError(f"{repo} has no main revision; check the reference {text}") from None
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled, httpx.TransportError):
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled, *_network_errors()):
         raise ModelNotFoundError(_pull_hint(text)) from None
     except EntryNotFoundError:
         raise ModelNotFoundError(f"{repo} has no file {file}; see https://huggingface.co/{repo}/tree/main") from None
