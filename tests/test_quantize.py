@@ -253,3 +253,52 @@ def test_cli_quantizes_and_reports_quality(tmp_path):
     assert 0.01 < values["mean KL divergence"] < 0.2  # issue 5 measured 0.077 for this model
     assert 60 < values["top-1 agreement"] < 100
     assert "warning" not in result.stderr
+
+
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_BYTELEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
+
+
+@pytest.mark.parametrize(
+    "pre_tokenizer,ignore_merges",
+    [
+        # SmolLM2 as published: digits split one by one before the GPT-2 regex
+        ({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
+                                                {**_BYTELEVEL, "use_regex": True}]}, False),
+        # Llama 3's and Qwen2's regexes, as their tokenizer.json files spell them
+        ({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated", "invert": False},
+            {**_BYTELEVEL, "use_regex": False}]}, True),
+        ({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
+            {**_BYTELEVEL, "use_regex": False}]}, False),
+    ],
+    ids=["smollm", "llama-bpe", "qwen2"],
+)
+def test_bpe_pre_tokenizers_split_like_hugging_face(pre_tokenizer, ignore_merges, tmp_path):
+    """Each pre-tokenizer we name for llama.cpp splits text as the tokenizer.json it came from."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    src = hf_checkpoint("smollm2-135m-instruct")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in src.iterdir():
+        if f.name != "tokenizer.json":
+            (folder / f.name).symlink_to(f)
+    tok = json.loads((src / "tokenizer.json").read_text())
+    tok["pre_tokenizer"] = pre_tokenizer
+    tok["model"]["ignore_merges"] = ignore_merges
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    result = convert(folder, tmp_path / "model.gguf", type_name="Q8_0")
+    hf = AutoTokenizer.from_pretrained(folder)
+    texts = [*CORPUS, "Version 12345678 of 2024, x=3.14159; I'LL say WE'VE won 1st"]
+    with Model(result.path, vocab_only=True) as ours:
+        for text in texts:
+            assert ours.tokenize(text, add_special=True) == hf(text, add_special_tokens=True)["input_ids"], text
