@@ -410,3 +410,29 @@ async def test_unknown_slash_command_is_not_sent(isolated_dirs):
         await pilot.pause()
         assert client.requests == [] and app.store.list_conversations() == []
         assert any("Unknown command /frobnicate" in n.message for n in app._notifications)
+
+
+@pytest.mark.asyncio
+async def test_waiting_message_comes_back_when_the_model_fails(isolated_dirs):
+    import threading
+
+    from edgechat.errors import ModelNotFoundError
+
+    gate = threading.Event()
+
+    def failing(ref):
+        gate.wait(10)
+        raise ModelNotFoundError("unknown model 'nope'; see: edgechat models")
+
+    app = EdgechatApp(isolated_dirs, client_factory=failing)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = app.chat_screen
+        await pilot.press(*"hi there", "enter")
+        await pilot.pause(0.1)
+        assert screen._waiting is not None
+        gate.set()
+        await until(pilot, lambda: screen._waiting is None)
+        await pilot.pause(0.05)
+        assert screen.prompt.text == "hi there" and app.store.messages(screen.conv.id) == []
+        assert screen.status.state == "no model"
+        assert any("unknown model 'nope'" in n.message for n in app._notifications)

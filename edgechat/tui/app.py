@@ -105,7 +105,7 @@ class EdgechatApp(App):
         elif event.state == WorkerState.ERROR:
             error = event.worker.error
             message = str(error) if isinstance(error, EdgechatError) else f"{type(error).__name__}: {error}"
-            screen.model_failed(f"Cannot load the model: {message}")
+            self.call_later(screen.model_failed, f"Cannot load the model: {message}")
 
     @work(thread=True, group="close-model", exit_on_error=False)
     def _close_client(self, client: ChatClient) -> None:

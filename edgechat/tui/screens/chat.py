@@ -296,9 +296,14 @@ class ChatScreen(Screen):
                 box.loading = False
             self._start(conv, turn, history, box or MessageBox(self.store.get_message(turn.answer_id)))
 
-    def model_failed(self, error: str) -> None:
+    async def model_failed(self, error: str) -> None:
         self.status.state = "ready" if self.client else "no model"
         self.notify(error, severity="error", timeout=12)
+        if self._waiting is not None and self.client is None:
+            # Nothing can answer the message that waited for this model: take it back into the input.
+            _, turn = self._waiting
+            self._waiting = None
+            await self._undo_turn(turn)
 
     def _box(self, message_id: int) -> MessageBox | None:
         for box in self.chat.boxes():
@@ -312,7 +317,8 @@ class ChatScreen(Screen):
         if turn is None:
             return
         turn.text += event.text
-        box = self._box(turn.answer_id)
+        # The worker's box, unless the user switched away and back (then the view has a new one).
+        box = event.box if event.box.is_attached else self._box(turn.answer_id)
         if box is not None:
             await box.append(event.text)
         now = time.monotonic()
