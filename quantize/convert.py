@@ -14,7 +14,7 @@ import shutil
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -55,8 +55,7 @@ class Result:
     arch: str
     file_type: str
     nbytes: int
-    types: dict[str, T] = field(repr=False)
-    n_tensors: int = 0
+    n_tensors: int
 
 
 def _stored_type(p: PlannedTensor, outtype: T) -> T:
@@ -205,4 +204,4 @@ def convert(
             if progress:
                 progress("done", len(planned), len(planned))
             gguf_out.commit()
-    return Result(out_path, family.arch_name, ftype.name, out_path.stat().st_size, types, len(planned))
+    return Result(out_path, family.arch_name, ftype.name, out_path.stat().st_size, len(planned))

@@ -129,7 +129,7 @@ def test_existing_output_needs_force(smollm2, tmp_path):
     result = _edgechat("quantize", str(smollm2), "-o", str(out), "--type", "Q8_0", "--no-report", "--force")
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:4] == b"GGUF"
-    assert f"wrote {out} (Q8_0" in result.stdout
+    assert f"wrote {out} (llama Q8_0" in result.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.gguf"]
 
 

@@ -86,7 +86,7 @@ def _convert(src, output, type_name, outtype, target_size, threads, force, no_re
     limit = parse_size(target_size) if target_size else None
     result = convert(src, output, type_name=type_name or ("Q4_K_M" if limit is None else None), outtype=outtype,
                      target_size=limit, threads=threads, force=force, progress=_progress("converting"))
-    click.echo(f"wrote {result.path} ({result.file_type}, {result.nbytes / 1e6:.1f} MB, {result.n_tensors} tensors)")
+    click.echo(f"wrote {result.path} ({result.arch} {result.file_type}, {result.nbytes / 1e6:.1f} MB, {result.n_tensors} tensors)")
     if no_report or not is_quantized(file_type(result.file_type).default):
         return
     # The report compares with the F16 conversion, made next to the output and removed after.
