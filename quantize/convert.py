@@ -150,7 +150,7 @@ def convert(
     progress: Progress | None = None,
 ) -> Result:
     """Convert the checkpoint `src` (folder or Hub repo id) to a GGUF of `type_name` at `out`."""
-    folder = resolve_source(str(src))
+    folder, model_name = resolve_source(str(src))
     config = read_config(folder)
     family = family_for(folder, config)
     intermediate = file_type(outtype).default
@@ -172,7 +172,7 @@ def convert(
         types = plan_types(family, planned, ftype, intermediate)
         nbytes = output_size(planned, types)
 
-        out_path = Path(out) if out else Path.cwd() / f"{folder.name}-{ftype.name}.gguf"
+        out_path = Path(out) if out else Path.cwd() / f"{model_name}-{ftype.name}.gguf"
         if out_path.exists() and not force:
             raise QuantizeError(f"{out_path} exists; pass --force to overwrite it")
         if not out_path.parent.is_dir():
@@ -187,7 +187,7 @@ def convert(
         with StreamingGGUF(out_path, family.arch_name) as gguf_out:
             w = gguf_out.writer
             w.add_type("model")
-            w.add_name(config.get("_name_or_path") or folder.name)
+            w.add_name(model_name)
             family.write_hparams(w)
             w.add_file_type(int(ftype.ftype))
             if is_quantized(ftype.default):

@@ -13,15 +13,16 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 _HUB_PATTERNS = ["*.safetensors", "*.json", "tokenizer.model", "*.jinja"]
 
 
-def resolve_source(src: str) -> Path:
-    """A local checkpoint folder for `src`: the folder itself, or a Hub repo downloaded to the HF cache."""
+def resolve_source(src: str) -> tuple[Path, str]:
+    """The local checkpoint folder for `src` (the folder itself, or a Hub repo downloaded to the
+    HF cache) and the model's name (the folder's or the repo's, not the cache's snapshot hash)."""
     path = Path(src).expanduser()
     if path.is_dir():
-        return path
+        return path, path.resolve().name
     if path.suffix == ".gguf" or path.is_file():
         raise QuantizeError(f"{src} is a file; pass a Hugging Face checkpoint folder (config.json, *.safetensors)")
     if src.count("/") == 1 and not src.startswith((".", "/", "~")):
-        return _download(src)
+        return _download(src), src.split("/")[1]
     raise QuantizeError(f"{src} is neither a checkpoint folder nor a Hugging Face repo id (owner/name)")
 
 

@@ -213,3 +213,29 @@ def test_bf16_rounding_matches_torch():
     assert np.array_equal(_to_bf16_bits(values), expected)
     nan = _to_bf16_bits(np.array([np.nan], dtype=np.float32))
     assert np.isnan((nan.astype(np.uint32) << 16).view(np.float32)[0])
+
+
+def test_hub_repo_id_from_the_offline_cache(smollm2, tmp_path):
+    """A repo id resolves through the Hugging Face cache, offline, and names the output after the
+    repo, not the cache's snapshot hash. In a fresh process: huggingface_hub reads its settings
+    from the environment when first imported."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--Tiny-Model"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots").mkdir()
+    _copy_folder(smollm2, repo / "snapshots" / commit)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+
+    def run(repo_id):
+        return subprocess.run(
+            [sys.executable, "-m", "edgechat", "quantize", repo_id, "--type", "Q8_0", "--no-report"],
+            check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+        )
+
+    result = run("someone/Tiny-Model")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "Tiny-Model-Q8_0.gguf").is_file()
+    result = run("someone/Other-Model")
+    assert result.returncode == 1
+    assert "not in the Hugging Face cache and downloads are off" in result.stderr
