@@ -28,7 +28,7 @@ def bench_serve(url: str, concurrency: int, n_requests: int, max_tokens: int, se
     from edgechat.server.loadgen import run_load
 
     try:
-        report = asyncio.run(run_load(url, concurrency, n_requests, max_tokens, seed, api_key))
+        report = asyncio.run(run_load(url, concurrency, n_requests, max_tokens, seed, api_key=api_key))
     except httpx.HTTPError as exc:
         raise EdgechatError(f"cannot reach {url}: {exc}") from None
     click.echo(report.to_json() if as_json else report.table())
