@@ -133,3 +133,18 @@ def test_identical_system_prompts_share_their_kv(smollm2_path, isolated_dirs):
         second, _ = turn(engine, [], "Good morning!", "b")
         n_system = len(engine.prompt_tokens(ChatRequest(messages=[SYSTEM, {"role": "user", "content": "x"}])))
         assert second.metrics.cached_tokens >= n_system - 10
+
+
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+def test_quantized_kv_cache_still_answers(smollm2_path, isolated_dirs, kv_type):
+    with engine_for(smollm2_path, isolated_dirs, kv_type=kv_type) as engine:
+        done, _ = turn(engine, [], QUESTION, None)
+        assert "Lutz" in done.text
+        # the planner counts the smaller cache
+        assert engine.plan.kv_cache < engine_for_plan_f16(engine)
+
+
+def engine_for_plan_f16(engine):
+    from edgechat.engine import planner
+
+    return planner.plan_for(engine.model_info, engine.n_ctx, engine.n_slots, "f16").kv_cache
