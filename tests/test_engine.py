@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from edgechat.engine import ChatRequest, Engine, EngineConfig, Evicted, Finished, SamplingParams, TextDelta
+from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams, TextDelta
 from edgechat.engine.stream import OutputProcessor
 from edgechat.engine.templates import choose_format
 from edgechat.errors import PromptTooLongError, UsageError

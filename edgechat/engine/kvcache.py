@@ -10,12 +10,13 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import llama_cpp as L
+
+from edgechat.fsutil import atomic_write
 
 #: the smallest run of tokens worth realigning the cache for after messages left it
 MIN_REALIGN = 32
@@ -87,24 +88,8 @@ def model_fingerprint(path: Path, cache_dir: Path) -> str:
             digest.update(block)
     value = digest.hexdigest()
     memo.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(memo, value.encode())
+    atomic_write(memo, [value.encode()])
     return value
-
-
-def atomic_write(path: Path, *chunks: bytes) -> None:
-    """Write to a temp file beside `path`, fsync, then rename: readers see all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            for chunk in chunks:
-                fh.write(chunk)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @dataclass
@@ -133,7 +118,7 @@ class SnapshotStore:
     def save(self, session: str, tokens: list[int], session_state: dict, data: bytes) -> Path:
         header = json.dumps({"session": session, "tags": self.tags, "tokens": tokens, "state": session_state, "saved": time.time()}).encode()
         path = self.path_for(session)
-        atomic_write(path, SNAPSHOT_MAGIC, struct.pack("<Q", len(header)), header, data)
+        atomic_write(path, [SNAPSHOT_MAGIC, struct.pack("<Q", len(header)), header, data])
         self.enforce_budget(keep=path)
         return path
 

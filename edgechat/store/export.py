@@ -4,30 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
+from edgechat.fsutil import atomic_write_text
 from edgechat.store.db import Store
 
 _ROLE_HEADINGS = {"user": "You", "assistant": "Assistant", "system": "System"}
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write `text` to `path` so that readers see the old file or the whole new one, never a part."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def to_markdown(data: dict) -> str:
