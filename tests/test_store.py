@@ -249,10 +249,17 @@ def test_export_files(store, tmp_path):
 
 
 def test_atomic_write_keeps_old_file_on_failure(tmp_path):
+    from edgechat.fsutil import atomic_write
+
     target = tmp_path / "f.txt"
     atomic_write_text(target, "old")
-    with pytest.raises(TypeError):
-        atomic_write_text(target, 123)  # type: ignore[arg-type]
+
+    def failing_midway():
+        yield b"new data, half of it"
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        atomic_write(target, failing_midway())
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
 
