@@ -24,15 +24,23 @@ KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 HEADROOM = 0.85
 
 
-def available_memory() -> int:
-    """Bytes the OS can give us now (MemAvailable on Linux and Android)."""
+def _meminfo(field: str) -> int | None:
+    """A /proc/meminfo value in bytes (Linux and Android), None elsewhere."""
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def available_memory() -> int:
+    """Bytes the OS can give us now (MemAvailable on Linux and Android)."""
+    avail = _meminfo("MemAvailable")
+    if avail is not None:
+        return avail
     if platform.system() == "Darwin":
         try:
             out = subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True, check=True).stdout
@@ -46,13 +54,9 @@ def available_memory() -> int:
 
 
 def total_memory() -> int:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    total = _meminfo("MemTotal")
+    if total is not None:
+        return total
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
