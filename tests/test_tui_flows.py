@@ -54,6 +54,10 @@ async def send(pilot, text: str) -> None:
     await pilot.pause(0.05)
 
 
+#: greedy SmolLM2 answers this with a phrase repeated until max_tokens: an answer still running when a test stops it
+LOOPING = "What is the capital of France?"
+
+
 def app_for(paths, client) -> EdgechatApp:
     return EdgechatApp(paths, client_factory=lambda ref: client)
 
@@ -93,9 +97,9 @@ async def test_stop_keeps_partial_answer_and_restores_prompt(paths, client):
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
         screen = app.chat_screen
-        long = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 400})
+        long = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 3000})
         await screen.open_conversation(long.id)
-        screen.prompt.set_text("Write a long story about a dragon.")
+        screen.prompt.set_text(LOOPING)
         await pilot.press("enter")
         await until(pilot, lambda: screen.turn is not None and len(screen.turn.text) > 5, what="some text")
         await pilot.press("escape")
@@ -105,7 +109,7 @@ async def test_stop_keeps_partial_answer_and_restores_prompt(paths, client):
         assert (role_u, role_a, status) == ("user", "assistant", "interrupted")
         assert content.strip()
         assert screen.chat.boxes()[-1].has_class("-interrupted")
-        assert screen.prompt.text == "Write a long story about a dragon."
+        assert screen.prompt.text == LOOPING
 
 
 async def test_regenerate_edit_and_resend(paths, client):
@@ -213,9 +217,9 @@ async def test_quit_mid_answer_keeps_it_interrupted(paths, client):
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
         screen = app.chat_screen
-        long = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 400})
+        long = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 3000})
         await screen.open_conversation(long.id)
-        screen.prompt.set_text("Write a long poem about the sea.")
+        screen.prompt.set_text(LOOPING)
         await pilot.press("enter")
         await until(pilot, lambda: screen.turn is not None and len(screen.turn.text) > 5, what="some text")
         conv_id = screen.conv.id
@@ -301,9 +305,9 @@ async def test_switching_chats_while_answering(paths, client):
         screen = app.chat_screen
         other = app.store.create_conversation(title="Other chat")
         app.store.add_message(other.id, "user", "earlier question")
-        busy = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 400})
+        busy = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 3000})
         await screen.open_conversation(busy.id)
-        screen.prompt.set_text("Tell me a long story about a cat.")
+        screen.prompt.set_text(LOOPING)
         await pilot.press("enter")
         await until(pilot, lambda: screen.turn is not None and len(screen.turn.text) > 3, what="some text")
         await screen.open_conversation(other.id)
