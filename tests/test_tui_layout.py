@@ -436,3 +436,22 @@ async def test_waiting_message_comes_back_when_the_model_fails(isolated_dirs):
         assert screen.prompt.text == "hi there" and app.store.messages(screen.conv.id) == []
         assert screen.status.state == "no model"
         assert any("unknown model 'nope'" in n.message for n in app._notifications)
+
+
+@pytest.mark.asyncio
+async def test_draft_survives_a_restart(isolated_dirs):
+    app = make_app(isolated_dirs)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press(*"half-typed thought", "ctrl+j", *"second line")
+        await pilot.pause(0.7)
+        # saved while typing, not only on quit (a killed process keeps it too)
+        assert (isolated_dirs.data / "draft.txt").read_text() == "half-typed thought\nsecond line"
+    app2 = make_app(isolated_dirs)
+    async with app2.run_test(size=(80, 24)) as pilot:
+        screen = app2.chat_screen
+        assert screen.prompt.text == "half-typed thought\nsecond line"
+        await until(pilot, lambda: app2.client is not None)
+        await pilot.press("enter")
+        await until(pilot, lambda: screen.turn is None and len(screen.chat.boxes()) == 2)
+        await pilot.pause(0.7)
+        assert not (isolated_dirs.data / "draft.txt").exists()

@@ -10,11 +10,11 @@ from textual import on, work
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import Button, Label
+from textual.widgets import Button, Label, TextArea
 from textual.worker import Worker, WorkerState
 
 from edgechat.errors import EdgechatError
-from edgechat.store import Conversation, export_conversation
+from edgechat.store import Conversation, atomic_write_text, export_conversation
 from edgechat.store import Message as StoredMessage
 from edgechat.tui.actions import ACTIONS, parse_slash, unknown_slash
 from edgechat.tui.config import build_request, validate_settings
@@ -61,6 +61,7 @@ class ChatScreen(Screen):
         self._editing: int | None = None
         #: the last deleted conversation, for undo
         self._deleted: dict | None = None
+        self._draft_timer = None
 
     @property
     def store(self):
@@ -105,7 +106,31 @@ class ChatScreen(Screen):
             self.status.model = self.app.model_ref or "model"
             self.status.state = "loading…"
         self.refresh_sidebar()
+        draft = self._draft_file()
+        if draft.is_file():
+            self.prompt.set_text(draft.read_text(encoding="utf-8"))
         self.prompt.focus()
+
+    def _draft_file(self):
+        return self.app.paths.data / "draft.txt"
+
+    @on(TextArea.Changed, "#prompt")
+    def _prompt_changed(self) -> None:
+        # Typed text survives a quit or a killed process: saved half a second after the last key.
+        if self._draft_timer is not None:
+            self._draft_timer.stop()
+        self._draft_timer = self.set_timer(0.5, self._save_draft)
+
+    def _save_draft(self) -> None:
+        self._draft_timer = None
+        text = self.prompt.text
+        try:
+            if text.strip():
+                atomic_write_text(self._draft_file(), text)
+            else:
+                self._draft_file().unlink(missing_ok=True)
+        except OSError as exc:
+            self.notify(f"Cannot save the draft: {exc.strerror}", severity="warning")
 
     def on_resize(self, event) -> None:
         self.set_class(event.size.width < NARROW, "-narrow")
@@ -399,7 +424,8 @@ class ChatScreen(Screen):
         self.prompt.focus()
 
     def shutdown(self) -> None:
-        """Quitting: stop the answer and store what arrived, marked interrupted."""
+        """Quitting: keep the draft, stop the answer and store what arrived, marked interrupted."""
+        self._save_draft()
         if self.turn is not None:
             self.chat.cancel()
             self.store.update_message(self.turn.answer_id, content=self.turn.text, status="interrupted")
@@ -610,8 +636,6 @@ class ChatScreen(Screen):
         # OSC 52 is silently ignored by some terminals: keep a file copy as well.
         fallback = self.app.paths.data / "clipboard.txt"
         try:
-            from edgechat.store import atomic_write_text
-
             atomic_write_text(fallback, text)
             self.notify(f"Copied {what} (also in {fallback}).")
         except OSError:
