@@ -26,10 +26,10 @@ def _is_loopback(host: str) -> bool:
 @click.option("--parallel", type=click.IntRange(1, 256), default=4, show_default=True, help="Sequences generated at once (continuous batching).")
 @click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True, help="KV cache element type.")
 @click.option("--api-key", default=None, envvar="EDGECHAT_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health (env: EDGECHAT_API_KEY).")
-@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True, help="Requests that may wait for a sequence; more get 429.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True, help="Requests that may wait for a sequence; more get 429.")
 @click.option("--max-input-tokens", type=click.IntRange(min=1), default=None, help="Longer prompts get 400 (default: what the context holds).")
 @click.option("--timeout", "request_timeout", type=click.FloatRange(min=1.0), default=600.0, show_default=True, help="Seconds before a request is cancelled.")
-@click.option("--degrade-queue-wait", type=click.FloatRange(min=0.0), default=10.0, show_default=True, help="Average queue wait (s) that caps max_tokens; 0 disables.")
+@click.option("--degrade-queue-wait", type=click.FloatRange(min=0.0), default=10.0, show_default=True, help="Queue wait (s) that turns on the degrade switch (max_tokens cap, --fallback-model); 0 disables.")
 @click.option("--degrade-max-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="The max_tokens cap while degraded.")
 @click.option("--fallback-model", default=None, help="A smaller model that serves new requests while degraded.")
 @data_dir_option
