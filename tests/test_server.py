@@ -252,6 +252,8 @@ def test_metrics_count_what_was_served(client, base_url, engine):
     assert metric(base_url, 'edgechat_requests_total{outcome="ok"}') == ok_before + 1
     assert metric(base_url, "edgechat_kv_cells_total") == engine.stats()["kv_total"]
     assert metric(base_url, "edgechat_running_sequences") == 0
+    # the finished request's prompt and answer stay in its idle sequence for prefix reuse
+    assert metric(base_url, "edgechat_kv_cells_cached") >= out.usage.prompt_tokens
     text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     for name in ("edgechat_queue_wait_seconds_bucket", "edgechat_time_per_output_token_seconds_bucket", "edgechat_request_duration_seconds_sum", "edgechat_degraded 0.0"):
         assert name in text
