@@ -189,7 +189,7 @@ def test_full_queue_answers_429_with_retry_after(client, engine, base_url):
 
     def one(_):
         try:
-            client.chat.completions.create(model=MODEL, messages=HI, max_tokens=16, extra_body={"ignore_eos": True})
+            client.chat.completions.create(model=MODEL, messages=HI, max_tokens=8, extra_body={"ignore_eos": True})
             return 200, None
         except openai.RateLimitError as exc:
             return 429, exc.response.headers.get("retry-after")
