@@ -119,6 +119,11 @@ async def test_narrow_layout_sidebar_is_a_toggle(isolated_dirs):
         await pilot.click("#toggle-sidebar")
         await pilot.pause()
         assert screen.sidebar.region.width == 50 and screen.query_one("#main").region.width == 0
+        await pilot.click("#close-sidebar")
+        await pilot.pause()
+        assert screen.query_one("#main").region.width == 50
+        await pilot.click("#toggle-sidebar")
+        await pilot.pause()
         # picking a conversation closes the sidebar again
         options = screen.sidebar.options
         options.focus()

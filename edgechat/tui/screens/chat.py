@@ -670,6 +670,7 @@ class ChatScreen(Screen):
             self.toggle_class("-sidebar-hidden")
 
     @on(Button.Pressed, "#toggle-sidebar")
+    @on(Button.Pressed, "#close-sidebar")
     def _toggle_pressed(self) -> None:
         self.action_toggle_sidebar()
 

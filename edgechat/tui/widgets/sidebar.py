@@ -29,6 +29,8 @@ class Sidebar(Vertical):
             self.query = query
 
     def compose(self):
+        # Only shown on narrow screens, where the open sidebar covers the chat.
+        yield Button("◀ Back to the chat", id="close-sidebar", compact=True)
         yield Input(placeholder="Search…", id="search", compact=True)
         yield Button("+ New chat", id="new-chat", variant="primary", compact=True)
         yield OptionList(id="conversations")
