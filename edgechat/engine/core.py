@@ -45,8 +45,11 @@ log = logging.getLogger("edgechat.engine")
 ANSWER_RESERVE = 0.25
 #: how a summary of evicted messages is introduced to the model
 SUMMARY_PREFIX = "Summary of the earlier conversation: "
-#: prompt tokens prefilled per step while other sequences are decoding (chunked prefill)
-PREFILL_CHUNK_BUSY = 256
+#: prompt tokens prefilled per step while other sequences are decoding (chunked prefill):
+#: one llama.cpp ubatch, so a long prompt never stalls the running streams for more than that
+PREFILL_CHUNK_BUSY = 512
+#: after idling, wait this long for requests sent together, so they are prefilled together
+BATCH_WINDOW_S = 0.003
 
 
 @dataclass
@@ -148,8 +151,10 @@ class Engine:
         clock.tokenize = time.perf_counter() - clock.submitted
         handle = RequestHandle(request, on_event)
         with self._lock:
-            if self.config.max_queue is not None and self._n_waiting >= self.config.max_queue:
-                raise EngineBusyError(f"the engine is busy ({self._n_waiting} requests waiting); try again shortly")
+            # requests that a free sequence will take at the next step are not queued
+            free = max(self.config.n_parallel - len(self._active), 0)
+            if self.config.max_queue is not None and self._n_waiting - free >= self.config.max_queue:
+                raise EngineBusyError(f"the engine is busy ({self._n_waiting - free} requests waiting); try again shortly")
             self._n_waiting += 1
         self._inbox.put(_Active(handle, request, prep, clock))
         return handle
@@ -239,6 +244,8 @@ class Engine:
         validate(request.sampling)
         if request.max_tokens is not None and request.max_tokens < 1:
             raise UsageError(f"max_tokens must be at least 1 (got {request.max_tokens})")
+        if request.ignore_eos and request.max_tokens is None:
+            raise UsageError("ignore_eos needs max_tokens, or the answer would never end (add --max-tokens N)")
         limit = self._limit(request)
         if request.messages is None:
             text = request.prompt or ""
@@ -381,6 +388,8 @@ class Engine:
             if item is not None:
                 if isinstance(item, _Active):
                     self._waiting.append(item)
+                    if block and self.config.n_parallel > 1:
+                        time.sleep(BATCH_WINDOW_S)
                 elif self._command(*item):
                     return
                 continue  # drain the inbox before the next step
