@@ -6,7 +6,7 @@ Each round runs, on the same greedy request:
   engine          the engine consumed by a bare loop (what `edgechat run` does), in this process
   app (terminal)  the installed `edgechat` command in a real terminal (tmux), as a user runs it
   app (headless)  the app under Textual's headless driver, in this process
-  app, per-token  the same with FLUSH_INTERVAL = 0: every token goes to the UI (what coalescing avoids)
+  app, per-token  the same with FLUSH_INTERVAL = MAX_INTERVAL = 0: every token goes to the UI
 and prints the median decode tokens/s of each with its ratio to the engine (target >= 0.95), plus
 the main thread's CPU share while streaming (the UI's work per second) for the in-process runs.
 Numbers are only comparable on an otherwise idle machine.
@@ -30,20 +30,21 @@ from edgechat.tui.app import EdgechatApp
 from edgechat.tui.client import LocalClient
 from edgechat.tui.widgets import chatview
 
-PROMPT = "Count from 1 to 1000, separated by commas."
+#: greedy SmolLM2 answers this with a phrase repeated until max_tokens: a steady stream of a known length
+PROMPT = "What is the capital of France?"
 
 
 def settings(tokens: int) -> dict:
     return {**tui_config.CHAT_DEFAULTS, "temperature": 0.0, "seed": 1, "max_tokens": tokens}
 
 
-def engine_round(client: LocalClient, tokens: int) -> tuple[float, int]:
-    request = tui_config.build_request(settings(tokens), [{"role": "user", "content": PROMPT}], session=None)
+def engine_round(client: LocalClient, tokens: int, prompt: str) -> tuple[float, int]:
+    request = tui_config.build_request(settings(tokens), [{"role": "user", "content": prompt}], session=None)
     finished = client.submit(request).result()
     return finished.metrics.decode_tps, finished.metrics.completion_tokens
 
 
-async def headless_round(client: LocalClient, tokens: int, data_dir: str) -> tuple[float, int, float]:
+async def headless_round(client: LocalClient, tokens: int, prompt: str, data_dir: str) -> tuple[float, int, float]:
     """(decode tok/s, tokens, main-thread CPU seconds per second while streaming)."""
     app = EdgechatApp(get_paths(data_dir), client_factory=lambda ref: client)
     async with app.run_test(size=(100, 30)) as pilot:
@@ -53,7 +54,7 @@ async def headless_round(client: LocalClient, tokens: int, data_dir: str) -> tup
         conv = app.store.create_conversation(settings=settings(tokens))
         await screen.open_conversation(conv.id)
         cpu, wall = time.thread_time(), time.perf_counter()
-        await screen.send(PROMPT)
+        await screen.send(prompt)
         while screen.turn is not None:
             await pilot.pause(0.05)
         share = (time.thread_time() - cpu) / (time.perf_counter() - wall)
@@ -62,7 +63,7 @@ async def headless_round(client: LocalClient, tokens: int, data_dir: str) -> tup
     return answer.meta["tok_s"], answer.meta["completion_tokens"], share
 
 
-def terminal_round(model: str, tokens: int, data_dir: str) -> tuple[float, int]:
+def terminal_round(model: str, tokens: int, prompt: str, data_dir: str) -> tuple[float, int]:
     """The installed command in tmux: type the prompt, wait for the stored answer, read its stats."""
     paths = get_paths(data_dir)
     paths.config.mkdir(parents=True, exist_ok=True)
@@ -93,7 +94,7 @@ def terminal_round(model: str, tokens: int, data_dir: str) -> tuple[float, int]:
             if time.monotonic() > deadline:
                 raise RuntimeError("edgechat did not start in tmux")
             time.sleep(0.1)
-        tmux("send-keys", "-l", PROMPT)
+        tmux("send-keys", "-l", prompt)
         tmux("send-keys", "Enter")
         store = open_store(paths)
         try:
@@ -117,7 +118,8 @@ def terminal_round(model: str, tokens: int, data_dir: str) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--tokens", type=int, default=400)
+    parser.add_argument("--prompt", default=PROMPT, help="e.g. 'Count from 1 to 1000.' for a growing Markdown list")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-terminal", action="store_true", help="skip the tmux run of the installed command")
     args = parser.parse_args()
@@ -129,31 +131,34 @@ def main() -> None:
     shares: dict[str, list[float]] = {"app (headless)": [], "app, per-token": []}
     with tempfile.TemporaryDirectory() as tmp:
         client = LocalClient(args.model, get_paths(tmp))
-        coalesced = chatview.FLUSH_INTERVAL
+        coalesced, ceiling = chatview.FLUSH_INTERVAL, chatview.MAX_INTERVAL
         try:
-            engine_round(client, 16)  # warm-up: the first decode pays one-time costs
+            engine_round(client, 16, args.prompt)  # warm-up: the first decode pays one-time costs
             for r in range(args.rounds):
-                t, n = engine_round(client, args.tokens)
+                t, n = engine_round(client, args.tokens, args.prompt)
                 tps["engine"].append(t)
                 counts["engine"].append(n)
                 if terminal:
-                    t, n = terminal_round(args.model, args.tokens, f"{tmp}/term{r}")
+                    t, n = terminal_round(args.model, args.tokens, args.prompt, f"{tmp}/term{r}")
                     tps["app (terminal)"].append(t)
                     counts["app (terminal)"].append(n)
                 for name, interval in (("app (headless)", coalesced), ("app, per-token", 0.0)):
                     chatview.FLUSH_INTERVAL = interval
-                    t, n, share = asyncio.run(headless_round(client, args.tokens, f"{tmp}/{r}{interval}"))
+                    chatview.MAX_INTERVAL = ceiling if interval else 0.0
+                    t, n, share = asyncio.run(
+                        headless_round(client, args.tokens, args.prompt, f"{tmp}/{r}{interval}")
+                    )
                     tps[name].append(t)
                     counts[name].append(n)
                     shares[name].append(share)
-                chatview.FLUSH_INTERVAL = coalesced
+                chatview.FLUSH_INTERVAL, chatview.MAX_INTERVAL = coalesced, ceiling
                 print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in tps.items()), flush=True)
         finally:
-            chatview.FLUSH_INTERVAL = coalesced
+            chatview.FLUSH_INTERVAL, chatview.MAX_INTERVAL = coalesced, ceiling
             client.close()
 
     base = statistics.median(tps["engine"])
-    print(f"model {client.model_name}, {args.rounds} rounds, up to {args.tokens} tokens, prompt {PROMPT!r}")
+    print(f"model {client.model_name}, {args.rounds} rounds, up to {args.tokens} tokens, prompt {args.prompt!r}")
     for name, values in tps.items():
         med = statistics.median(values)
         line = f"  {name:<16} {med:7.1f} tok/s  ratio {med / base:.3f}  (rounds {', '.join(f'{v:.1f}' for v in values)}"

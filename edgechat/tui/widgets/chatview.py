@@ -2,7 +2,10 @@
 
 Rendering keeps up with decoding by doing a bounded amount of UI work per second: the worker
 thread gathers the engine's text deltas and posts them at most every FLUSH_INTERVAL, and the
-Markdown widget re-parses only its last block on each append.
+Markdown widget re-parses only its last block on each append. Some blocks cost more to update as
+they grow (Textual re-mounts every item of a list), so the interval also stretches until the UI
+thread's CPU time stays under UI_SHARE of the wall time: each CPU second the UI spends is a second
+the decoding threads do not get on a small machine.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from edgechat.tui.client import ChatClient
 
 #: seconds between UI updates while an answer streams (per-token updates halve decode speed)
 FLUSH_INTERVAL = 0.15
+#: the most of the UI thread's time that showing a streaming answer may take
+UI_SHARE = 0.05
+#: however costly an update, the text moves at least this often
+MAX_INTERVAL = 1.0
 #: messages shown when a conversation opens; older ones load on request
 PAGE = 40
 
@@ -173,6 +180,10 @@ class ChatView(VerticalScroll):
         super().__init__(**kwargs)
         self._handle = None
         self._cancel = threading.Event()
+        #: seconds between updates now; written on the UI thread, read by the worker
+        self._interval = FLUSH_INTERVAL
+        #: the UI thread's CPU time at the previous update
+        self._mark: float | None = None
 
     # -- showing messages ------------------------------------------------
 
@@ -224,6 +235,8 @@ class ChatView(VerticalScroll):
     def generate(self, client: ChatClient, request: ChatRequest, box: MessageBox) -> None:
         self._cancel.clear()
         self._handle = None
+        self._interval = FLUSH_INTERVAL
+        self._mark = None
         self._stream(client, request, box)
 
     def cancel(self) -> None:
@@ -249,7 +262,7 @@ class ChatView(VerticalScroll):
             if isinstance(event, TextDelta):
                 pending.append(event.text)
                 now = time.monotonic()
-                if now - last >= FLUSH_INTERVAL:
+                if now - last >= self._interval:
                     self.post_message(self.AnswerDelta(box, "".join(pending)))
                     pending.clear()
                     last = now
@@ -261,6 +274,15 @@ class ChatView(VerticalScroll):
                 if pending:
                     self.post_message(self.AnswerDelta(box, "".join(pending)))
                 self.post_message(self.AnswerFinished(box, event))
+
+    @on(AnswerDelta)
+    def _pace(self) -> None:
+        # Runs before the screen applies this update: the CPU time since the previous one is what
+        # that update cost the UI thread (append, layout, render). Space updates to keep it under UI_SHARE.
+        cpu = time.thread_time()
+        if self._mark is not None:
+            self._interval = min(MAX_INTERVAL, max(FLUSH_INTERVAL, (cpu - self._mark) / UI_SHARE))
+        self._mark = cpu
 
     @on(AnswerFinished)
     @on(AnswerFailed)
