@@ -460,3 +460,20 @@ async def test_draft_survives_a_restart(isolated_dirs):
         await until(pilot, lambda: screen.turn is None and len(screen.chat.boxes()) == 2)
         await pilot.pause(0.7)
         assert not (isolated_dirs.data / "draft.txt").exists()
+
+
+def test_update_pacing_follows_the_ui_cost(monkeypatch):
+    """Updates that cost the UI thread more CPU come less often: its share stays under UI_SHARE."""
+    from edgechat.tui.widgets import chatview
+
+    view = ChatView()
+    clock = iter([10.0, 10.004, 10.104, 10.114])  # UI thread CPU time at four updates
+    monkeypatch.setattr(chatview.time, "thread_time", lambda: next(clock))
+    view._pace()
+    assert view._interval == chatview.FLUSH_INTERVAL
+    view._pace()  # 4 ms since the last update: cheap, the base interval
+    assert view._interval == chatview.FLUSH_INTERVAL
+    view._pace()  # 100 ms: stretched, capped so text still moves every MAX_INTERVAL
+    assert view._interval == chatview.MAX_INTERVAL
+    view._pace()  # 10 ms: 0.010 / UI_SHARE
+    assert view._interval == pytest.approx(0.010 / chatview.UI_SHARE)
