@@ -177,20 +177,33 @@ class RequestHandle:
         self._cancel.set()
 
     def __iter__(self) -> Iterator[Event]:
+        return self.events()
+
+    def events(self, every: float = 0.0) -> Iterator[Event]:
+        """Events in order until Finished. With `every` > 0 the consumer wakes at most that often
+        and takes what has piled up: on a small machine, waking a thread per token steals CPU
+        from llama.cpp's own threads."""
         if self._on_event is not None:
             raise RuntimeError("this handle delivers events to its on_event callback")
         while True:
-            event = self._events.get()
-            yield event
-            if isinstance(event, Finished):
-                return
+            if every > 0:
+                self._done.wait(every)
+                batch = []
+                while True:
+                    try:
+                        batch.append(self._events.get_nowait())
+                    except queue.Empty:
+                        break
+            else:
+                batch = [self._events.get()]
+            for event in batch:
+                yield event
+                if isinstance(event, Finished):
+                    return
 
     def result(self, timeout: float | None = None) -> Finished:
         """Wait for the end and return the Finished event (text, reason, metrics)."""
-        if self._on_event is None:
-            for _ in self:
-                pass
-        elif not self._done.wait(timeout):
+        if not self._done.wait(timeout):
             raise TimeoutError("request still running")
         assert self.finished is not None
         return self.finished
