@@ -48,6 +48,8 @@ SUMMARY_PREFIX = "Summary of the earlier conversation: "
 #: prompt tokens prefilled per step while other sequences are decoding (chunked prefill):
 #: one llama.cpp ubatch, so a long prompt never stalls the running streams for more than that
 PREFILL_CHUNK_BUSY = 512
+#: an idle engine writes changed conversations' snapshots after this many seconds
+IDLE_SNAPSHOT_S = 30.0
 #: after idling, wait this long for requests sent together, so they are prefilled together
 BATCH_WINDOW_S = 0.003
 
@@ -382,8 +384,11 @@ class Engine:
         while True:
             try:
                 block = not self._active and not self._waiting
-                item = self._inbox.get(block=block) if block else self._inbox.get_nowait()
+                item = self._inbox.get(timeout=IDLE_SNAPSHOT_S) if block else self._inbox.get_nowait()
             except queue.Empty:
+                if block:  # idle for a while: put the conversations that changed on disk
+                    for slot in self.slots:
+                        self._save_snapshot(slot)
                 item = None
             if item is not None:
                 if isinstance(item, _Active):
@@ -608,6 +613,7 @@ class Engine:
         if slot is not None:
             slot.busy = False
             slot.last_used = time.monotonic()
+            slot.dirty = slot.session is not None
         act.handle.status = status
         metrics = act.clock.build(
             len(act.prep.tokens), act.cached, act.n_out, len(slot.tokens) if slot else 0, self.n_ctx
@@ -685,8 +691,9 @@ class Engine:
         return self._snapshots
 
     def _save_snapshot(self, slot: Slot) -> None:
-        if not slot.session or not slot.tokens:
+        if not slot.dirty or not slot.session or not slot.tokens:
             return
+        slot.dirty = False
         with self._lock:
             state = dict(self._sessions.get(slot.session, {}))
         try:

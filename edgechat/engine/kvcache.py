@@ -29,6 +29,8 @@ class Slot:
     session: str | None = None
     busy: bool = False
     last_used: float = 0.0
+    #: the cache changed since its snapshot was written
+    dirty: bool = False
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
