@@ -9,7 +9,7 @@ import click
 
 from edgechat.cli.common import data_dir_option, model_options, sampling_options
 from edgechat.config import get_paths
-from edgechat.engine import ChatRequest, ContextPolicy, Engine, EngineConfig, Evicted, SamplingParams, TextDelta
+from edgechat.engine.request import ChatRequest, ContextPolicy, Evicted, SamplingParams, TextDelta
 from edgechat.errors import UsageError
 
 
@@ -53,6 +53,8 @@ def read_prompt(prompt: str | None) -> str | None:
 def run_cmd(model, ctx, threads, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
             system, session, context_policy, kv_type, as_json, prompt, data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
+    from edgechat.engine import Engine, EngineConfig
+
     text = read_prompt(prompt)
     if text is not None and not text.strip():
         raise UsageError("the prompt is empty; pass some text, e.g. edgechat run \"Hello\"")
@@ -87,7 +89,7 @@ def run_cmd(model, ctx, threads, temperature, top_p, top_k, min_p, repeat_penalt
         raise KeyboardInterrupt
 
 
-def stream_answer(engine: Engine, request: ChatRequest, echo: bool):
+def stream_answer(engine, request: ChatRequest, echo: bool):
     """Submit and print text as it comes. Ctrl+C cancels the generation and returns the partial
     answer (reason "cancelled"). Returns (Finished, messages evicted from the context)."""
     handle = engine.submit(request)
@@ -113,7 +115,7 @@ def stream_answer(engine: Engine, request: ChatRequest, echo: bool):
     return finished, evicted
 
 
-def result_json(engine: Engine, finished, **extra) -> dict:
+def result_json(engine, finished, **extra) -> dict:
     m = finished.metrics
     return {
         "text": finished.text,

@@ -13,7 +13,7 @@ import click
 
 from edgechat.cli.common import data_dir_option
 from edgechat.config import get_paths
-from edgechat.engine import ChatRequest, ContextPolicy, Engine, EngineConfig
+from edgechat.engine.request import ChatRequest, ContextPolicy
 from edgechat.errors import UsageError
 from edgechat.store import open_store
 
@@ -31,9 +31,10 @@ def conversation_messages(store, conv) -> list[dict]:
     return msgs
 
 
-def run_session_turn(cfg: EngineConfig, name: str, text: str, system, sampling, max_tokens, stop, ignore_eos,
+def run_session_turn(cfg, name: str, text: str, system, sampling, max_tokens, stop, ignore_eos,
                      context_policy, as_json: bool) -> None:
     from edgechat.cli.run import result_json, stream_answer
+    from edgechat.engine import Engine
 
     finished = None
 

@@ -3,9 +3,11 @@
     engine = Engine(EngineConfig(model="smollm2-135m-instruct"))
     handle = engine.submit(ChatRequest(messages=[{"role": "user", "content": "hi"}]))
     for event in handle: ...   # TextDelta, Evicted, Metrics, then Finished
+
+Engine and EngineConfig load llama.cpp on first use, so front ends can import the request and
+event types (and start drawing) without paying for it.
 """
 
-from edgechat.engine.core import Engine, EngineConfig
 from edgechat.engine.request import (
     FINISH_REASONS,
     ChatRequest,
@@ -37,3 +39,11 @@ __all__ = [
     "SamplingParams",
     "TextDelta",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("Engine", "EngineConfig"):
+        from edgechat.engine import core
+
+        return getattr(core, name)
+    raise AttributeError(f"module 'edgechat.engine' has no attribute {name!r}")
