@@ -580,7 +580,8 @@ class Engine:
             return
         be.decode(batch)
         for act in sampling:
-            self._on_token(act, be.sample(act.sampler.chain, act.out_index))
+            smp = act.sampler
+            self._on_token(act, be.argmax(act.out_index) if smp.plain_greedy else be.sample(smp.chain, act.out_index))
 
     def _on_token(self, act: _Active, token: int) -> None:
         be, req = self.backend, act.request

@@ -13,6 +13,7 @@ from collections import deque
 from pathlib import Path
 
 import llama_cpp as L
+import numpy as np
 
 from edgechat.errors import ModelFormatError
 
@@ -227,6 +228,12 @@ class LlamaBackend:
 
     def sample(self, sampler, index: int) -> int:
         return L.llama_sampler_sample(sampler, self.ctx, index)
+
+    def argmax(self, index: int) -> int:
+        """Greedy choice straight from the logits: the native chain first copies every logit into
+        a candidate array, which costs ~0.4 ms a token on a 262k vocabulary."""
+        logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, index), (self.n_vocab,))
+        return int(logits.argmax())
 
     # --- KV memory ------------------------------------------------------------------------------
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:

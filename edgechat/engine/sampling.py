@@ -61,6 +61,8 @@ class SamplerChain:
             add(L.llama_sampler_init_dist(self.seed))
         self.chain = chain
         self.penalised = uses_penalties(params)
+        #: plain greedy needs no chain at all: the engine takes the argmax of the logits
+        self.plain_greedy = params.temperature == 0 and not self.penalised
         self.penalty_last_n = params.penalty_last_n
 
     def accept_prompt(self, tokens: list[int]) -> None:
