@@ -27,18 +27,12 @@ def cli(ctx: click.Context, model: str | None, url: str | None, api_key: str | N
 
 
 def _register() -> None:
-    from edgechat.cli import models, run
+    from edgechat.cli import bench, models, pull, quantize, run, serve, sessions
 
     cli.add_command(run.run_cmd)
     cli.add_command(models.models_cmd)
     cli.add_command(models.doctor_cmd)
-    for optional in ("sessions", "serve", "quantize", "bench", "pull"):
-        try:
-            module = __import__(f"edgechat.cli.{optional}", fromlist=["register"])
-        except ModuleNotFoundError as exc:
-            if exc.name != f"edgechat.cli.{optional}":
-                raise
-            continue
+    for module in (sessions, serve, quantize, bench, pull):
         module.register(cli)
 
 
