@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
 from edgechat.server import ServerSettings, create_app
+from serving import serving
 
 KEY = "sk-test-key"
 MODEL = "smollm2-135m-instruct"
@@ -22,26 +19,6 @@ N_CTX = 512
 HI = [{"role": "user", "content": "Say hello."}]
 
 pytestmark = pytest.mark.slow
-
-
-@contextlib.contextmanager
-def serving(app):
-    """Run `app` with uvicorn on a free loopback port in a thread; yield its base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import pytest
-import uvicorn
 
 from edgechat.engine import (
     ChatRequest,
@@ -22,6 +19,7 @@ from edgechat.errors import EdgechatError
 from edgechat.server import ServerSettings, create_app
 from edgechat.tui.app import EdgechatApp
 from edgechat.tui.client import RemoteClient
+from serving import serving
 
 pytestmark = pytest.mark.slow
 
@@ -34,19 +32,8 @@ def server_url(tmp_path_factory, smollm2_path):
 
     engine = Engine(EngineConfig(model=str(smollm2_path), n_ctx=1024, paths=get_paths(tmp_path_factory.mktemp("srv"))))
     app = create_app(ServerSettings(api_key=KEY, model_id="smollm2"), engine)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(app) as url:
+        yield url
     engine.close()
 
 
