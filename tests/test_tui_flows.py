@@ -92,16 +92,22 @@ async def test_send_streams_and_stores_the_answer(paths, client):
         assert len(screen.chat.boxes()) == 4
 
 
+async def start_long_answer(app, pilot):
+    """Open a conversation allowing a 3,000-token answer, send a prompt that loops, wait for text."""
+    await ready(pilot)
+    screen = app.chat_screen
+    long = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 3000})
+    await screen.open_conversation(long.id)
+    screen.prompt.set_text(LOOPING)
+    await pilot.press("enter")
+    await until(pilot, lambda: screen.turn is not None and len(screen.turn.text) > 5, what="some text")
+    return screen
+
+
 async def test_stop_keeps_partial_answer_and_restores_prompt(paths, client):
     app = app_for(paths, client)
     async with app.run_test(size=(100, 30)) as pilot:
-        await ready(pilot)
-        screen = app.chat_screen
-        long = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 3000})
-        await screen.open_conversation(long.id)
-        screen.prompt.set_text(LOOPING)
-        await pilot.press("enter")
-        await until(pilot, lambda: screen.turn is not None and len(screen.turn.text) > 5, what="some text")
+        screen = await start_long_answer(app, pilot)
         await pilot.press("escape")
         await until(pilot, lambda: screen.turn is None, what="the stop")
         await pilot.pause(0.05)
@@ -215,13 +221,7 @@ async def test_slash_commands_export_and_persistence(paths, client):
 async def test_quit_mid_answer_keeps_it_interrupted(paths, client):
     app = app_for(paths, client)
     async with app.run_test(size=(100, 30)) as pilot:
-        await ready(pilot)
-        screen = app.chat_screen
-        long = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 3000})
-        await screen.open_conversation(long.id)
-        screen.prompt.set_text(LOOPING)
-        await pilot.press("enter")
-        await until(pilot, lambda: screen.turn is not None and len(screen.turn.text) > 5, what="some text")
+        screen = await start_long_answer(app, pilot)
         conv_id = screen.conv.id
         await pilot.press("ctrl+q")
     msgs = app.store.messages(conv_id)
