@@ -148,3 +148,11 @@ def engine_for_plan_f16(engine):
     from edgechat.engine import planner
 
     return planner.plan_for(engine.model_info, engine.n_ctx, engine.n_slots, "f16").kv_cache
+
+
+def test_flash_attention_off_gives_the_same_greedy_answer(smollm2_path, isolated_dirs):
+    answers = []
+    for fa in ("auto", "off"):
+        with engine_for(smollm2_path, isolated_dirs, flash_attn=fa) as engine:
+            answers.append(turn(engine, [], QUESTION, None)[0].text)
+    assert "Lutz" in answers[0] and "Lutz" in answers[1]

@@ -47,11 +47,13 @@ def read_prompt(prompt: str | None) -> str | None:
     help="When the context is full: shift (default), truncate or summarize.",
 )
 @click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", help="KV cache element type.")
+@click.option("--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto",
+              help="llama.cpp flash attention (off can be faster deep into long chats on CPUs).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.argument("prompt", required=False)
 @data_dir_option
 def run_cmd(model, ctx, threads, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
-            system, session, context_policy, kv_type, as_json, prompt, data_dir):
+            system, session, context_policy, kv_type, flash_attn, as_json, prompt, data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
     from edgechat.engine import Engine, EngineConfig
 
@@ -60,7 +62,7 @@ def run_cmd(model, ctx, threads, temperature, top_p, top_k, min_p, repeat_penalt
         raise UsageError("the prompt is empty; pass some text, e.g. edgechat run \"Hello\"")
     sampling = build_sampling(temperature, top_p, top_k, min_p, repeat_penalty, seed)
     paths = get_paths(data_dir)
-    cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, kv_type=kv_type, paths=paths)
+    cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, kv_type=kv_type, flash_attn=flash_attn, paths=paths)
     if session is not None:
         from edgechat.cli.sessions import run_session_turn
 

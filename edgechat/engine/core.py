@@ -62,6 +62,9 @@ class EngineConfig:
     n_parallel: int = 1  # requests decoded together
     hot_sessions: int = 0  # extra sequences that keep idle conversations in memory
     kv_type: str = "f16"
+    #: llama.cpp's flash attention: "auto" (on for CPU) is fastest for short contexts; on this
+    #: 2-core CPU "off" answers sooner deep into long chats (see docs/ARCHITECTURE.md)
+    flash_attn: str = "auto"
     max_queue: int | None = None
     n_gpu_layers: int | None = None
     snapshot_budget: int = 4 << 30
@@ -103,6 +106,8 @@ class Engine:
         self.paths = cfg.paths or get_paths()
         if cfg.n_parallel < 1:
             raise UsageError("--parallel must be at least 1")
+        if cfg.flash_attn not in ("auto", "on", "off"):
+            raise UsageError(f"flash attention must be auto, on or off (got {cfg.flash_attn!r})")
         self.model_path: Path = resolve_model(cfg.model, self.paths)
         self.model_info = info = read_model_info(self.model_path)
         self.n_slots = cfg.n_parallel + cfg.hot_sessions
@@ -117,6 +122,7 @@ class Engine:
             n_threads=self.n_threads,
             kv_type=cfg.kv_type,
             n_gpu_layers=cfg.n_gpu_layers,
+            flash_attn=cfg.flash_attn,
         )
         be = self.backend
         self.model_name = display_name(cfg.model, self.model_path)

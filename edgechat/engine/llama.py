@@ -18,6 +18,7 @@ import numpy as np
 from edgechat.errors import ModelFormatError
 
 KV_TYPES = {"f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0, "q4_0": L.GGML_TYPE_Q4_0}
+FLASH_ATTN = {"auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 
 _init_lock = threading.Lock()
 _initialised = False
@@ -119,6 +120,7 @@ class LlamaBackend:
         n_ubatch: int = 512,
         kv_type: str = "f16",
         n_gpu_layers: int | None = None,
+        flash_attn: str = "auto",
     ):
         _ensure_backend()
         self.path = Path(path)
@@ -145,9 +147,8 @@ class LlamaBackend:
         cparams.swa_full = True
         cparams.no_perf = True
         cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
-        if kv_type != "f16":
-            # llama.cpp needs flash attention for a quantized V cache
-            cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        # llama.cpp needs flash attention for a quantized V cache
+        cparams.flash_attn_type = FLASH_ATTN["on" if kv_type != "f16" else flash_attn]
         ctx = L.llama_init_from_model(model, cparams)
         if not ctx:
             L.llama_model_free(model)
