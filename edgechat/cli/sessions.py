@@ -36,8 +36,6 @@ def run_session_turn(cfg, name: str, text: str, system, sampling, max_tokens, st
     from edgechat.cli.run import result_json, stream_answer
     from edgechat.engine import Engine
 
-    finished = None
-
     store = open_store(cfg.paths)
     try:
         conv = store.conversation_by_name(name, create=True)

@@ -181,7 +181,7 @@ class Engine:
         return self.backend.detokenize(tokens)
 
     def stats(self) -> dict:
-        running = [a for a in list(self._active)]
+        running = list(self._active)  # a copy: the engine thread changes the list
         used = sum(len(a.slot.tokens) for a in running if a.slot is not None)
         cached = sum(len(s.tokens) for s in self.slots) - used
         return {
