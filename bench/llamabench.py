@@ -41,8 +41,11 @@ def run_llama_bench(
     n_prompt: int = 512,
     n_gen: int = 128,
     repetitions: int = 3,
+    n_depth: int = 0,
+    flash_attn: str = "auto",
 ) -> dict:
     """Run llama-bench with its defaults otherwise; tokens/s averaged over the repetitions.
+    n_depth tokens are in the KV cache before each test; flash_attn is auto, on or off.
 
     Returns {"pp_tps": prefill t/s, "tg_tps": decode t/s, "raw": llama-bench's JSON records}.
     pp_tps (tg_tps) is None when n_prompt (n_gen) is 0, since llama-bench then skips that test.
@@ -54,6 +57,8 @@ def run_llama_bench(
         "-p", str(n_prompt),
         "-n", str(n_gen),
         "-r", str(repetitions),
+        "-d", str(n_depth),
+        "-fa", flash_attn,
         "-o", "json",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
