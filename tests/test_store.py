@@ -25,6 +25,7 @@ from edgechat.store import (
     title_from,
 )
 from edgechat.store import migrations as mig
+from edgechat.store.history import model_messages, with_system_prompt
 
 
 @pytest.fixture
@@ -138,6 +139,23 @@ def test_create_get_list_update_delete(store):
     assert store.messages(a.id) == []
     with pytest.raises(StoreError):
         store.update_conversation(a.id, title="x")
+
+
+def test_model_messages_keep_stopped_answers_and_drop_failed_or_empty_ones(store):
+    conv = store.create_conversation(settings={"system_prompt": "Be brief."})
+    store.add_message(conv.id, "user", "first")
+    store.add_message(conv.id, "assistant", "half an ans", status="interrupted")
+    store.add_message(conv.id, "user", "second")
+    store.add_message(conv.id, "assistant", "boom", status="error")
+    store.add_message(conv.id, "assistant", "")
+    history = model_messages(store, conv.id)
+    assert history == [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "half an ans"},
+        {"role": "user", "content": "second"},
+    ]
+    assert with_system_prompt(conv.settings, history)[0] == {"role": "system", "content": "Be brief."}
+    assert with_system_prompt({"system_prompt": ""}, history) == history
 
 
 def test_conversation_by_name(store):

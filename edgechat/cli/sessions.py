@@ -16,19 +16,7 @@ from edgechat.config import get_paths
 from edgechat.engine.request import ChatRequest, ContextPolicy
 from edgechat.errors import UsageError
 from edgechat.store import open_store
-
-
-def conversation_messages(store, conv) -> list[dict]:
-    """The history the model sees: system prompt from the settings, then every kept message."""
-    msgs = []
-    system = (conv.settings or {}).get("system_prompt")
-    if system:
-        msgs.append({"role": "system", "content": system})
-    for m in store.messages(conv.id):
-        if m.status == "error" or not m.content:
-            continue
-        msgs.append({"role": m.role, "content": m.content})
-    return msgs
+from edgechat.store.history import model_messages, with_system_prompt
 
 
 def run_session_turn(cfg, name: str, text: str, system, sampling, max_tokens, stop, ignore_eos,
@@ -51,7 +39,7 @@ def run_session_turn(cfg, name: str, text: str, system, sampling, max_tokens, st
         with Engine(cfg) as engine:
             if engine.template_warning:
                 click.echo(f"edgechat: warning: {engine.template_warning}", err=True)
-            history = conversation_messages(store, conv)
+            history = with_system_prompt(settings, model_messages(store, conv.id))
             # stored the moment it is sent: a crash mid-answer still keeps the question
             store.add_message(conv.id, "user", text)
             request = ChatRequest(

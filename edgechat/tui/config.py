@@ -9,7 +9,8 @@ import tomli_w
 from edgechat.config import Paths, load_settings
 from edgechat.engine.request import ChatRequest, ContextPolicy, SamplingParams
 from edgechat.errors import UsageError
-from edgechat.store.export import atomic_write_text
+from edgechat.fsutil import atomic_write_text
+from edgechat.store.history import with_system_prompt
 
 #: the per-conversation settings and their defaults (overridden by [chat] in config.toml)
 CHAT_DEFAULTS: dict = {
@@ -73,9 +74,8 @@ def validate_settings(settings: dict) -> dict:
 def build_request(settings: dict, history: list[dict], session: str | None) -> ChatRequest:
     """A ChatRequest for a conversation: its system prompt, then its messages, with its settings."""
     s = {**CHAT_DEFAULTS, **settings}
-    messages = ([{"role": "system", "content": s["system_prompt"]}] if s["system_prompt"] else []) + history
     return ChatRequest(
-        messages=messages,
+        messages=with_system_prompt(s, history),
         sampling=SamplingParams(temperature=s["temperature"], top_p=s["top_p"], seed=s["seed"]),
         max_tokens=s["max_tokens"],
         session=session,

@@ -17,6 +17,7 @@ from edgechat.errors import EdgechatError
 from edgechat.store import Conversation, atomic_write_text, export_conversation
 from edgechat.store import Message as StoredMessage
 from edgechat.tui.actions import ACTIONS, parse_slash, unknown_slash
+from edgechat.store.history import model_messages
 from edgechat.tui.config import build_request, validate_settings
 from edgechat.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from edgechat.tui.screens.help import HelpScreen
@@ -198,12 +199,7 @@ class ChatScreen(Screen):
             self.status.context_used = used
 
     def _history(self, conv_id: str) -> list[dict]:
-        """What the model is given: every user and assistant message with text, stopped answers included."""
-        return [
-            {"role": m.role, "content": m.content}
-            for m in self.store.messages(conv_id)
-            if m.role in ("user", "assistant") and m.status != "error" and m.content
-        ]
+        return model_messages(self.store, conv_id)
 
     @work(thread=True, group="release", exit_on_error=False)
     def _forget(self, conv_id: str) -> None:
