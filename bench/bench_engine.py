@@ -3,7 +3,8 @@
 For each embedded model: prefill of a 512-token prompt and decode of 128 tokens through
 edgechat's engine (2 threads), and llama-bench pp512/tg128 on the same file; rounds alternate
 between the two so drift on a noisy machine hits both, and each side's best repetition is
-compared. Prints the ratios (target >= 0.97).
+compared; each round starts a fresh engine, as each llama-bench run is a fresh process.
+Prints the ratios (target >= 0.97).
 
     python -m bench.bench_engine [--rounds 2] [--threads 2] [--json]
 """
@@ -63,14 +64,18 @@ def _samples(result: dict, test: str) -> list[float]:
 def bench_model(name: str, threads: int, rounds: int) -> dict:
     path = resolve_model(name, get_paths())
     ours_pp, ours_tg, ref_pp, ref_tg = [], [], [], []
-    with Engine(EngineConfig(model=str(path), n_ctx=1024, n_threads=threads)) as engine:
-        engine_run(engine, salt=0)  # warm-up, as llama-bench does
-        for r in range(rounds):
-            ref = run_llama_bench(path, threads=threads, repetitions=3)
-            # best repetition, as for the engine below: on a noisy machine the best run is the
-            # one least disturbed, for both sides alike
-            ref_pp.append(max(_samples(ref, "pp")))
-            ref_tg.append(max(_samples(ref, "tg")))
+    for r in range(rounds):
+        ref = run_llama_bench(path, threads=threads, repetitions=3)
+        # best repetition, as for the engine below: on a noisy machine the best run is the
+        # one least disturbed, for both sides alike
+        ref_pp.append(max(_samples(ref, "pp")))
+        ref_tg.append(max(_samples(ref, "tg")))
+        # a fresh engine each round, as llama-bench is a fresh process each round: the same
+        # llama.cpp context runs a few percent faster or slower depending on where its buffers
+        # land in memory (measured here: +-4% between contexts of one process), so both sides
+        # sample that spread alike instead of one side living with a single draw
+        with Engine(EngineConfig(model=str(path), n_ctx=1024, n_threads=threads)) as engine:
+            engine_run(engine, salt=0)  # warm-up, as llama-bench does
             for rep in range(3):
                 pp, tg = engine_run(engine, salt=1 + r * 3 + rep)
                 ours_pp.append(pp)
