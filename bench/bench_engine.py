@@ -3,7 +3,7 @@
 For each embedded model: prefill of a 512-token prompt and decode of 128 tokens through
 edgechat's engine (2 threads), and llama-bench pp512/tg128 on the same file; rounds alternate
 between the two so drift on a noisy machine hits both, and each side's best repetition is
-compared; each round starts a fresh engine, as each llama-bench run is a fresh process.
+compared; each round runs the engine in a fresh process, as each llama-bench run is one.
 Prints the ratios (target >= 0.97).
 
     python -m bench.bench_engine [--rounds 2] [--threads 2] [--json]
@@ -14,6 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 from bench.llamabench import run_llama_bench
 from edgechat.config import get_paths
@@ -61,6 +64,30 @@ def _samples(result: dict, test: str) -> list[float]:
     raise ValueError(f"llama-bench gave no {test} record")
 
 
+def engine_round(name: str, threads: int, salt: int) -> tuple[list[float], list[float]]:
+    """Three (pp512, tg128) repetitions in a fresh process, as llama-bench is a fresh process
+    each round. On this kind of machine a process settles at one of two speeds ~9% apart
+    (measured: 623 or 680 t/s for Gemma 3 pp512, stable within a process, with the wheel's
+    llama.cpp libraries and with llama-bench's own alike), so each side must draw the same
+    number of processes, not llama-bench one per round and the engine one in all."""
+    cmd = [sys.executable, "-m", "bench.bench_engine", "--engine-round", str(salt), "--threads", str(threads), name]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    samples = json.loads(out.strip().splitlines()[-1])
+    return samples["pp"], samples["tg"]
+
+
+def _engine_round_here(name: str, threads: int, salt: int) -> None:
+    path = resolve_model(name, get_paths())
+    pp, tg = [], []
+    with Engine(EngineConfig(model=str(path), n_ctx=1024, n_threads=threads)) as engine:
+        engine_run(engine, salt=0)  # warm-up, as llama-bench does
+        for rep in range(3):
+            p, t = engine_run(engine, salt=salt + rep)
+            pp.append(p)
+            tg.append(t)
+    print(json.dumps({"pp": pp, "tg": tg}))
+
+
 def bench_model(name: str, threads: int, rounds: int) -> dict:
     path = resolve_model(name, get_paths())
     ours_pp, ours_tg, ref_pp, ref_tg = [], [], [], []
@@ -70,16 +97,9 @@ def bench_model(name: str, threads: int, rounds: int) -> dict:
         # one least disturbed, for both sides alike
         ref_pp.append(max(_samples(ref, "pp")))
         ref_tg.append(max(_samples(ref, "tg")))
-        # a fresh engine each round, as llama-bench is a fresh process each round: the same
-        # llama.cpp context runs a few percent faster or slower depending on where its buffers
-        # land in memory (measured here: +-4% between contexts of one process), so both sides
-        # sample that spread alike instead of one side living with a single draw
-        with Engine(EngineConfig(model=str(path), n_ctx=1024, n_threads=threads)) as engine:
-            engine_run(engine, salt=0)  # warm-up, as llama-bench does
-            for rep in range(3):
-                pp, tg = engine_run(engine, salt=1 + r * 3 + rep)
-                ours_pp.append(pp)
-                ours_tg.append(tg)
+        pp, tg = engine_round(name, threads, salt=1 + r * 3)
+        ours_pp += pp
+        ours_tg += tg
     row = {
         "model": name,
         "engine_pp512": max(ours_pp),
@@ -99,8 +119,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--engine-round", type=int, metavar="SALT", help=argparse.SUPPRESS)  # one engine round, in this process
     ap.add_argument("models", nargs="*", default=MODELS)
     args = ap.parse_args()
+    if args.engine_round is not None:
+        _engine_round_here(args.models[0], args.threads, args.engine_round)
+        return
     rows = [bench_model(m, args.threads, args.rounds) for m in args.models]
     if args.json:
         print(json.dumps(rows, indent=2))
