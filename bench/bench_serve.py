@@ -1,8 +1,8 @@
 """`edgechat serve --parallel 4` against llama.cpp's `llama-server -np 4`, same model, same machine, same run.
 
-Both servers are up for the whole run but only one is loaded at a time (an idle one sleeps); the
-measurements alternate between them in short rounds, in alternating order, so a machine whose
-load drifts (other work, thermal limits) weighs on both alike. The load comes from edgechat's
+Each round starts both servers afresh (only one is loaded at a time; an idle one sleeps) and
+measures them in alternating order, so a machine whose load drifts (other work, thermal limits)
+weighs on both alike, and each side draws as many processes as the other. The load comes from edgechat's
 load generator: SmolLM2-135M Q4_1, 2 threads, 8k context in all (4 sequences of 2048), 128 output
 tokens per request, the long-tail prompt mix (20-400 tokens), at concurrency 1 and 4, the same
 prompts for both. Prints both reports and the ratios the issue sets as targets:
@@ -84,23 +84,25 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = resolve_model(MODEL, get_paths())
     plan = [(1, args.requests_c1), (4, args.requests_c4)]
-    llama_port, edge_port = _free_port(), _free_port()
-    llama_cmd = [
-        str(find_llama_server()), "-m", str(model_path), "-t", str(THREADS), "-tb", str(THREADS),
-        "-c", str(CTX_TOTAL), "-np", str(PARALLEL), "--no-webui", "--host", "127.0.0.1", "--port", str(llama_port),
-    ]
-    edge_cmd = [
-        sys.executable, "-m", "edgechat", "serve", "-m", MODEL, "--threads", str(THREADS),
-        "--ctx", str(CTX_TOTAL // PARALLEL), "--parallel", str(PARALLEL), "--port", str(edge_port),
-        "--degrade-queue-wait", "0",
-    ]
     runs: dict[str, dict[int, list[Run]]] = {"llama-server": {1: [], 4: []}, "edgechat": {1: [], 4: []}}
-    with contextlib.ExitStack() as stack:
-        urls = {
-            "llama-server": stack.enter_context(_server(llama_cmd, llama_port, "llama-server", args.log_dir)),
-            "edgechat": stack.enter_context(_server(edge_cmd, edge_port, "edgechat-serve", args.log_dir)),
-        }
-        for rnd in range(args.rounds):
+    for rnd in range(args.rounds):
+        llama_port, edge_port = _free_port(), _free_port()
+        llama_cmd = [
+            str(find_llama_server()), "-m", str(model_path), "-t", str(THREADS), "-tb", str(THREADS),
+            "-c", str(CTX_TOTAL), "-np", str(PARALLEL), "--no-webui", "--host", "127.0.0.1", "--port", str(llama_port),
+        ]
+        edge_cmd = [
+            sys.executable, "-m", "edgechat", "serve", "-m", MODEL, "--threads", str(THREADS),
+            "--ctx", str(CTX_TOTAL // PARALLEL), "--parallel", str(PARALLEL), "--port", str(edge_port),
+            "--degrade-queue-wait", "0",
+        ]
+        # fresh servers each round: a process settles at one of two speeds ~9% apart on this kind
+        # of machine (see bench_engine), so each side draws one process per round, not one in all
+        with contextlib.ExitStack() as stack:
+            urls = {
+                "llama-server": stack.enter_context(_server(llama_cmd, llama_port, "llama-server", args.log_dir)),
+                "edgechat": stack.enter_context(_server(edge_cmd, edge_port, "edgechat-serve", args.log_dir)),
+            }
             order = list(urls) if rnd % 2 == 0 else list(reversed(urls))
             for conc, n in plan:
                 for name in order:
