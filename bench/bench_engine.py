@@ -64,25 +64,25 @@ def _samples(result: dict, test: str) -> list[float]:
     raise ValueError(f"llama-bench gave no {test} record")
 
 
-def engine_round(name: str, threads: int, salt: int) -> tuple[list[float], list[float]]:
+def engine_round(name: str, threads: int) -> tuple[list[float], list[float]]:
     """Three (pp512, tg128) repetitions in a fresh process, as llama-bench is a fresh process
     each round. On this kind of machine a process settles at one of two speeds ~9% apart
     (measured: 623 or 680 t/s for Gemma 3 pp512, stable within a process, with the wheel's
     llama.cpp libraries and with llama-bench's own alike), so each side must draw the same
     number of processes, not llama-bench one per round and the engine one in all."""
-    cmd = [sys.executable, "-m", "bench.bench_engine", "--engine-round", str(salt), "--threads", str(threads), name]
+    cmd = [sys.executable, "-m", "bench.bench_engine", "--engine-round", "--threads", str(threads), name]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]).stdout
     samples = json.loads(out.strip().splitlines()[-1])
     return samples["pp"], samples["tg"]
 
 
-def _engine_round_here(name: str, threads: int, salt: int) -> None:
+def _engine_round_here(name: str, threads: int) -> None:
     path = resolve_model(name, get_paths())
     pp, tg = [], []
     with Engine(EngineConfig(model=str(path), n_ctx=1024, n_threads=threads)) as engine:
         engine_run(engine, salt=0)  # warm-up, as llama-bench does
         for rep in range(3):
-            p, t = engine_run(engine, salt=salt + rep)
+            p, t = engine_run(engine, salt=1 + rep)
             pp.append(p)
             tg.append(t)
     print(json.dumps({"pp": pp, "tg": tg}))
@@ -97,7 +97,7 @@ def bench_model(name: str, threads: int, rounds: int) -> dict:
         # one least disturbed, for both sides alike
         ref_pp.append(max(_samples(ref, "pp")))
         ref_tg.append(max(_samples(ref, "tg")))
-        pp, tg = engine_round(name, threads, salt=1 + r * 3)
+        pp, tg = engine_round(name, threads)
         ours_pp += pp
         ours_tg += tg
     row = {
@@ -119,11 +119,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--engine-round", type=int, metavar="SALT", help=argparse.SUPPRESS)  # one engine round, in this process
+    ap.add_argument("--engine-round", action="store_true", help=argparse.SUPPRESS)  # one engine round, in this process
     ap.add_argument("models", nargs="*", default=MODELS)
     args = ap.parse_args()
-    if args.engine_round is not None:
-        _engine_round_here(args.models[0], args.threads, args.engine_round)
+    if args.engine_round:
+        _engine_round_here(args.models[0], args.threads)
         return
     rows = [bench_model(m, args.threads, args.rounds) for m in args.models]
     if args.json:

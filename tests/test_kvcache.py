@@ -135,6 +135,21 @@ def test_identical_system_prompts_share_their_kv(smollm2_path, isolated_dirs):
         assert second.metrics.cached_tokens >= n_system - 10
 
 
+def test_a_long_prompt_sharing_only_its_bos_is_prefilled_from_the_start(gemma3_path, isolated_dirs):
+    long_text = " ".join(f"Line {i}: the river stones are smooth and grey." for i in range(30))
+    with engine_for(gemma3_path, isolated_dirs, n_ctx=1024) as engine:
+        engine.submit(ChatRequest(prompt="Hello", sampling=GREEDY, max_tokens=2)).result()
+        warm = engine.submit(ChatRequest(prompt=long_text, sampling=GREEDY, max_tokens=8)).result()
+        # the cache held the BOS; re-prefilling it keeps the big batch aligned (see Engine._start)
+        assert warm.metrics.prompt_tokens > 300 and warm.metrics.cached_tokens == 0
+        again = engine.submit(ChatRequest(prompt=long_text + " One more.", sampling=GREEDY, max_tokens=8)).result()
+        # a long shared prefix is still reused
+        assert again.metrics.cached_tokens > 300
+    with engine_for(gemma3_path, isolated_dirs, n_ctx=1024) as engine:
+        cold = engine.submit(ChatRequest(prompt=long_text, sampling=GREEDY, max_tokens=8)).result()
+    assert warm.text == cold.text
+
+
 @pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
 def test_quantized_kv_cache_still_answers(smollm2_path, isolated_dirs, kv_type):
     with engine_for(smollm2_path, isolated_dirs, kv_type=kv_type) as engine:

@@ -48,6 +48,8 @@ SUMMARY_PREFIX = "Summary of the earlier conversation: "
 #: prompt tokens prefilled per step while other sequences are decoding (chunked prefill):
 #: one llama.cpp ubatch, so a long prompt never stalls the running streams for more than that
 PREFILL_CHUNK_BUSY = 512
+#: new tokens from which llama.cpp's CPU flash attention takes its tiled path (GGML_FA_TILE_Q)
+ALIGNED_PREFILL_MIN = 64
 #: an idle engine writes changed conversations' snapshots after this many seconds
 IDLE_SNAPSHOT_S = 30.0
 #: after idling, wait this long for requests sent together, so they are prefilled together
@@ -530,6 +532,13 @@ class Engine:
                     n = common_prefix(cache, prompt)
             be.seq_rm(slot.seq, n, -1)
             cache = cache[:n]
+        if n and len(prompt) - n >= ALIGNED_PREFILL_MIN and n * 32 <= len(prompt) - n:
+            # a cached prefix this short (a BOS, a one-line system prompt) saves under 1/32 of the
+            # batch, while a batch that starts at position 0 runs llama.cpp's tiled attention in
+            # step with the causal diagonal: Gemma 3, 512 tokens from 0 take 4% less time than
+            # 511 after a cached BOS
+            be.seq_rm(slot.seq, 0, -1)
+            cache, n = [], 0
         if n == len(prompt):
             # everything is cached, but the logits are not: recompute the last prompt token
             n -= 1
