@@ -16,8 +16,8 @@ from textual.worker import Worker, WorkerState
 from edgechat.errors import EdgechatError
 from edgechat.store import Conversation, atomic_write_text, export_conversation
 from edgechat.store import Message as StoredMessage
-from edgechat.tui.actions import ACTIONS, parse_slash, unknown_slash
 from edgechat.store.history import model_messages
+from edgechat.tui.actions import ACTIONS, parse_slash, unknown_slash
 from edgechat.tui.config import build_request, validate_settings
 from edgechat.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from edgechat.tui.screens.help import HelpScreen
@@ -188,7 +188,7 @@ class ChatScreen(Screen):
     def _measure_context(self, conv: Conversation) -> None:
         """Fill the context gauge for a conversation just opened (its whole history, template applied)."""
         count = getattr(self.client, "count_tokens", None)
-        history = self._history(conv.id)
+        history = model_messages(self.store, conv.id)
         if count is None or not history:
             return
         used = count(build_request({**conv.settings, "context_policy": "shift"}, history, session=None))
@@ -197,9 +197,6 @@ class ChatScreen(Screen):
     def _show_context(self, conv_id: str, used: int) -> None:
         if self.conv is not None and self.conv.id == conv_id and self.turn is None:
             self.status.context_used = used
-
-    def _history(self, conv_id: str) -> list[dict]:
-        return model_messages(self.store, conv_id)
 
     @work(thread=True, group="release", exit_on_error=False)
     def _forget(self, conv_id: str) -> None:
@@ -276,7 +273,7 @@ class ChatScreen(Screen):
 
     async def start_answer(self, user_id: int | None, prompt: str) -> None:
         assert self.conv is not None
-        history = self._history(self.conv.id)
+        history = model_messages(self.store, self.conv.id)
         model = self.client.model_name if self.client else self.app.model_ref
         # Stored at once as "interrupted": a crash mid-answer leaves it marked, and each save updates it.
         answer = self.store.add_message(self.conv.id, "assistant", "", status="interrupted", meta={"model": model})
@@ -311,7 +308,7 @@ class ChatScreen(Screen):
         if self._waiting is not None:
             conv, turn = self._waiting
             self._waiting = None
-            history = self._history(conv.id)
+            history = model_messages(self.store, conv.id)
             box = self._box(turn.answer_id)
             if box is not None:
                 box.loading = False
