@@ -6,6 +6,7 @@ every run; the flows with the real model are in test_tui_flows.py.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -21,16 +22,19 @@ class ScriptedHandle:
     def __init__(self, parts: list[str], delay: float):
         self.parts = parts
         self.delay = delay
-        self.cancelled = False
+        self._cancel = threading.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
 
     def cancel(self) -> None:
-        self.cancelled = True
+        self._cancel.set()
 
     def __iter__(self):
         text = ""
         for part in self.parts:
-            time.sleep(self.delay)
-            if self.cancelled:
+            if self._cancel.wait(self.delay):  # a stop ends the wait at once, as the engine's does
                 break
             text += part
             yield TextDelta(part)
@@ -338,7 +342,8 @@ async def test_copy_answer_and_code_block(isolated_dirs):
 
 @pytest.mark.asyncio
 async def test_stop_before_the_first_token_undoes_the_send(isolated_dirs):
-    client = ScriptedClient("slow answer", delay=0.5)
+    # the first token is a minute away, so the stop lands before it even on a loaded machine
+    client = ScriptedClient("slow answer", delay=60)
     app = make_app(isolated_dirs, client)
     async with app.run_test(size=(80, 24)) as pilot:
         screen = app.chat_screen
