@@ -192,3 +192,18 @@ def test_parallel_requests_are_batched_and_match_sequential_answers(smollm2_path
     # batched decoding computes the same greedy answers (tolerating float differences of batch shape)
     same = sum(a[:20] == b[:20] for a, b in zip(alone, together))
     assert same >= 2, (alone, together)
+
+
+def test_load_progress_is_reported_and_a_failing_reporter_does_not_abort_the_load(gemma3_path, isolated_dirs):
+    seen: list[float] = []
+    with Engine(EngineConfig(model=str(gemma3_path), n_ctx=256, n_threads=2, paths=isolated_dirs,
+                             on_load_progress=seen.append)):
+        pass
+    assert len(seen) > 2 and seen == sorted(seen) and seen[-1] == pytest.approx(1.0)
+
+    def broken(fraction: float) -> None:
+        raise RuntimeError("a UI that went away")
+
+    with Engine(EngineConfig(model=str(gemma3_path), n_ctx=256, n_threads=2, paths=isolated_dirs,
+                             on_load_progress=broken)) as engine:
+        assert engine.submit(ChatRequest(prompt="The sky is", max_tokens=2)).result().reason == "length"

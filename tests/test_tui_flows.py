@@ -234,8 +234,13 @@ async def test_switch_model_and_a_model_that_does_not_fit(paths, gemma3_path, mo
         await ready(pilot)
         screen = app.chat_screen
         assert app.client.model_name.lower().startswith("smollm2")
+        shown: list[str] = []  # what the status bar said while the model loaded
+        show = app._show_load_progress
+        monkeypatch.setattr(app, "_show_load_progress", lambda text: (show(text), shown.append(screen.status.state)))
         await send(pilot, f"/model {gemma3_path}")
         await until(pilot, lambda: app.client.model_name.lower().startswith("gemma"), what="gemma3")
+        assert len(shown) >= 2 and shown[-1] == f"loading {gemma3_path}… 100%"
+        assert all(t.startswith(f"loading {gemma3_path}… ") for t in shown)
         assert screen.status.model == app.client.model_name
         assert any("no chat template" in n.message for n in app._notifications)  # completion-mode warning
         # a machine with 64 MiB free: the planner refuses, the loaded model keeps serving

@@ -13,12 +13,20 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgechat.config import Paths, get_paths
 from edgechat.engine import planner
-from edgechat.engine.kvcache import Slot, SnapshotStore, common_prefix, find_realign, model_fingerprint, state_version
+from edgechat.engine.kvcache import (
+    Slot,
+    SnapshotStore,
+    common_prefix,
+    find_realign,
+    model_fingerprint,
+    state_version,
+)
 from edgechat.engine.llama import Batch, LlamaBackend
 from edgechat.engine.metrics import RequestClock
 from edgechat.engine.request import (
@@ -36,7 +44,12 @@ from edgechat.engine.request import (
 from edgechat.engine.sampling import SamplerChain, validate
 from edgechat.engine.stream import OutputProcessor
 from edgechat.engine.templates import choose_format, validate_messages
-from edgechat.errors import EdgechatError, EngineBusyError, PromptTooLongError, UsageError
+from edgechat.errors import (
+    EdgechatError,
+    EngineBusyError,
+    PromptTooLongError,
+    UsageError,
+)
 from edgechat.models import display_name, read_model_info, resolve_model
 
 log = logging.getLogger("edgechat.engine")
@@ -71,6 +84,8 @@ class EngineConfig:
     n_gpu_layers: int | None = None
     snapshot_budget: int = 4 << 30
     paths: Paths | None = None
+    #: called from the loading thread with the fraction of the model read (0..1)
+    on_load_progress: Callable[[float], None] | None = None
 
 
 @dataclass
@@ -125,6 +140,7 @@ class Engine:
             kv_type=cfg.kv_type,
             n_gpu_layers=cfg.n_gpu_layers,
             flash_attn=cfg.flash_attn,
+            on_progress=cfg.on_load_progress,
         )
         be = self.backend
         self.model_name = display_name(cfg.model, self.model_path)

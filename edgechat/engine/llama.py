@@ -7,15 +7,19 @@ high-level Llama class, whose per-token Python sampling and logits copies cost 1
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import llama_cpp as L
 import numpy as np
 
 from edgechat.errors import ModelFormatError
+
+log = logging.getLogger(__name__)
 
 KV_TYPES = {"f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0, "q4_0": L.GGML_TYPE_Q4_0}
 FLASH_ATTN = {"auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED}
@@ -40,6 +44,21 @@ def _ensure_backend() -> None:
             L.llama_log_set(_log_callback, ctypes.c_void_p(0))
             L.llama_backend_init()
             _initialised = True
+
+
+def _progress_callback(report: Callable[[float], None]):
+    """A llama_progress_callback that passes the loaded fraction (0..1) on and never aborts:
+    an exception escaping into ctypes would return false, which cancels the load."""
+
+    @L.llama_progress_callback
+    def callback(fraction: float, user_data) -> bool:
+        try:
+            report(fraction)
+        except Exception:
+            log.exception("load progress callback failed")
+        return True
+
+    return callback
 
 
 def _load_failure_reason() -> str:
@@ -121,12 +140,17 @@ class LlamaBackend:
         kv_type: str = "f16",
         n_gpu_layers: int | None = None,
         flash_attn: str = "auto",
+        on_progress: Callable[[float], None] | None = None,
     ):
         _ensure_backend()
         self.path = Path(path)
         mparams = L.llama_model_default_params()
         if n_gpu_layers is not None:
             mparams.n_gpu_layers = n_gpu_layers
+        if on_progress is not None:
+            # kept in a local for the whole load: llama.cpp calls it while reading the tensors
+            progress = _progress_callback(on_progress)
+            mparams.progress_callback = progress
         _log_lines.clear()
         model = L.llama_model_load_from_file(os.fsencode(self.path), mparams)
         if not model:

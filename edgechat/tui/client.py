@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,14 +59,16 @@ class ChatClient(Protocol):
 class LocalClient:
     """The in-process engine. Construction loads the model: call it from a worker thread."""
 
-    def __init__(self, model: str | None, paths: Paths, n_ctx: int | None = None, kv_type: str = "f16"):
+    def __init__(self, model: str | None, paths: Paths, n_ctx: int | None = None, kv_type: str = "f16",
+                 on_progress: Callable[[float], None] | None = None):
         # Imported here: loading llama.cpp's shared library is not needed to draw the first frame.
         from edgechat.engine import Engine, EngineConfig
         from edgechat.models import DEFAULT_MODEL
 
         # One extra sequence keeps the previous conversation hot, so switching back is instant.
         self.engine = Engine(
-            EngineConfig(model=model or DEFAULT_MODEL, n_ctx=n_ctx, kv_type=kv_type, hot_sessions=1, paths=paths)
+            EngineConfig(model=model or DEFAULT_MODEL, n_ctx=n_ctx, kv_type=kv_type, hot_sessions=1, paths=paths,
+                         on_load_progress=on_progress)
         )
         self.model_name = self.engine.model_name
         self.n_ctx = self.engine.n_ctx
