@@ -353,3 +353,13 @@ def test_pull_downloads_once_then_runs_offline(fake_hub, isolated_dirs, tmp_path
     for ref in (f"{TEST_REPO}:Q4_1", f"hf:{TEST_REPO}/{TEST_FILE}", CATALOG_NAME):
         path = resolve_model(ref, isolated_dirs)
         assert path.is_relative_to(hub.hub_cache(isolated_dirs)) and read_model_info(path).quant == "Q4_1"
+
+
+def test_model_picker_describes_downloaded_catalog_models(hub_cache, isolated_dirs):
+    from edgechat.tui.screens.models import catalog_models
+
+    rows = {row.ref: row for row in catalog_models(isolated_dirs)}
+    # the 'downloaded' 360M entry is read from its cached file; the others say how to get them
+    assert rows[CATALOG_NAME].fits is True and "Q4_1" in rows[CATALOG_NAME].detail
+    assert "not downloaded" not in rows[CATALOG_NAME].detail
+    assert "not downloaded (edgechat pull qwen3-0.6b)" in rows["qwen3-0.6b"].detail

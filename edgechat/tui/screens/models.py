@@ -1,4 +1,4 @@
-"""The model picker: embedded and cached models with size, quant, architecture and fit; or any .gguf path."""
+"""The model picker: embedded, cached and catalog models with size, quant, architecture and fit; or any .gguf path."""
 
 from __future__ import annotations
 
@@ -62,6 +62,24 @@ def local_models(paths: Paths) -> list[ModelRow]:
     return rows
 
 
+def catalog_models(paths: Paths) -> list[ModelRow]:
+    """The curated catalog: downloaded entries described like local files, the others with their
+    download size (picking one fetches it once; offline, loading says how to pull it)."""
+    from edgechat.models.catalog import load_catalog
+    from edgechat.models.hub import cached_file
+
+    rows = []
+    for entry in load_catalog().values():
+        cfile = entry.default
+        path = cached_file(entry.repo, cfile.file, paths)
+        if path is not None:
+            rows.append(describe(entry.name, path, entry.description))
+        else:
+            rows.append(ModelRow(entry.name, f"{cfile.size / 2**20:,.0f} MB · {cfile.quant} · {entry.architecture} · "
+                                             f"{entry.description} · not downloaded (edgechat pull {entry.name})"))
+    return rows
+
+
 class ModelPickerScreen(ModalScreen[str | None]):
     """Returns the chosen model reference (name or path), or None."""
 
@@ -89,6 +107,8 @@ class ModelPickerScreen(ModalScreen[str | None]):
             rows = [ModelRow(name, "on the server") for name in self.remote_models]
         else:
             rows = local_models(self.paths)
+            listed = {row.ref for row in rows}
+            rows += [row for row in catalog_models(self.paths) if row.ref not in listed]
         self.app.call_from_thread(self._show, rows)
 
     def _show(self, rows: list[ModelRow]) -> None:
