@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 
 from textual import work
@@ -47,7 +46,6 @@ class EdgechatApp(App):
         #: clients from a caller's factory belong to the caller (tests share one engine between apps)
         self._owns_clients = client_factory is None
         self._closed = False
-        self._load_step = -1
 
     def _default_factory(self, url: str | None, api_key: str | None) -> ClientFactory:
         def make(ref: str | None) -> ChatClient:
@@ -57,7 +55,7 @@ class EdgechatApp(App):
                 return RemoteClient(url, api_key, ref)
             from edgechat.tui.client import LocalClient
 
-            return LocalClient(ref, self.paths, on_progress=functools.partial(self._load_progress, ref))
+            return LocalClient(ref, self.paths, on_progress=self._load_progress(ref))
 
         return make
 
@@ -91,15 +89,20 @@ class EdgechatApp(App):
             screen.status.model = ref or "model"
         self._load(ref)
 
-    def _load_progress(self, ref: str | None, fraction: float) -> None:
-        """From the loading thread: the share of the model read, in 10% steps (a big model on a
-        phone takes a while; llama.cpp reports every tensor, far too often to redraw for each)."""
-        step = int(fraction * 10)
-        if step == self._load_step:
-            return
-        self._load_step = step
-        with contextlib.suppress(RuntimeError):  # the app is closing: nobody to tell
-            self.call_from_thread(self._show_load_progress, f"loading {ref or 'model'}… {step * 10}%")
+    def _load_progress(self, ref: str | None) -> Callable[[float], None]:
+        """For the loading thread: shows the share of the model read, in 10% steps (a big model on
+        a phone takes a while; llama.cpp reports every tensor, far too often to redraw for each)."""
+        last = -1
+
+        def report(fraction: float) -> None:
+            nonlocal last
+            step = int(fraction * 10)
+            if step != last:
+                last = step
+                with contextlib.suppress(RuntimeError):  # the app is closing: nobody to tell
+                    self.call_from_thread(self._show_load_progress, f"loading {ref or 'model'}… {step * 10}%")
+
+        return report
 
     def _show_load_progress(self, text: str) -> None:
         for screen in self.screen_stack:
@@ -108,7 +111,6 @@ class EdgechatApp(App):
 
     @work(thread=True, exclusive=True, group="load-model", exit_on_error=False)
     def _load(self, ref: str | None) -> ChatClient:
-        self._load_step = -1
         return self._client_factory(ref)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
