@@ -16,6 +16,13 @@ data_dir_option = click.option(
     help="Keep conversations, snapshots and caches under this directory (env: EDGECHAT_DATA_DIR).",
 )
 
+flash_attn_option = click.option(
+    "--flash-attn",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    help="llama.cpp flash attention (off can be faster deep into long chats on CPUs).",
+)
+
 
 def model_options(func):
     """-m/--model, --ctx, --threads: how a command loads its model."""

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from edgechat.cli.common import data_dir_option, model_options, sampling_options
+from edgechat.cli.common import data_dir_option, flash_attn_option, model_options, sampling_options
 from edgechat.config import get_paths
 from edgechat.engine.request import ChatRequest, ContextPolicy, Evicted, SamplingParams, TextDelta
 from edgechat.errors import UsageError
@@ -47,8 +47,7 @@ def read_prompt(prompt: str | None) -> str | None:
     help="When the context is full: shift (default), truncate or summarize.",
 )
 @click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", help="KV cache element type.")
-@click.option("--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto",
-              help="llama.cpp flash attention (off can be faster deep into long chats on CPUs).")
+@flash_attn_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.argument("prompt", required=False)
 @data_dir_option
