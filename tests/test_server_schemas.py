@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -42,6 +43,7 @@ def test_chat_fields_map_onto_the_engine_request():
             "stream_options": {"include_usage": True},
             "presence_penalty": 1.5,
             "ignore_eos": True,
+            "repeat_last_n": 128,
             "some_future_field": {"ignored": True},
         }
     )
@@ -55,6 +57,7 @@ def test_chat_fields_map_onto_the_engine_request():
     assert req.sampling.temperature == 0.0 and req.sampling.top_p == 0.5
     assert req.sampling.seed == 0xFFFFFFFF  # folded into llama.cpp's 32-bit seed
     assert req.sampling.presence_penalty == 1.5
+    assert req.sampling.penalty_last_n == 128  # llama-server's name for the penalty window
     assert req.stop == ["END"] and req.ignore_eos
     assert parsed.stream and parsed.include_usage and parsed.model == "m"
 
@@ -106,6 +109,99 @@ def test_bad_chat_bodies_name_the_field(body, param):
 )
 def test_bad_completion_bodies_name_the_field(body, param):
     assert _error(parse_completion, body).param == param
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("logit_bias", {"50256": -100}),
+        ("logprobs", True),
+        ("top_logprobs", 2),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "required"),
+        ("functions", [{"name": "f"}]),
+        ("function_call", {"name": "f"}),
+        ("response_format", {"type": "json_object"}),
+        ("modalities", ["text", "audio"]),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("reasoning_effort", "low"),
+        ("verbosity", "low"),
+        ("web_search_options", {}),
+        # llama-server and vLLM extensions the engine's sampler chain does not have
+        ("typical_p", 0.5),
+        ("mirostat", 2),
+        ("grammar", 'root ::= "a"'),
+        ("json_schema", {"type": "object"}),
+        ("guided_json", {"type": "object"}),
+        ("repetition_penalty", 1.3),
+    ],
+)
+def test_fields_that_would_change_the_answer_are_refused_not_ignored(field, value):
+    error = _error(parse_chat, {"messages": USER, field: value})
+    assert error.param == field and f"'{field}'" in error.message
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("logit_bias", {"15": 5}), ("logprobs", 0), ("suffix", "end"), ("best_of", 3), ("echo", True), ("n", 2)],
+)
+def test_completion_fields_that_would_change_the_answer_are_refused(field, value):
+    assert _error(parse_completion, {"prompt": "x", field: value}).param == field
+
+
+def test_fields_that_change_nothing_here_are_accepted():
+    harmless = {
+        "user": "u-1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
+        "parallel_tool_calls": False,
+        "prediction": {"type": "content", "content": "hi"},
+        "prompt_cache_key": "k",
+        "safety_identifier": "s",
+        # the "off" values of refused features
+        "logit_bias": {},
+        "logprobs": False,
+        "top_logprobs": 0,
+        "n": 1,
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "modalities": ["text"],
+        "typical_p": 1.0,
+        "mirostat": 0,
+        "repetition_penalty": 1,
+        "audio": None,
+    }
+    assert parse_chat({"messages": USER, **harmless}).request.messages == USER
+
+
+def test_error_messages_do_not_echo_huge_or_deep_values():
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    for body in (
+        {"messages": [{"role": deep, "content": "x"}]},
+        {"messages": [{"role": "user", "content": [{"type": deep}]}]},
+        {"messages": [{"role": "x" * 100_000, "content": "x"}]},
+    ):
+        assert len(_error(parse_chat, body).message) < 300
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000,
+        b'{"messages": ' + b"[" * 5_000 + b"]" * 5_000 + b"}",
+        b'{"a": ' * 3_000 + b"1" + b"}" * 3_000,
+    ],
+    ids=["unclosed-arrays", "nested-messages", "nested-objects"],
+)
+def test_deeply_nested_json_is_a_fast_400(raw):
+    start = time.perf_counter()
+    error = _error(decode_body, raw)
+    assert "nested too deeply" in error.message
+    assert time.perf_counter() - start < 0.5
 
 
 def test_a_huge_max_tokens_parses_and_is_left_to_the_server_to_clamp():

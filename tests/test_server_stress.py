@@ -67,12 +67,21 @@ def _case(kind: str, rng: random.Random) -> tuple[dict, int]:
         return {"json": {"model": MODEL, "messages": [{"role": "user", "content": "token " * rng.randint(350, 3000)}]}}, 400
     if kind == "empty":
         return {"json": {"model": MODEL, "messages": rng.choice([[], [{"role": "user", "content": ""}]])}}, 400
+    if kind == "deep_json":
+        depth = rng.randint(2_000, 200_000)
+        return {"content": b'{"messages": ' + b"[" * depth + b"]" * depth + b"}"}, 400
+    if kind == "unsupported":
+        field, value = rng.choice([("logit_bias", {"42": 100}), ("tools", [{"type": "function"}]), ("n", 2), ("top_logprobs", 3)])
+        return {"json": {"model": MODEL, "messages": HI, field: value}}, 400
     if kind == "not_utf8":
         return {"content": b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe\xc3"}]}'}, 400
     raise AssertionError(kind)
 
 
-KINDS = ["normal", "normal", "stream", "disconnect", "abandon", "bad_json", "wrong_type", "unknown_model", "oversized", "empty", "not_utf8"]
+KINDS = [
+    "normal", "normal", "stream", "disconnect", "abandon", "bad_json", "wrong_type", "unknown_model", "oversized", "empty",
+    "not_utf8", "deep_json", "unsupported",
+]
 
 
 async def _send(client: httpx.AsyncClient, url: str, case: dict) -> tuple[int, list[str]]:

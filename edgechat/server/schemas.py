@@ -1,7 +1,9 @@
 """Turning an OpenAI request body into a ChatRequest, with a 400 naming the field for anything wrong.
 
-Unknown fields are ignored, as OpenAI does; known ones are type-checked strictly because a wrong
-type reaching the engine would be a crash, not a user error.
+Fields that change nothing here (user, metadata, store, unknown ones) are ignored, as OpenAI
+does; fields that would change the answer and that the engine does not implement are refused,
+since a client that sets them expects their effect. Known fields are type-checked strictly
+because a wrong type reaching the engine would be a crash, not a user error.
 """
 
 from __future__ import annotations
@@ -16,6 +18,45 @@ from edgechat.server.errors import ApiError, bad_request
 #: roles the chat templates understand; OpenAI's newer "developer" role is a system prompt
 _ROLES = {"system", "user", "assistant", "developer"}
 _MAX_STOPS = 16
+
+#: Fields OpenAI defines (and common llama-server / vLLM extensions) that would change what is
+#: generated or returned, with the values that leave them off; any other value is refused.
+#: tool_choice / function_call "auto" means "none" when no tools are given, and tools are refused.
+_UNSUPPORTED: dict[str, tuple] = {
+    "logit_bias": ({},),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "audio": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "web_search_options": (),
+    "suffix": ("",),
+    "echo": (False,),
+    "best_of": (1,),
+    "typical_p": (1,),
+    "tfs_z": (1,),
+    "mirostat": (0,),
+    "dynatemp_range": (0,),
+    "dry_multiplier": (0,),
+    "xtc_probability": (0,),
+    "top_a": (0,),
+    "min_tokens": (0,),
+    "n_probs": (0,),
+    "repetition_penalty": (1,),
+    "use_beam_search": (False,),
+    "grammar": ("",),
+    "json_schema": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+}
 
 
 @dataclass
@@ -35,6 +76,9 @@ def decode_body(raw: bytes) -> dict:
         body = json.loads(text)
     except json.JSONDecodeError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        # the C decoder gives up at the interpreter's recursion limit, before reading much
+        raise bad_request("the request body is nested too deeply (arrays or objects inside each other)") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body
@@ -43,6 +87,29 @@ def decode_body(raw: bytes) -> dict:
 def _type_error(name: str, expected: str, value: object) -> ApiError:
     got = "null" if value is None else type(value).__name__
     return bad_request(f"'{name}' must be {expected}, not {got}", param=name, code="invalid_type")
+
+
+def _describe(value: object) -> str:
+    """A short quote of a client's value for an error message: a repr of a deep or huge value
+    would be slow, recurse past the interpreter's limit, or echo megabytes back."""
+    if isinstance(value, str):
+        return repr(value if len(value) <= 40 else value[:40] + "...")
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    return f"a {type(value).__name__}"
+
+
+def _is_off(value: object, off_values: tuple) -> bool:
+    # JSON true/false are not the numbers 1/0, though Python's == says they are
+    return value is None or any(value == off and isinstance(value, bool) == isinstance(off, bool) for off in off_values)
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, off_values in _UNSUPPORTED.items():
+        if name in body and not _is_off(body[name], off_values):
+            raise bad_request(
+                f"'{name}' is not supported by this server; leave it out", param=name, code="unsupported_parameter"
+            )
 
 
 def _text(name: str, value: object) -> str:
@@ -118,8 +185,8 @@ def _content(index: int, content: object) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise bad_request(f"{name}: only text parts are supported, got {kind!r}", param=name)
+                kind = _describe(part.get("type")) if isinstance(part, dict) else f"a {type(part).__name__}"
+                raise bad_request(f"{name}: only text parts are supported, got {kind}", param=name)
             parts.append(_text(f"{name}.text", part.get("text")))
         return "".join(parts)
     raise _type_error(name, "a string or a list of text parts", content)
@@ -140,7 +207,7 @@ def _messages(body: dict) -> list[dict]:
         role = message.get("role")
         if not isinstance(role, str) or role not in _ROLES:
             raise bad_request(
-                f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got {role!r}", param=f"messages[{i}].role"
+                f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got {_describe(role)}", param=f"messages[{i}].role"
             )
         out.append({"role": "system" if role == "developer" else role, "content": _content(i, message.get("content"))})
     return out
@@ -162,6 +229,9 @@ def _sampling(body: dict) -> SamplingParams:
     top_k = _opt_int(body, "top_k", lo=0)
     if top_k is not None:
         params.top_k = top_k
+    last_n = _opt_int(body, "repeat_last_n", lo=0)
+    if last_n is not None:
+        params.penalty_last_n = last_n
     # llama.cpp seeds are 32-bit; OpenAI clients send any integer
     seed = _opt_int(body, "seed")
     if seed is not None:
@@ -176,9 +246,8 @@ def _common(body: dict) -> tuple[str | None, bool, bool]:
         raise _type_error("model", "a string", model)
     n = _opt_int(body, "n", lo=1)
     if n not in (None, 1):
-        raise bad_request("only n=1 is supported", param="n", code="invalid_value")
-    if _opt_bool(body, "logprobs") or body.get("top_logprobs"):
-        raise bad_request("logprobs are not supported by this server", param="logprobs")
+        raise bad_request("only n=1 is supported", param="n", code="unsupported_parameter")
+    _refuse_unsupported(body)
     stream = _opt_bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -196,12 +265,6 @@ def _max_tokens(body: dict, default: int | None) -> int | None:
 
 def parse_chat(body: dict) -> ParsedRequest:
     model, stream, include_usage = _common(body)
-    tools = body.get("tools")
-    if tools:
-        raise bad_request("tool calling is not supported by this server", param="tools")
-    fmt = body.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-        raise bad_request(f"response_format {fmt.get('type')!r} is not supported", param="response_format")
     request = ChatRequest(
         messages=_messages(body),
         sampling=_sampling(body),
@@ -223,12 +286,6 @@ def parse_completion(body: dict) -> ParsedRequest:
         raise _type_error("prompt", "a string (token arrays and batches are not supported)", prompt)
     if prompt == "":
         raise bad_request("'prompt' must not be empty", param="prompt", code="invalid_value")
-    if _opt_bool(body, "echo"):
-        raise bad_request("echo is not supported", param="echo")
-    if body.get("suffix"):
-        raise bad_request("suffix is not supported", param="suffix")
-    if _opt_int(body, "best_of", lo=1) not in (None, 1):
-        raise bad_request("only best_of=1 is supported", param="best_of")
     request = ChatRequest(
         prompt=_text("prompt", prompt),
         sampling=_sampling(body),
