@@ -126,7 +126,8 @@ class RemoteHandle:
         body = self._client.body(req)
         metrics = RequestMetrics(context_size=self._client.n_ctx or 0)
         parts: list[str] = []
-        reason = "stop"
+        #: stays None unless the server says the answer ended (a finish reason, or an error)
+        reason = None
         error = None
         start = time.perf_counter()
         first = None
@@ -147,6 +148,9 @@ class RemoteHandle:
                         if data == "[DONE]":
                             break
                         chunk = json.loads(data)
+                        if chunk.get("error"):
+                            # the server gave up mid-answer (timeout, engine error): what came is partial
+                            raise EdgechatError(f"the server stopped the answer: {_error_message(chunk)}")
                         if chunk.get("usage"):
                             metrics.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
                             metrics.completion_tokens = chunk["usage"].get("completion_tokens", 0)
@@ -165,6 +169,8 @@ class RemoteHandle:
                 reason, error = "error", str(exc) or type(exc).__name__
         if self._state.cancelled:
             reason = "cancelled"
+        elif reason is None:
+            reason, error = "error", "the server closed the stream before the answer ended"
         end = time.perf_counter()
         metrics.total = end - start
         if first is not None:
@@ -176,12 +182,16 @@ class RemoteHandle:
         yield Finished(reason=reason, text="".join(parts), metrics=metrics, error=error)
 
 
+def _error_message(data) -> str:
+    """The message of an OpenAI-style error body ({"error": {"message": ...}}), or the body itself."""
+    err = data.get("error", data) if isinstance(data, dict) else data
+    return err.get("message", str(err)) if isinstance(err, dict) else str(err)
+
+
 def _error_text(response) -> str:
     try:
-        data = response.json()
-        err = data.get("error", data)
-        return err.get("message", str(err)) if isinstance(err, dict) else str(err)
-    except (ValueError, AttributeError):
+        return _error_message(response.json())
+    except ValueError:
         return response.text[:200]
 
 
