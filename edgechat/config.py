@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
-import tomllib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
 
 from edgechat.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 
 #: one variable moves every edgechat directory under one root (tests, scripts, portable installs)
 DATA_DIR_ENV = "EDGECHAT_DATA_DIR"
@@ -36,6 +41,14 @@ class Paths:
     @property
     def snapshots(self) -> Path:
         return self.data / "snapshots"
+
+
+def make_data_dir(paths: Paths) -> None:
+    """Create the data directory and its snapshots directory for this user alone (0700): they hold
+    the conversations. Missing parents get the usual modes; a directory that exists is left as it is."""
+    for path in (paths.data, paths.snapshots):
+        # mkdir's mode goes through the umask, which only ever removes bits: 0700 stays 0700 or less
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
 def get_paths(data_dir: str | os.PathLike | None = None) -> Paths:

@@ -7,9 +7,11 @@ import os
 import re
 import signal
 import sqlite3
+import stat
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -111,6 +113,69 @@ def test_open_store_creates_dirs_and_uses_wal(isolated_dirs):
     assert isolated_dirs.database.is_file()
     assert s.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     s.close()
+
+
+def test_data_dir_and_database_are_private(isolated_dirs):
+    """Conversations are nobody else's to read, whatever the umask: data and snapshots dirs 0700,
+    the database and its WAL files 0600."""
+    old = os.umask(0o022)
+    try:
+        s = open_store(isolated_dirs)
+        s.create_conversation(title="secret")  # writes the WAL
+        wal = isolated_dirs.database.with_name(isolated_dirs.database.name + "-wal")
+        modes = {p: stat.S_IMODE(p.stat().st_mode) for p in (isolated_dirs.data, isolated_dirs.snapshots, isolated_dirs.database, wal)}
+        s.close()
+    finally:
+        os.umask(old)
+    assert modes == {isolated_dirs.data: 0o700, isolated_dirs.snapshots: 0o700, isolated_dirs.database: 0o600, wal: 0o600}
+
+
+def test_a_database_made_readable_by_others_is_made_private_again(isolated_dirs):
+    open_store(isolated_dirs).close()
+    isolated_dirs.database.chmod(0o644)
+    open_store(isolated_dirs).close()
+    assert stat.S_IMODE(isolated_dirs.database.stat().st_mode) == 0o600
+
+
+def test_processes_migrating_a_new_database_at_once_all_succeed(tmp_path):
+    """Two first runs at the same moment (the app and `edgechat run`): each migration is applied
+    once, and the process that waited finds it done instead of failing on "table already exists"."""
+    script = textwrap.dedent(
+        """
+        import os, sys, time
+        from edgechat.store import Store
+        from edgechat.store import migrations as mig
+
+        applied = mig.applied
+
+        def slow_applied(db):
+            # every process reads "nothing applied yet" before any of them starts migrating
+            names = applied(db)
+            time.sleep(0.5)
+            return names
+
+        mig.applied = slow_applied
+        # start together: say ready, wait for the go
+        open(sys.argv[2] + "." + sys.argv[3], "w").close()
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.001)
+        Store.connect(sys.argv[1]).close()
+        """
+    )
+    db, go = tmp_path / "race.sqlite3", tmp_path / "go"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(db), str(go), str(i)], stderr=subprocess.PIPE, text=True)
+        for i in range(3)
+    ]
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("go.*"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    go.touch()
+    errors = [p.communicate(timeout=60)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errors
+    check = sqlite3.connect(db)
+    assert [r[0] for r in check.execute("SELECT name FROM _migrations ORDER BY rowid")] == [m.__name__ for m in MIGRATIONS]
+    check.close()
 
 
 def test_open_store_on_garbage_is_a_store_error(isolated_dirs):

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import functools
 import re
-import tomllib
+import sys
 from dataclasses import dataclass
 from importlib import resources
 
 from edgechat.errors import ModelNotFoundError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 
 #: GGUF quantization names as llama.cpp and the usual uploaders spell them in file names
 QUANT_RE = re.compile(

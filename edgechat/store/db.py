@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sqlite3
 import threading
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from edgechat.config import Paths
+from edgechat.config import Paths, make_data_dir
 from edgechat.errors import StoreError
 from edgechat.store.migrations import migrate
 
@@ -101,6 +102,8 @@ class Store:
     @classmethod
     def connect(cls, path: str | Path) -> Store:
         """Open (creating if needed) and migrate a database; ':memory:' for tests."""
+        if str(path) != ":memory:":
+            _make_private(Path(path))
         try:
             # isolation_level=None: autocommit, so each write is on disk when the call returns.
             db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10)
@@ -397,6 +400,16 @@ class Store:
         return self.get_conversation(data["id"])
 
 
+def _make_private(path: Path) -> None:
+    """Create the database file (or take an existing one) as 0600 before SQLite opens it: SQLite
+    would create it through the umask, and gives its -wal and -shm files the database's mode."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_CREAT, 0o600))
+        os.chmod(path, 0o600)
+    except OSError as exc:
+        raise StoreError(f"cannot open the conversation store {path}: {exc.strerror}") from None
+
+
 class _Transaction:
     """`with store._tx() as db:` one BEGIN IMMEDIATE ... COMMIT under the store lock (re-entrant)."""
 
@@ -422,7 +435,7 @@ class _Transaction:
 def open_store(paths: Paths) -> Store:
     """The user's conversation store under paths.data, created and migrated as needed."""
     try:
-        paths.data.mkdir(parents=True, exist_ok=True)
+        make_data_dir(paths)
     except OSError as exc:
         raise StoreError(f"cannot create {paths.data}: {exc.strerror}") from None
     return Store.connect(paths.database)

@@ -94,20 +94,25 @@ def applied(db: sqlite3.Connection) -> list[str]:
 
 
 def migrate(db: sqlite3.Connection) -> list[str]:
-    """Apply every migration not yet recorded, each in its own transaction; return the names applied."""
+    """Apply every migration not yet recorded, each in its own transaction; return the names applied.
+
+    Another process may be migrating the same new database (two first runs at once): each
+    migration takes the write lock first (BEGIN IMMEDIATE, waiting out the other's) and only then
+    checks whether it was applied, so neither runs one twice."""
     done = set(applied(db))
     ran = []
     for func in MIGRATIONS:
         if func.__name__ in done:
             continue
         # Explicit BEGIN: the connection runs in autocommit mode, and a migration is all or nothing.
-        db.execute("BEGIN")
+        db.execute("BEGIN IMMEDIATE")
         try:
-            func(db)
-            db.execute("INSERT INTO _migrations (name, applied_at) VALUES (?, ?)", (func.__name__, time.time()))
+            if db.execute("SELECT 1 FROM _migrations WHERE name = ?", (func.__name__,)).fetchone() is None:
+                func(db)
+                db.execute("INSERT INTO _migrations (name, applied_at) VALUES (?, ?)", (func.__name__, time.time()))
+                ran.append(func.__name__)
         except BaseException:
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
-        ran.append(func.__name__)
     return ran
