@@ -257,6 +257,46 @@ async def test_switch_model_and_a_model_that_does_not_fit(paths, gemma3_path, mo
         assert app.store.messages(screen.conv.id)[-1].status == "complete"
 
 
+async def test_switching_models_twice_quickly_leaves_one_engine(paths, gemma3_path, monkeypatch):
+    """A second switch while the first model still loads: the first one, once loaded, is closed."""
+    import threading
+
+    from edgechat.tui import client as clients
+
+    made: list[LocalClient] = []
+    closed: list[LocalClient] = []
+    gemma_loading, switched_back = threading.Event(), threading.Event()
+
+    class Recorded(LocalClient):
+        def __init__(self, model, *args, **kwargs):
+            if model == str(gemma3_path):
+                gemma_loading.set()
+                switched_back.wait(30)  # a slow load: the second switch comes while it runs
+            super().__init__(model, *args, **kwargs)
+            made.append(self)
+
+        def close(self):
+            closed.append(self)
+            super().close()
+
+    monkeypatch.setattr(clients, "LocalClient", Recorded)
+    app = EdgechatApp(paths)  # its own clients, loaded by the app in the background
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        first = app.client
+        screen = app.chat_screen
+        await send(pilot, f"/model {gemma3_path}")
+        await until(pilot, gemma_loading.is_set, what="gemma3 to start loading")
+        await send(pilot, "/model smollm2-135m-instruct")
+        switched_back.set()
+        await until(pilot, lambda: app.client is not first and len(made) == 3, what="both loads")
+        await until(pilot, lambda: not any(w.is_running for w in app.workers if "model" in (w.group or "")))
+        assert app.client.model_name.lower().startswith("smollm2") and screen.status.state == "ready"
+        assert [c for c in made if c not in closed] == [app.client]
+        await send(pilot, "The sea is")
+        assert app.store.messages(screen.conv.id)[-1].status == "complete"
+
+
 @pytest.fixture(scope="module")
 def small_client(tmp_path_factory, smollm2_path):
     """A 512-token context: long conversations overflow it quickly."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 
 from textual import work
@@ -46,6 +47,13 @@ class EdgechatApp(App):
         #: clients from a caller's factory belong to the caller (tests share one engine between apps)
         self._owns_clients = client_factory is None
         self._closed = False
+        #: the load asked for last (and its model); an earlier one still running is not wanted any more
+        self._wanted: Worker | None = None
+        self._wanted_ref: str | None = None
+        #: clients loaded but not yet taken by the UI thread: whoever takes one (the UI, or
+        #: shutdown) removes it under the lock, so a model loading while the app quits is closed
+        self._loaded: list[ChatClient] = []
+        self._loaded_lock = threading.Lock()
 
     def _default_factory(self, url: str | None, api_key: str | None) -> ClientFactory:
         def make(ref: str | None) -> ChatClient:
@@ -97,7 +105,7 @@ class EdgechatApp(App):
         def report(fraction: float) -> None:
             nonlocal last
             step = int(fraction * 10)
-            if step != last:
+            if step != last and self._wanted_ref == ref:  # not a load given up for a newer one
                 last = step
                 with contextlib.suppress(RuntimeError):  # the app is closing: nobody to tell
                     self.call_from_thread(self._show_load_progress, f"loading {ref or 'model'}… {step * 10}%")
@@ -109,15 +117,42 @@ class EdgechatApp(App):
             if isinstance(screen, ChatScreen) and screen.status.state.startswith("loading"):
                 screen.status.state = text
 
-    @work(thread=True, exclusive=True, group="load-model", exit_on_error=False)
-    def _load(self, ref: str | None) -> ChatClient:
-        return self._client_factory(ref)
+    def _load(self, ref: str | None) -> None:
+        self._wanted_ref = ref
+        self._wanted = self._load_worker(ref)
+
+    # Not exclusive: cancelling a thread worker does not stop its thread, and the model it then
+    # loaded would be dropped without being closed. Every load ends here; the unwanted are closed.
+    @work(thread=True, group="load-model", exit_on_error=False)
+    def _load_worker(self, ref: str | None) -> ChatClient:
+        client = self._client_factory(ref)
+        with self._loaded_lock:
+            if not self._closed:
+                self._loaded.append(client)
+                return client
+        if self._owns_clients:  # the app quit while it loaded
+            client.close()
+        return client
+
+    def _take(self, client: ChatClient) -> bool:
+        with self._loaded_lock:
+            if client not in self._loaded:
+                return False  # shutdown closed it
+            self._loaded.remove(client)
+            return True
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         if event.worker.group != "load-model":
             return
         screen = self.chat_screen
+        if event.worker is not self._wanted:
+            # a model asked for before the last switch: close it, and say nothing of its failure
+            if event.state == WorkerState.SUCCESS and self._take(event.worker.result) and self._owns_clients:
+                self._close_client(event.worker.result)
+            return
         if event.state == WorkerState.SUCCESS:
+            if not self._take(event.worker.result):
+                return
             old, self.client = self.client, event.worker.result
             self.model_ref = self.client.model_name
             if old is not None and self._owns_clients:
@@ -140,9 +175,11 @@ class EdgechatApp(App):
 
     def shutdown(self) -> None:
         """Store what is in flight, release the conversation's KV, free the model. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._loaded_lock:
+            if self._closed:
+                return
+            self._closed = True
+            unclaimed, self._loaded = self._loaded, []
         try:
             screen = self.chat_screen
         except StopIteration:
@@ -158,6 +195,9 @@ class EdgechatApp(App):
                     pass
             if self._owns_clients:
                 client.close()
+        if self._owns_clients:
+            for loaded in unclaimed:
+                loaded.close()
 
     def on_unmount(self) -> None:
         self.shutdown()
