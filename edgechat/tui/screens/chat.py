@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
-from dataclasses import dataclass, field
 
 from textual import on, work
 from textual.binding import Binding
@@ -18,6 +16,7 @@ from edgechat.store import Conversation, atomic_write_text, export_conversation
 from edgechat.store import Message as StoredMessage
 from edgechat.store.history import model_messages
 from edgechat.tui.actions import ACTIONS, parse_slash, unknown_slash
+from edgechat.tui.answer_store import StoredAnswer
 from edgechat.tui.config import build_request, validate_settings
 from edgechat.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from edgechat.tui.screens.help import HelpScreen
@@ -30,23 +29,8 @@ from edgechat.tui.widgets.statusbar import StatusBar
 
 #: below this width the sidebar becomes a toggle (phones in portrait, split panes)
 NARROW = 70
-#: seconds between writes of a streaming answer to the store (it is also written when it ends)
-SAVE_INTERVAL = 1.0
 
 _CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)```", re.DOTALL)
-
-
-@dataclass
-class Turn:
-    """The answer being generated, wherever the user is looking meanwhile."""
-
-    conversation_id: str
-    answer_id: int
-    #: the user message sent with it (None for a regenerate): removed again if nothing came back
-    user_id: int | None
-    prompt: str
-    text: str = ""
-    saved_at: float = field(default_factory=time.monotonic)
 
 
 class ChatScreen(Screen):
@@ -55,9 +39,10 @@ class ChatScreen(Screen):
     def __init__(self):
         super().__init__()
         self.conv: Conversation | None = None
-        self.turn: Turn | None = None
-        #: a turn waiting for the model to finish loading
-        self._waiting: tuple[Conversation, Turn] | None = None
+        #: the answer being generated, wherever the user is looking meanwhile
+        self.turn: StoredAnswer | None = None
+        #: an answer waiting for the model to finish loading
+        self._waiting: tuple[Conversation, StoredAnswer] | None = None
         #: the user message being edited (Enter resends from there)
         self._editing: int | None = None
         #: the last deleted conversation, for undo
@@ -158,7 +143,7 @@ class ChatScreen(Screen):
             self.conv = conv
             total = self.store.count_messages(conv.id)
             messages = self._with_live_text(self.store.messages(conv.id, limit=PAGE))
-            await self.chat.show(messages, total, self.turn.answer_id if self.turn else None)
+            await self.chat.show(messages, total, self.turn.id if self.turn else None)
         self._set_title()
         self.refresh_sidebar()
         self.status.context_used = 0
@@ -174,7 +159,7 @@ class ChatScreen(Screen):
         # The answer streaming now is only saved every SAVE_INTERVAL: show what has arrived.
         if self.turn is not None:
             for m in messages:
-                if m.id == self.turn.answer_id:
+                if m.id == self.turn.id:
                     m.content = self.turn.text
         return messages
 
@@ -275,10 +260,8 @@ class ChatScreen(Screen):
         assert self.conv is not None
         history = model_messages(self.store, self.conv.id)
         model = self.client.model_name if self.client else self.app.model_ref
-        # Stored at once as "interrupted": a crash mid-answer leaves it marked, and each save updates it.
-        answer = self.store.add_message(self.conv.id, "assistant", "", status="interrupted", meta={"model": model})
-        box = await self.chat.add(answer, streaming=True)
-        turn = Turn(self.conv.id, answer.id, user_id, prompt)
+        turn = StoredAnswer(self.store, self.conv.id, user_id, prompt, model)
+        box = await self.chat.add(turn.message, streaming=True)
         if self.client is None:
             self._waiting = (self.conv, turn)
             self.status.state = "loading; your message will be answered when the model is ready"
@@ -286,7 +269,7 @@ class ChatScreen(Screen):
             return
         self._start(self.conv, turn, history, box)
 
-    def _start(self, conv: Conversation, turn: Turn, history: list[dict], box: MessageBox) -> None:
+    def _start(self, conv: Conversation, turn: StoredAnswer, history: list[dict], box: MessageBox) -> None:
         self.turn = turn
         self.status.state = "generating"
         request = build_request(conv.settings, history, session=conv.id)
@@ -309,10 +292,10 @@ class ChatScreen(Screen):
             conv, turn = self._waiting
             self._waiting = None
             history = model_messages(self.store, conv.id)
-            box = self._box(turn.answer_id)
+            box = self._box(turn.id)
             if box is not None:
                 box.loading = False
-            self._start(conv, turn, history, box or MessageBox(self.store.get_message(turn.answer_id)))
+            self._start(conv, turn, history, box or MessageBox(turn.message))
 
     async def model_failed(self, error: str) -> None:
         self.status.state = "ready" if self.client else "no model"
@@ -334,21 +317,17 @@ class ChatScreen(Screen):
         turn = self.turn
         if turn is None:
             return
-        turn.text += event.text
+        turn.append(event.text)
         # The worker's box, unless the user switched away and back (then the view has a new one).
-        box = event.box if event.box.is_attached else self._box(turn.answer_id)
+        box = event.box if event.box.is_attached else self._box(turn.id)
         if box is not None:
             await box.append(event.text)
-        now = time.monotonic()
-        if now - turn.saved_at >= SAVE_INTERVAL:
-            self.store.update_message(turn.answer_id, content=turn.text)
-            turn.saved_at = now
 
     @on(ChatView.AnswerEvicted)
     async def _evicted(self, event: ChatView.AnswerEvicted) -> None:
         note = f"Context full: {event.event.note} (still saved in the conversation)."
         self.notify(note, timeout=8)
-        box = self._box(self.turn.answer_id) if self.turn else None
+        box = self._box(self.turn.id) if self.turn else None
         if box is not None:
             await self.chat.add_note("⚠ " + note, before=box)
 
@@ -367,26 +346,14 @@ class ChatScreen(Screen):
         if turn is None:
             return
         f = event.finished
-        m = f.metrics
         if f.reason == "cancelled" and not f.text.strip():
             # Stopped before anything came back: undo the send, the prompt goes back in the input.
             await self._undo_turn(turn)
             return
-        status = {"stop": "complete", "length": "complete", "cancelled": "interrupted"}.get(f.reason, "error")
-        meta = {
-            "finish_reason": f.reason,
-            "ttft": round(m.ttft, 4),
-            "tok_s": round(m.decode_tps, 2),
-            "prompt_tokens": m.prompt_tokens,
-            "cached_tokens": m.cached_tokens,
-            "completion_tokens": m.completion_tokens,
-        }
-        if f.error:
-            meta["error"] = f.error
-        self.store.update_message(turn.answer_id, content=f.text, status=status, meta=meta)
-        box = self._box(turn.answer_id)
+        stored = turn.finish(f)
+        box = self._box(turn.id)
         if box is not None:
-            box.finish(self.store.get_message(turn.answer_id))
+            box.finish(stored)
         if f.reason == "cancelled":
             self._restore_prompt(turn.prompt)
         elif f.reason == "error":
@@ -401,9 +368,8 @@ class ChatScreen(Screen):
             await self._undo_turn(turn)
         self.notify(event.error, severity="error", timeout=12)
 
-    async def _undo_turn(self, turn: Turn) -> None:
-        first = turn.user_id if turn.user_id is not None else turn.answer_id
-        self.store.delete_messages_from(turn.conversation_id, first)
+    async def _undo_turn(self, turn: StoredAnswer) -> None:
+        first = turn.undo()
         if self.conv is not None and self.conv.id == turn.conversation_id:
             for box in self.chat.boxes():
                 if box.message.id >= first:
@@ -421,7 +387,7 @@ class ChatScreen(Screen):
         self._save_draft()
         if self.turn is not None:
             self.chat.cancel()
-            self.store.update_message(self.turn.answer_id, content=self.turn.text, status="interrupted")
+            self.turn.interrupt()
             self.turn = None
 
     # -- actions (keys, palette and slash commands all land here) ----------------
@@ -491,7 +457,7 @@ class ChatScreen(Screen):
                     self.notify("Nothing to branch yet.")
                     return
                 at = messages[-1].id
-        if self.turn is not None and at >= self.turn.answer_id:
+        if self.turn is not None and at >= self.turn.id:
             self.notify("Wait for the answer to finish before branching at it.", severity="warning")
             return
         new = self.store.branch(self.conv.id, at)
@@ -705,8 +671,6 @@ class ChatScreen(Screen):
             # A bug in the stream (not a user error): keep what arrived, say so.
             turn, self.turn = self.turn, None
             if turn is not None:
-                self.store.update_message(
-                    turn.answer_id, content=turn.text, status="error", meta={"error": str(event.worker.error)}
-                )
+                turn.fail(str(event.worker.error))
             self.status.state = "ready"
             self.notify(f"Generation failed: {event.worker.error}", severity="error")
