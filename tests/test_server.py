@@ -126,6 +126,21 @@ def test_over_long_prompts_get_400_with_both_counts(client, engine):
     assert f"{n} tokens" in info.value.message and "300" in info.value.message
 
 
+def test_a_flood_of_messages_is_refused_at_once_while_a_normal_request_is_answered(client, base_url):
+    args = dict(model=MODEL, messages=HI, max_tokens=12, temperature=0)
+    alone = client.chat.completions.create(**args).choices[0].message.content
+    flood = {"model": MODEL, "messages": [{"role": "user", "content": "word"}] * 20_000, "max_tokens": 4}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        normal = pool.submit(client.chat.completions.create, **args)
+        started = time.monotonic()
+        r = httpx.post(f"{base_url}/v1/chat/completions", json=flood, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        elapsed = time.monotonic() - started
+        answer = normal.result(timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_messages", r.text
+    assert elapsed < 1.0
+    assert answer.choices[0].message.content == alone
+
+
 @pytest.fixture(scope="module")
 def open_url(engine):
     """A second app on the same engine: no key, no --max-input-tokens (only the context limits)."""

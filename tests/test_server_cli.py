@@ -30,7 +30,8 @@ def test_serve_command_serves_authenticates_and_stops_cleanly():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "edgechat", "serve", "--port", str(port), "--parallel", "2", "--ctx", "512", "--threads", "2", "--api-key", "k1"]
+    cmd = [sys.executable, "-m", "edgechat", "serve", "--port", str(port), "--parallel", "2", "--ctx", "512", "--threads", "2", "--api-key", "k1",
+           "--flash-attn", "off", "--max-messages", "4"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
     try:
         deadline = time.monotonic() + 60
@@ -49,6 +50,9 @@ def test_serve_command_serves_authenticates_and_stops_cleanly():
         assert [m.id for m in client.models.list()] == ["smollm2-135m-instruct"]
         out = client.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
         assert out.usage.completion_tokens >= 1
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}] * 5, max_tokens=3)
+        assert info.value.code == "too_many_messages"
 
         result = CliRunner().invoke(
             cli, ["bench", "serve", "--url", url, "--api-key", "k1", "--concurrency", "2", "--requests", "4", "--max-tokens", "4", "--json"]

@@ -204,6 +204,16 @@ def test_deeply_nested_json_is_a_fast_400(raw):
     assert time.perf_counter() - start < 0.5
 
 
+def test_too_many_messages_are_refused_before_any_is_read():
+    start = time.perf_counter()
+    # not even valid messages: the count is checked first, so a flood costs no per-message work
+    error = _error(parse_chat, {"messages": ["x"] * 200_000}, 2048)
+    assert time.perf_counter() - start < 0.1
+    assert (error.param, error.code) == ("messages", "too_many_messages")
+    assert "200000" in error.message and "2048" in error.message
+    assert len(parse_chat({"messages": USER * 3}, 3).request.messages) == 3
+
+
 def test_a_huge_max_tokens_parses_and_is_left_to_the_server_to_clamp():
     assert parse_chat({"messages": USER, "max_tokens": 10**9}).request.max_tokens == 10**9
 

@@ -7,7 +7,8 @@ import logging
 
 import click
 
-from edgechat.cli.common import data_dir_option, model_options
+from edgechat.cli.common import data_dir_option, flash_attn_option, model_options
+from edgechat.server.settings import ServerSettings
 
 
 def _is_loopback(host: str) -> bool:
@@ -25,9 +26,11 @@ def _is_loopback(host: str) -> bool:
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--parallel", type=click.IntRange(1, 256), default=4, show_default=True, help="Sequences generated at once (continuous batching).")
 @click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True, help="KV cache element type.")
+@flash_attn_option
 @click.option("--api-key", default=None, envvar="EDGECHAT_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health (env: EDGECHAT_API_KEY).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True, help="Requests that may wait for a sequence; more get 429.")
 @click.option("--max-input-tokens", type=click.IntRange(min=1), default=None, help="Longer prompts get 400 (default: what the context holds).")
+@click.option("--max-messages", type=click.IntRange(min=1), default=ServerSettings.max_messages, show_default=True, help="Chat requests with more messages get 400 before any templating.")
 @click.option("--timeout", "request_timeout", type=click.FloatRange(min=1.0), default=600.0, show_default=True, help="Seconds before a request is cancelled.")
 @click.option("--degrade-queue-wait", type=click.FloatRange(min=0.0), default=10.0, show_default=True, help="Queue wait (s) that turns on the degrade switch (max_tokens cap, --fallback-model); 0 disables.")
 @click.option("--degrade-max-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="The max_tokens cap while degraded.")
@@ -41,9 +44,11 @@ def serve_cmd(
     port: int,
     parallel: int,
     kv_type: str,
+    flash_attn: str,
     api_key: str | None,
     max_queue: int,
     max_input_tokens: int | None,
+    max_messages: int,
     request_timeout: float,
     degrade_queue_wait: float,
     degrade_max_tokens: int,
@@ -56,7 +61,7 @@ def serve_cmd(
     from edgechat.config import get_paths
     from edgechat.engine import Engine, EngineConfig
     from edgechat.models import DEFAULT_MODEL
-    from edgechat.server import ServerSettings, create_app
+    from edgechat.server import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     log = logging.getLogger("edgechat.server")
@@ -71,6 +76,7 @@ def serve_cmd(
                 n_threads=threads,
                 n_parallel=parallel,
                 kv_type=kv_type,
+                flash_attn=flash_attn,
                 max_queue=max_queue,
                 paths=get_paths(data_dir),
             )
@@ -88,6 +94,7 @@ def serve_cmd(
         settings = ServerSettings(
             api_key=api_key,
             max_input_tokens=max_input_tokens,
+            max_messages=max_messages,
             request_timeout=request_timeout,
             # a short name is the friendliest id; for a path or Hub reference, the file's name
             model_id=None if model and (model.endswith(".gguf") or "/" in model) else (model or DEFAULT_MODEL),

@@ -223,7 +223,7 @@ class _Server:
 
     async def chat(self, request: Request) -> Response:
         arrival = time.monotonic()
-        parsed = parse_chat(await self.read_body(request))
+        parsed = parse_chat(await self.read_body(request), self.settings.max_messages)
         return await self.generate(request, parsed, "chat", arrival)
 
     async def completions(self, request: Request) -> Response:

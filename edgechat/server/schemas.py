@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from edgechat.engine.request import ChatRequest, SamplingParams
 from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.settings import ServerSettings
 
 #: roles the chat templates understand; OpenAI's newer "developer" role is a system prompt
 _ROLES = {"system", "user", "assistant", "developer"}
@@ -192,7 +193,7 @@ def _content(index: int, content: object) -> str:
     raise _type_error(name, "a string or a list of text parts", content)
 
 
-def _messages(body: dict) -> list[dict]:
+def _messages(body: dict, max_messages: int) -> list[dict]:
     messages = body.get("messages")
     if messages is None:
         raise bad_request("'messages' is required", param="messages", code="missing_required_parameter")
@@ -200,6 +201,12 @@ def _messages(body: dict) -> list[dict]:
         raise _type_error("messages", "a list", messages)
     if not messages:
         raise bad_request("'messages' must not be empty", param="messages", code="invalid_value")
+    if len(messages) > max_messages:
+        raise bad_request(
+            f"'messages' has {len(messages)} messages, more than the {max_messages} this server accepts",
+            param="messages",
+            code="too_many_messages",
+        )
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -263,10 +270,10 @@ def _max_tokens(body: dict, default: int | None) -> int | None:
     return default if value is None else value
 
 
-def parse_chat(body: dict) -> ParsedRequest:
+def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages) -> ParsedRequest:
     model, stream, include_usage = _common(body)
     request = ChatRequest(
-        messages=_messages(body),
+        messages=_messages(body, max_messages),
         sampling=_sampling(body),
         max_tokens=_max_tokens(body, None),
         stop=_stop(body),

@@ -21,5 +21,9 @@ class ServerSettings:
     degrade_max_tokens: int = 256
     #: request bodies larger than this get 413
     max_body_bytes: int = 8 * 1024 * 1024
+    #: chat requests with more messages get 400 before any templating. Chat templates frame each
+    #: message with ~5 tokens, so 2,048 messages need over 10k tokens before any text: more than
+    #: the default 4,096-token context holds, while building a prompt that size stays cheap.
+    max_messages: int = 2048
     #: Retry-After seconds sent with 429 when nothing better is known
     retry_after: int = 1
