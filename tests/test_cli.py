@@ -114,3 +114,69 @@ def test_models_and_doctor_list_both_embedded_models():
     assert doctor.returncode == 0, doctor.stderr
     for needle in ("llama-cpp-python 0.3.36", "physical cores", "RAM", "KV/TOKEN", "gemma3"):
         assert needle in doctor.stdout, needle
+
+
+def test_cli_modules_import_each_other_without_a_circle():
+    """Command modules may share helpers, never import each other both ways (even lazily)."""
+    import ast
+
+    import edgechat.cli
+
+    root = Path(edgechat.cli.__file__).parent
+    graph = {}
+    for path in root.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            deps |= {n.split(".")[2] for n in names if n.startswith("edgechat.cli.") and n.count(".") == 2}
+        graph[path.stem] = deps - {path.stem}
+
+    def reaches(start, goal, seen=()):
+        return any(d == goal or (d not in seen and reaches(d, goal, (*seen, d))) for d in graph.get(start, ()))
+
+    assert [m for m in graph if reaches(m, m)] == []
+
+
+def _run_json(*args):
+    proc = edgechat("run", "--json", "--temperature", "0", "--max-tokens", "8", *args)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout), proc.stderr
+
+
+def test_run_raw_continues_plain_text_on_a_base_model(gemma3_path):
+    """Gemma 3 270M is a base model: continued as text it knows the answer; wrapped in a chat
+    turn it does not. The template's tokens show in the prompt count."""
+    prompt = "The Eiffel Tower is in the city of"
+    raw, raw_err = _run_json("--raw", "-m", str(gemma3_path), prompt)
+    chat, chat_err = _run_json("-m", str(gemma3_path), prompt)
+    assert "Paris" in raw["text"], raw["text"]
+    # <start_of_turn>user\n ... <end_of_turn>\n<start_of_turn>model\n around the same text
+    assert chat["prompt_tokens"] == raw["prompt_tokens"] + 8
+    assert chat["text"] != raw["text"]
+    # no template is used, so none is warned about
+    assert "warning" in chat_err and "warning" not in raw_err
+
+
+def test_raw_has_no_roles_to_fill():
+    assert_one_line_error(edgechat("run", "--raw", "--session", "s", "hello"), "--raw", "--session")
+    assert_one_line_error(edgechat("run", "--raw", "--system", "Be brief.", "hello"), "--raw", "--system")
+
+
+def test_session_turns_are_stored_listed_and_removed(isolated_dirs):
+    first, _ = _run_json("--session", "work", "--system", "Answer in one word.", "What is the capital of France?")
+    second, _ = _run_json("--session", "work", "And of Italy?")
+    assert first["session"] == second["session"] == "work"
+    # the second turn starts from the first one's cache: only the new question is prefilled
+    assert second["cached_tokens"] >= first["prompt_tokens"]
+    listing = edgechat("sessions")
+    assert listing.returncode == 0, listing.stderr
+    assert listing.stdout.startswith("work\t4 messages\t")
+    removed = edgechat("sessions", "rm", "work")
+    assert removed.returncode == 0 and removed.stdout.strip() == "deleted work"
+    assert "no sessions yet" in edgechat("sessions").stdout
+    assert_one_line_error(edgechat("sessions", "rm", "work"), "no session named 'work'")

@@ -1,4 +1,8 @@
-"""`edgechat run`: one chat turn from the shell, streamed to stdout (or one JSON object)."""
+"""`edgechat run`: one chat turn from the shell, streamed to stdout (or one JSON object).
+
+With `--session NAME` the turn belongs to a stored conversation; its KV snapshot makes the next
+turn start without re-reading the history. With `--raw` the prompt is continued as plain text.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from edgechat.cli.common import data_dir_option, flash_attn_option, model_option
 from edgechat.config import get_paths
 from edgechat.engine.request import ChatRequest, ContextPolicy, Evicted, SamplingParams, TextDelta
 from edgechat.errors import UsageError
+from edgechat.store import open_store
+from edgechat.store.history import model_messages, with_system_prompt
 
 
 def build_sampling(temperature, top_p, top_k, min_p, repeat_penalty, seed) -> SamplingParams:
@@ -40,6 +46,8 @@ def read_prompt(prompt: str | None) -> str | None:
 @sampling_options
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--session", default=None, help="Continue the stored conversation NAME (created if new).")
+@click.option("--raw", is_flag=True,
+              help="Continue PROMPT as plain text, no chat template (base models such as gemma3-270m).")
 @click.option(
     "--context-policy",
     type=click.Choice([p.value for p in ContextPolicy]),
@@ -52,42 +60,87 @@ def read_prompt(prompt: str | None) -> str | None:
 @click.argument("prompt", required=False)
 @data_dir_option
 def run_cmd(model, ctx, threads, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
-            system, session, context_policy, kv_type, flash_attn, as_json, prompt, data_dir):
+            system, session, raw, context_policy, kv_type, flash_attn, as_json, prompt, data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
     from edgechat.engine import Engine, EngineConfig
 
     text = read_prompt(prompt)
     if text is not None and not text.strip():
         raise UsageError("the prompt is empty; pass some text, e.g. edgechat run \"Hello\"")
-    sampling = build_sampling(temperature, top_p, top_k, min_p, repeat_penalty, seed)
+    if raw:
+        # plain completion has no roles: nothing to put a system prompt or a stored conversation in
+        for option, given in (("--system", system), ("--session", session)):
+            if given is not None:
+                raise UsageError(f"--raw continues plain text and takes no {option}")
+        if text is None:
+            raise UsageError("--raw needs a PROMPT argument or stdin")
+    if session is not None and text is None:
+        raise UsageError("--session needs a MESSAGE argument or stdin")
+    params = dict(sampling=build_sampling(temperature, top_p, top_k, min_p, repeat_penalty, seed),
+                  max_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos)
     paths = get_paths(data_dir)
     cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, kv_type=kv_type, flash_attn=flash_attn, paths=paths)
     if session is not None:
-        from edgechat.cli.sessions import run_session_turn
-
-        if text is None:
-            raise UsageError("--session needs a MESSAGE argument or stdin")
-        run_session_turn(cfg, session, text, system, sampling, max_tokens, list(stop), ignore_eos, context_policy, as_json)
-        return
-    with Engine(cfg) as engine:
-        if engine.template_warning:
-            click.echo(f"edgechat: warning: {engine.template_warning}", err=True)
-        history: list[dict] = [{"role": "system", "content": system}] if system else []
-        if text is None:
-            _interactive(engine, history, sampling, max_tokens, list(stop), ignore_eos)
-            return
-        request = ChatRequest(
-            messages=history + [{"role": "user", "content": text}],
-            sampling=sampling,
-            max_tokens=max_tokens,
-            stop=list(stop),
-            ignore_eos=ignore_eos,
-        )
-        finished, _ = stream_answer(engine, request, echo=not as_json)
-        if as_json:
-            click.echo(json.dumps(result_json(engine, finished), ensure_ascii=False))
+        finished = _session_turn(cfg, session, text, system, context_policy, params, as_json)
+    else:
+        with Engine(cfg) as engine:
+            if engine.template_warning and not raw:
+                click.echo(f"edgechat: warning: {engine.template_warning}", err=True)
+            history: list[dict] = [{"role": "system", "content": system}] if system else []
+            if text is None:
+                _interactive(engine, history, params)
+                return
+            if raw:
+                request = ChatRequest(prompt=text, **params)
+            else:
+                request = ChatRequest(messages=history + [{"role": "user", "content": text}], **params)
+            finished, _ = stream_answer(engine, request, echo=not as_json)
+            if as_json:
+                click.echo(json.dumps(result_json(engine, finished), ensure_ascii=False))
     if finished.reason == "cancelled":
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt  # the partial answer is printed (and stored); now exit as interrupted
+
+
+def _session_turn(cfg, name: str, text: str, system, context_policy, params: dict, as_json: bool):
+    """One turn of the stored conversation NAME: the question is stored when sent, the answer
+    (partial if interrupted) when it ends. Returns the Finished event."""
+    from edgechat.engine import Engine
+
+    store = open_store(cfg.paths)
+    try:
+        conv = store.conversation_by_name(name, create=True)
+        settings = dict(conv.settings or {})
+        if system is not None:
+            settings["system_prompt"] = system
+        if context_policy is not None:
+            settings["context_policy"] = context_policy
+        if settings != (conv.settings or {}):
+            store.update_conversation(conv.id, settings=settings)
+        policy = ContextPolicy(settings.get("context_policy", ContextPolicy.SHIFT.value))
+        with Engine(cfg) as engine:
+            if engine.template_warning:
+                click.echo(f"edgechat: warning: {engine.template_warning}", err=True)
+            history = with_system_prompt(settings, model_messages(store, conv.id))
+            # stored the moment it is sent: a crash mid-answer still keeps the question
+            store.add_message(conv.id, "user", text)
+            request = ChatRequest(messages=history + [{"role": "user", "content": text}], session=conv.id,
+                                  context_policy=policy, **params)
+            finished, evicted = stream_answer(engine, request, echo=not as_json)
+            store.add_message(
+                conv.id,
+                "assistant",
+                finished.text,
+                status="interrupted" if finished.reason == "cancelled" else "complete",
+                meta={"ttft": finished.metrics.ttft, "decode_tps": finished.metrics.decode_tps, "finish_reason": finished.reason},
+            )
+            if as_json:
+                m = finished.metrics
+                click.echo(json.dumps(result_json(engine, finished, session=name, cached_tokens=m.cached_tokens,
+                                                  context_tokens=m.context_tokens, evicted_messages=evicted),
+                                      ensure_ascii=False))
+    finally:
+        store.close()
+    return finished
 
 
 def stream_answer(engine, request: ChatRequest, echo: bool):
@@ -131,7 +184,7 @@ def result_json(engine, finished, **extra) -> dict:
     }
 
 
-def _interactive(engine, history, sampling, max_tokens, stop, ignore_eos) -> None:
+def _interactive(engine, history, params: dict) -> None:
     click.echo(f"{engine.model_name} ({engine.n_ctx}-token context). Empty line or Ctrl+D quits.", err=True)
     while True:
         try:
@@ -141,7 +194,6 @@ def _interactive(engine, history, sampling, max_tokens, stop, ignore_eos) -> Non
         if not line.strip():
             return
         history.append({"role": "user", "content": line})
-        request = ChatRequest(messages=list(history), sampling=sampling, max_tokens=max_tokens, stop=stop,
-                              ignore_eos=ignore_eos, session="interactive")
+        request = ChatRequest(messages=list(history), session="interactive", **params)
         finished, _ = stream_answer(engine, request, echo=True)
         history.append({"role": "assistant", "content": finished.text})
