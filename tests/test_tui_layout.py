@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from textual.widgets._toast import Toast
 
 from edgechat.engine.request import Finished, Metrics, RequestMetrics, TextDelta
 from edgechat.tui.app import EdgechatApp
@@ -284,6 +285,47 @@ async def test_settings_dialog_validates_and_saves(isolated_dirs):
         assert app.screen is screen, str(dialog.query_one("#settings-error").render())
         saved = app.store.get_conversation(conv.id).settings
         assert (saved["temperature"], saved["seed"], saved["system_prompt"]) == (0.3, 42, "Be brief.")
+
+
+#: user text that Textual markup would swallow ([bold]), or refuse to render at all ([/] closes nothing)
+MARKUP = "a [/] b [bold]x[/bold] [red"
+
+
+@pytest.mark.asyncio
+async def test_titles_names_and_errors_are_shown_literally(isolated_dirs):
+    client = ScriptedClient("ok")
+    app = make_app(isolated_dirs, client)
+    conv = app.store.create_conversation(title=MARKUP, model=MARKUP)
+    app.store.add_message(conv.id, "user", MARKUP)
+    app.store.add_message(conv.id, "assistant", "half", status="error", meta={"model": MARKUP, "error": MARKUP})
+    async with app.run_test(size=(100, 30), notifications=True) as pilot:
+        screen = app.chat_screen
+        await until(pilot, lambda: app.client is not None)
+        await screen.open_conversation(conv.id)
+        await pilot.pause()
+        assert str(screen.query_one("#conv-title").render()) == MARKUP
+        assert str(screen.sidebar.options.get_option_at_index(0).prompt) == MARKUP
+        user, answer = screen.chat.boxes()
+        assert user.text == MARKUP and str(user.query_one(".body").render()) == MARKUP
+        assert str(answer.query_one(".stats").render()).endswith(" · " + MARKUP)
+        assert str(answer.query_one(".status-note").render()) == f"(error: {MARKUP})"
+        await screen.send("/delete")
+        await pilot.pause()
+        assert str(app.screen.query_one(".dialog-title").render()) == f"Delete “{MARKUP}”?"
+        await pilot.press("y")
+        await until(pilot, lambda: screen.conv is None)
+        await screen.send("/undo")
+        await pilot.pause(0.2)
+        toasts = [str(t.render()) for t in app.screen.query(Toast)]
+        assert any(f"Deleted “{MARKUP}”" in t for t in toasts) and any(f"Restored “{MARKUP}”" in t for t in toasts)
+        # a typed setting that is not a number is quoted back in the dialog's error line
+        await pilot.press("f4")
+        await pilot.pause()
+        dialog = app.screen
+        dialog.query_one("#temperature").value = MARKUP
+        dialog.query_one("#save").press()
+        await pilot.pause()
+        assert MARKUP in str(dialog.query_one("#settings-error").render())
 
 
 # -- snapshots (look at the SVGs in tests/__snapshots__ before accepting changes) -----------

@@ -87,6 +87,10 @@ class EdgechatApp(App):
             except (OSError, EdgechatError) as exc:
                 self.notify(f"Cannot save the theme: {exc}", severity="warning")
 
+    def notify(self, message: str, *, markup: bool = False, **kwargs) -> None:
+        # Notifications carry user text (titles, model names, paths, errors): shown as written.
+        super().notify(message, markup=markup, **kwargs)
+
     # -- the model -------------------------------------------------------
 
     def load_model(self, ref: str | None) -> None:

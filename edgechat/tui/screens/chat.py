@@ -49,6 +49,10 @@ class ChatScreen(Screen):
         self._deleted: dict | None = None
         self._draft_timer = None
 
+    def notify(self, message: str, **kwargs) -> None:
+        # The app's notify: messages here carry titles, model names and errors, never markup.
+        self.app.notify(message, **kwargs)
+
     @property
     def store(self):
         return self.app.store
@@ -65,7 +69,7 @@ class ChatScreen(Screen):
             with Vertical(id="main"):
                 with Horizontal(id="topbar"):
                     yield Button("☰", id="toggle-sidebar", compact=True)
-                    yield Label("New chat", id="conv-title")
+                    yield Label("New chat", id="conv-title", markup=False)
                 yield ChatView(id="chat")
                 yield PromptInput(id="prompt", placeholder="Message (Enter sends, Ctrl+J new line, /help)")
         yield StatusBar(id="status")

@@ -19,7 +19,7 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self):
         with Vertical(classes="dialog"):
-            yield Label(self.question, classes="dialog-title")
+            yield Label(self.question, classes="dialog-title", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button(self.yes, id="yes", variant="error", compact=True)
                 yield Button("Cancel", id="no", compact=True)
@@ -46,7 +46,7 @@ class TextPromptScreen(ModalScreen[str | None]):
 
     def compose(self):
         with Vertical(classes="dialog"):
-            yield Label(self.title_text, classes="dialog-title")
+            yield Label(self.title_text, classes="dialog-title", markup=False)
             yield Input(self.value, placeholder=self.placeholder, id="text")
 
     @on(Input.Submitted)

@@ -93,7 +93,7 @@ class ModelPickerScreen(ModalScreen[str | None]):
 
     def compose(self):
         with Vertical(classes="dialog models-dialog"):
-            yield Label(f"Model (now: {self.current or 'none'})", classes="dialog-title")
+            yield Label(f"Model (now: {self.current or 'none'})", classes="dialog-title", markup=False)
             yield OptionList(Option(Text("looking for models…", style="italic"), disabled=True), id="model-list")
             yield Input(placeholder="or a path to a .gguf file, Enter to load", id="model-path")
 

@@ -48,7 +48,7 @@ class SettingsScreen(ModalScreen[dict | None]):
                     id="context_policy",
                     compact=True,
                 )
-            yield Label("", id="settings-error")
+            yield Label("", id="settings-error", markup=False)  # quotes what was typed
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", id="save", variant="primary", compact=True)
                 yield Button("Cancel", id="cancel", compact=True)

@@ -92,13 +92,13 @@ class MessageBox(Vertical, can_focus=True):
         label = _ROLE_LABELS.get(self.message.role, self.message.role)
         with Vertical(classes="message-header"):
             yield Label(label, classes="role")
-            yield Label(stats_text(self.message), classes="stats")
+            yield Label(stats_text(self.message), classes="stats", markup=False)
         if self.message.role == "assistant":
             self._body = Markdown(self.text, classes="body")
         else:
             self._body = Static(self.text, markup=False, classes="body")
         yield self._body
-        yield Label(self._status_note(), classes="status-note")
+        yield Label(self._status_note(), classes="status-note", markup=False)
 
     def _status_note(self) -> str:
         if self.streaming:
