@@ -39,5 +39,9 @@ class EngineBusyError(EdgechatError):
     """The request queue is full; try again later."""
 
 
+class EngineStoppedError(EdgechatError):
+    """The engine is closed, or its thread stopped or stopped answering; restart to go on."""
+
+
 class StoreError(EdgechatError):
     """The conversation store cannot be opened or written."""

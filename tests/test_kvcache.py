@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, Evicted, SamplingParams
-from edgechat.engine.kvcache import snapshot_path
+from edgechat.engine.snapshots import snapshot_path
 
 GREEDY = SamplingParams(temperature=0)
 SYSTEM = {"role": "system", "content": "The capital of the country Zubrowka is Lutz."}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import struct
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -278,6 +279,28 @@ class LlamaBackend:
         buf = (ctypes.c_uint8 * size)()
         n = L.llama_state_seq_get_data(self.ctx, buf, size, seq)
         return bytes(memoryview(buf)[:n])
+
+    def seq_cell_positions(self, seq: int) -> list[int]:
+        """The positions of every cell the sequence holds, sorted, read from its serialized state
+        (llama.cpp has no other way to list them). Layout of llama_kv_cache::state_write: u32
+        stream count, then per stream a u32 cell count and per cell an i32 position, a u32 count
+        of sequence ids and those ids; then the tensors, which are not read. With a sliding-window
+        model the full-attention cache comes first, and it is the one read."""
+        data = self.state_seq_get(seq)
+        if len(data) < 8:
+            return []
+        n_stream, n_cells = struct.unpack_from("<II", data, 0)
+        if n_stream != 1:
+            raise RuntimeError(f"expected one KV stream (unified cache), found {n_stream}")
+        off, positions = 8, []
+        for _ in range(n_cells):
+            pos, n_ids = struct.unpack_from("<iI", data, off)
+            ids = struct.unpack_from(f"<{n_ids}i", data, off + 8)
+            if ids != (seq,):
+                raise RuntimeError(f"unexpected sequence ids {ids} in the state of sequence {seq}")
+            positions.append(pos)
+            off += 8 + 4 * n_ids
+        return sorted(positions)
 
     def state_seq_set(self, seq: int, data: bytes) -> bool:
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)

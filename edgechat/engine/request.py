@@ -7,10 +7,13 @@ engine.Engine and consumes the events from the RequestHandle it gets back.
 from __future__ import annotations
 
 import enum
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Union
+
+log = logging.getLogger("edgechat.engine")
 
 
 @dataclass
@@ -161,7 +164,13 @@ class RequestHandle:
         if isinstance(event, Finished):
             self.finished = event
         if self._on_event is not None:
-            self._on_event(event)
+            try:
+                self._on_event(event)
+            except Exception:
+                # the consumer is broken: it must not take the engine down with it; its
+                # request stops at the next token, and result() still returns
+                log.exception("an event callback failed; cancelling its request")
+                self._cancel.set()
         else:
             self._events.put(event)
         if isinstance(event, Finished):

@@ -5,6 +5,7 @@ Never a silently wrong template (llama-cpp-python falls back to llama-2's format
 
 from __future__ import annotations
 
+import bisect
 import datetime
 from dataclasses import dataclass
 from typing import Callable
@@ -46,6 +47,8 @@ FAMILY_BY_TOKEN = {"<|im_start|>": ("chatml", CHATML_TEMPLATE), "<|start_header_
 FAMILY_BY_ARCH = {"gemma": GEMMA_TEMPLATE, "gemma2": GEMMA_TEMPLATE, "gemma3": GEMMA_TEMPLATE, "gemma3n": GEMMA_TEMPLATE}
 
 ROLES = ("system", "user", "assistant")
+#: private-use characters around the numbered stand-ins for contents (see ChatFormat._cuts)
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
 
 
 def _raise(message: str):
@@ -89,29 +92,93 @@ class ChatFormat:
         except TemplateError as exc:
             raise UsageError(f"the model's chat template rejected these messages: {exc}") from None
 
-    def segments(self, messages: list[dict], known: list[str] | None = None) -> list[str]:
+    def segments(self, messages: list[dict]) -> list[str]:
         """The prompt split at message boundaries: one string per message, then the generation prompt.
 
-        `known` holds segments already computed for a prefix of these messages (they never change
-        when messages are appended), so a long conversation renders only its new messages.
-        Templates whose prefixes are not stable fall back to a single segment.
+        Segment i is what rendering messages[:i+1] adds to rendering messages[:i], as if the
+        template were rendered once per prefix, but found from a constant number of renders so
+        the cost grows linearly with the conversation. When the template does not render
+        messages in place (it rewrites their content, or emits one later than where it stands),
+        the whole prompt is one segment.
         """
         full = self.render(messages, True)
-        segs: list[str] = list(known or [])
-        pos = sum(len(s) for s in segs)
-        if full[:pos] != "".join(segs):
-            segs, pos = [], 0
-        for i in range(len(segs) + 1, len(messages) + 1):
-            try:
-                prefix = self._render(messages[:i], False)
-            except TemplateError:
-                prefix = None
-            if prefix is None or not full.startswith(prefix) or len(prefix) < pos:
-                return [full]
-            segs.append(prefix[pos:])
-            pos = len(prefix)
-        segs.append(full[pos:])
-        return segs
+        try:
+            cuts = self._cuts(messages, full)
+        except TemplateError:
+            cuts = None
+        if cuts is None:
+            return [full]
+        return [full[a:b] for a, b in zip([0] + cuts, cuts + [len(full)])]
+
+    def _cuts(self, messages: list[dict], full: str) -> list[int] | None:
+        """Where each message's rendering ends in `full`, or None if that cannot be told.
+
+        The template is rendered once with each content replaced by a numbered marker, which
+        locates every content; what a template writes after a content (its end-of-turn text)
+        depends on the role, so one short probe per role tells where a message ends. Mapping
+        back to the real render checks every literal between contents, so a template that
+        treats real text differently from markers is caught, not trusted.
+        """
+        marks = [f"{_MARK_OPEN}{i}{_MARK_CLOSE}" for i in range(len(messages))]
+        marked = [{"role": m["role"], "content": mk} for m, mk in zip(messages, marks)]
+        g = self._render(marked, True)
+        starts: list[int] = []
+        pos = 0
+        for mk in marks:
+            at = g.find(mk, pos)
+            if at < 0:
+                return None
+            starts.append(at)
+            pos = at + len(mk)
+        suffix: dict[str, str | None] = {}
+        cuts_g: list[int] = []
+        for i, m in enumerate(messages):
+            role, end = m["role"], starts[i] + len(marks[i])
+            if role not in suffix:
+                probe = self._render(marked[: i + 1], False)
+                at = probe.rfind(marks[i])
+                if at < 0:
+                    # rendered later (Gemma puts the system prompt inside the first user turn):
+                    # its segment is what the template wrote before it, once only
+                    if not g.startswith(probe):
+                        return None
+                    suffix[role] = None
+                    cuts_g.append(len(probe))
+                    continue
+                suffix[role] = probe[at + len(marks[i]) :]
+            tail = suffix[role]
+            if tail is None or not g.startswith(tail, end):
+                return None
+            cuts_g.append(end + len(tail))
+        if any(b < a for a, b in zip(cuts_g, cuts_g[1:])):
+            return None
+        # the real render is the marked one with each marker replaced by its (maybe trimmed) content
+        shift: list[int] = []  # length change of the real render after marker i
+        fpos = gpos = 0
+        total = 0
+        for i, m in enumerate(messages):
+            literal = g[gpos : starts[i]]
+            if not full.startswith(literal, fpos):
+                return None
+            fpos += len(literal)
+            gpos = starts[i] + len(marks[i])
+            nxt = g[gpos : starts[i + 1]] if i + 1 < len(messages) else g[gpos:]
+            c = m["content"]
+            text = next((t for t in dict.fromkeys((c, c.strip(), c.rstrip(), c.lstrip())) if full.startswith(t, fpos) and full.startswith(nxt, fpos + len(t))), None)
+            if text is None:
+                return None
+            fpos += len(text)
+            total += len(text) - len(marks[i])
+            shift.append(total)
+        if full[fpos:] != g[gpos:]:
+            return None
+        ends = [s + len(mk) for s, mk in zip(starts, marks)]
+        cuts: list[int] = []
+        for c in cuts_g:
+            # the markers wholly before a cut move it (a cut never falls inside a marker)
+            k = bisect.bisect_right(ends, c)
+            cuts.append(c + (shift[k - 1] if k else 0))
+        return cuts
 
 
 def _completion(messages: list[dict], add_generation_prompt: bool) -> str:

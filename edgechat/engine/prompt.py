@@ -1,0 +1,181 @@
+"""Prompt preparation: a ChatRequest becomes the tokens the model is given, with the spans of its
+messages and what eviction left out. Pure: it needs a chat format and a tokenizer, not a model,
+and its cost grows linearly with the number of messages.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from edgechat.engine.request import ChatRequest, ContextPolicy
+from edgechat.engine.sampling import validate
+from edgechat.engine.templates import ChatFormat, validate_messages
+from edgechat.errors import PromptTooLongError, UsageError
+
+#: share of the context kept free for the answer when a request sets no max_tokens
+ANSWER_RESERVE = 0.25
+#: how a summary of evicted messages is introduced to the model
+SUMMARY_PREFIX = "Summary of the earlier conversation: "
+
+
+@dataclass
+class Prepared:
+    tokens: list[int]
+    keep: int  # tokens of the pinned prefix (never evicted)
+    spans: list[list[int]]  # [start, length] of each evictable message, oldest first
+    evicted_total: int  # messages of the conversation left out of the prompt
+    evicted_now: int  # of which newly left out by this request
+    summary: str | None = None  # what the model wrote of them (summarize policy)
+
+
+class PromptBuilder:
+    """Renders, tokenizes and fits requests for one model and context size.
+
+    `tokenize(text)` parses special tokens and adds no BOS; `bos` is prepended when the model
+    wants one and the template did not write it. `session_state(session)` gives a conversation's
+    eviction state ({"evicted": n, "summary": text}); `summarize(previous, leaving)` condenses
+    messages that leave the context (the summarize policy) and returns the new summary.
+    """
+
+    def __init__(
+        self,
+        fmt: ChatFormat,
+        tokenize: Callable[[str], list[int]],
+        bos: int | None,
+        n_ctx: int,
+        session_state: Callable[[str], dict] = lambda session: {},
+        summarize: Callable[[str | None, list[dict]], str | None] | None = None,
+    ):
+        self.format = fmt
+        self._tokenize = tokenize
+        self.bos = bos
+        self.n_ctx = n_ctx
+        self.session_state = session_state
+        self.summarize = summarize
+
+    def limit(self, request: ChatRequest) -> int:
+        """Prompt tokens allowed: the context minus what is kept for the answer."""
+        share = int(self.n_ctx * ANSWER_RESERVE)
+        reserve = min(request.max_tokens, share) if request.max_tokens else share
+        return self.n_ctx - reserve
+
+    def prepare(self, request: ChatRequest, policy: ContextPolicy, check_limit: bool = True) -> Prepared:
+        validate(request.sampling)
+        if request.max_tokens is not None and request.max_tokens < 1:
+            raise UsageError(f"max_tokens must be at least 1 (got {request.max_tokens})")
+        if request.ignore_eos and request.max_tokens is None:
+            raise UsageError("ignore_eos needs max_tokens, or the answer would never end (add --max-tokens N)")
+        limit = self.limit(request)
+        if request.messages is None:
+            text = request.prompt or ""
+            if not text.strip():
+                raise UsageError("the prompt is empty; type a message")
+            prep = Prepared(self.tokens_for([text])[0], 0, [], 0, 0)
+        else:
+            prep = self._prepare_chat(request, policy, limit)
+        if check_limit and len(prep.tokens) > limit:
+            raise PromptTooLongError(
+                f"the prompt is {len(prep.tokens)} tokens but this context allows {limit} "
+                f"({self.n_ctx} minus {self.n_ctx - limit} kept for the answer); shorten it, "
+                f"lower max_tokens or raise the context with --ctx",
+                len(prep.tokens),
+                limit,
+            )
+        return prep
+
+    def tokens_for(self, segments: list[str]) -> list[list[int]]:
+        out = [self._tokenize(s) for s in segments]
+        if self.bos is not None and (not out[0] or out[0][0] != self.bos):
+            out[0] = [self.bos] + out[0]
+        return out
+
+    def segments(self, messages: list[dict]) -> list[str]:
+        if self.format.mode == "completion":
+            return ["\n\n".join(m["content"] for m in messages)]
+        return self.format.segments(messages)
+
+    def _prepare_chat(self, request: ChatRequest, policy: ContextPolicy, limit: int) -> Prepared:
+        msgs = validate_messages(request.messages)
+        # the pinned prefix: leading system messages and leading pinned ones
+        keep_msgs = 0
+        while keep_msgs < len(msgs) - 1 and (msgs[keep_msgs]["role"] == "system" or keep_msgs in request.pinned):
+            keep_msgs += 1
+        state = self.session_state(request.session) if request.session else {}
+        already = min(state.get("evicted", 0), max(len(msgs) - 1 - keep_msgs, 0))
+        summary = state.get("summary") if already else None
+        fit = functools.partial(self._fit, request.session is not None, msgs, keep_msgs)
+        retained, seg_tokens, pinned, evicted = fit(already, summary, limit)
+        if evicted > already and policy is not ContextPolicy.SHIFT:
+            # truncate and summarize recompute what follows the cut: cut deeper, so that happens rarely
+            retained, seg_tokens, pinned, evicted = fit(already, summary, limit // 2)
+        if evicted > already and policy is ContextPolicy.SUMMARIZE and self.summarize is not None:
+            # the model condenses what leaves the context; the summary stays pinned in its place
+            summary = self.summarize(summary, msgs[keep_msgs + already : keep_msgs + evicted])
+            retained, seg_tokens, pinned, evicted = fit(evicted, summary, limit)
+        tokens: list[int] = []
+        spans: list[list[int]] = []
+        keep = 0
+        segmented = len(seg_tokens) == len(retained) + 1  # one segment per message, then the generation prompt
+        for i, st in enumerate(seg_tokens):
+            if segmented and pinned <= i < len(retained) - 1:
+                spans.append([len(tokens), len(st)])
+            tokens += st
+            if segmented and i < pinned:
+                keep = len(tokens)
+        return Prepared(tokens, keep, spans, evicted, evicted - already, summary)
+
+    def _fit(self, can_evict: bool, msgs: list[dict], keep_msgs: int, evicted: int, summary: str | None, limit: int):
+        """Leave out the oldest unpinned messages (sessions only) until the prompt fits.
+
+        Returns (retained messages, tokens per segment, pinned messages, evicted count)."""
+        extra = [{"role": "system", "content": f"{SUMMARY_PREFIX}{summary}"}] if summary else []
+        last = len(msgs) - 1  # the newest message always stays
+        if can_evict:
+            evicted = max(evicted, self._estimate_eviction(msgs, keep_msgs, limit))
+        evicted = min(evicted, max(last - keep_msgs, 0))
+        while True:
+            retained = msgs[:keep_msgs] + extra + msgs[keep_msgs + evicted :]
+            seg_tokens = self.tokens_for(self.segments(retained))
+            total = sum(len(t) for t in seg_tokens)
+            if total <= limit or not can_evict or keep_msgs + evicted >= last:
+                return retained, seg_tokens, keep_msgs + len(extra), evicted
+            # drop as many of the oldest unpinned messages as cover the excess, in one go; a
+            # template that renders the prompt as one piece is measured message by message
+            excess, first = total - limit, keep_msgs + len(extra)
+            if len(seg_tokens) == len(retained) + 1:
+                sizes = (len(st) for st in seg_tokens[first : len(retained) - 1])
+            else:
+                sizes = (self._message_cost(m) for m in retained[first:-1])
+            for size in sizes:
+                evicted += 1
+                excess -= size
+                if excess <= 0:
+                    break
+            evicted = min(evicted, last - keep_msgs)
+
+    def _estimate_eviction(self, msgs: list[dict], keep_msgs: int, limit: int) -> int:
+        """A cheap lower bound on how many old messages must go, so a long history is not
+        re-rendered once per evicted message (each message counted alone plus a small framing)."""
+        if len(msgs) < 32:
+            return 0
+        budget = limit - sum(self._message_cost(m) for m in msgs[:keep_msgs])
+        used = 0
+        for i in range(len(msgs) - 1, keep_msgs - 1, -1):
+            used += self._message_cost(msgs[i])
+            if used > budget:
+                return max(i + 1 - keep_msgs, 0)
+        return 0
+
+    def _message_cost(self, message: dict) -> int:
+        return len(self._tokenize(message["content"])) + self._framing
+
+    @functools.cached_property
+    def _framing(self) -> int:
+        """Tokens the template adds around one message's content (role markers, separators)."""
+        probe = [{"role": "system", "content": "x"}, {"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}]
+        segs = self.segments(probe)
+        if len(segs) != len(probe) + 1:
+            return 0
+        return max(len(self._tokenize(segs[1])) - len(self._tokenize("x")), 0)

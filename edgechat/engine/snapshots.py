@@ -1,0 +1,121 @@
+"""KV snapshots on disk: one file per conversation, written atomically and tagged with what the
+cells depend on (model hash, context size, KV type, llama.cpp state version). Any mismatch,
+truncation or corruption means "rebuild by prefill"."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as L
+
+from edgechat.fsutil import atomic_write
+
+SNAPSHOT_MAGIC = b"ECKVSNP1"
+
+
+def model_fingerprint(path: Path, cache_dir: Path) -> str:
+    """sha256 of the model file, remembered per (path, size, mtime) so it is computed once."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    memo = cache_dir / "model-hashes" / key
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        pass
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 22):
+            digest.update(block)
+    value = digest.hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(memo, [value.encode()])
+    return value
+
+
+@dataclass
+class Snapshot:
+    tokens: list[int]
+    session_state: dict
+    data: bytes
+
+
+def snapshot_path(root: Path, session: str) -> Path:
+    """One file per conversation; hashed so any conversation id is a safe file name."""
+    return root / f"{hashlib.sha256(session.encode()).hexdigest()[:24]}.kv"
+
+
+class SnapshotStore:
+    """Sequence snapshots on disk, one file per session, tagged with what they depend on."""
+
+    def __init__(self, root: Path, tags: dict, budget_bytes: int):
+        self.root = root
+        self.tags = tags  # model hash, context size, KV type, llama.cpp state version
+        self.budget = budget_bytes
+
+    def path_for(self, session: str) -> Path:
+        return snapshot_path(self.root, session)
+
+    def save(self, session: str, tokens: list[int], session_state: dict, data: bytes) -> Path:
+        header = json.dumps({"session": session, "tags": self.tags, "tokens": tokens, "state": session_state, "saved": time.time()}).encode()
+        path = self.path_for(session)
+        atomic_write(path, [SNAPSHOT_MAGIC, struct.pack("<Q", len(header)), header, data])
+        self.enforce_budget(keep=path)
+        return path
+
+    def _read(self, session: str, with_data: bool) -> Snapshot | None:
+        path = self.path_for(session)
+        try:
+            with open(path, "rb") as fh:
+                if fh.read(8) != SNAPSHOT_MAGIC:
+                    return None
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+                data = fh.read() if with_data else b""
+            if header.get("session") != session or header.get("tags") != self.tags:
+                return None
+            if with_data and not data:
+                return None
+            tokens = [int(t) for t in header["tokens"]]
+            state = dict(header.get("state") or {})
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            return None  # missing, truncated or corrupt: the caller rebuilds by prefill
+        return Snapshot(tokens, state, data)
+
+    def load(self, session: str) -> Snapshot | None:
+        """The snapshot if it exists, is whole, and every tag matches; otherwise None (rebuild)."""
+        snap = self._read(session, with_data=True)
+        if snap is not None:
+            try:
+                os.utime(self.path_for(session))  # LRU: a restored snapshot is recently used
+            except OSError:
+                pass  # a read-only disk only loses the LRU order
+        return snap
+
+    def peek_state(self, session: str) -> dict | None:
+        """The conversation's eviction state from a valid snapshot's header, without its data."""
+        snap = self._read(session, with_data=False)
+        return snap.session_state if snap else None
+
+    def delete(self, session: str) -> None:
+        self.path_for(session).unlink(missing_ok=True)
+
+    def enforce_budget(self, keep: Path | None = None) -> None:
+        files = sorted(self.root.glob("*.kv"), key=lambda p: p.stat().st_mtime)
+        total = sum(p.stat().st_size for p in files)
+        for p in files:
+            if total <= self.budget:
+                break
+            if p == keep:
+                continue
+            total -= p.stat().st_size
+            p.unlink(missing_ok=True)
+
+
+def state_version() -> int:
+    return L.LLAMA_STATE_SEQ_VERSION
