@@ -180,3 +180,36 @@ def test_session_turns_are_stored_listed_and_removed(isolated_dirs):
     assert removed.returncode == 0 and removed.stdout.strip() == "deleted work"
     assert "no sessions yet" in edgechat("sessions").stdout
     assert_one_line_error(edgechat("sessions", "rm", "work"), "no session named 'work'")
+
+
+def test_a_split_gguf_runs_like_the_whole_file(smollm2_path, smollm2_split):
+    """Given its first part, llama.cpp reads every part: the same greedy answer as the one file."""
+    question = "What is the capital of France? Answer in one word."
+    whole, _ = _run_json("-m", str(smollm2_path), "--max-tokens", "16", question)
+    split, _ = _run_json("-m", str(smollm2_split[0]), "--max-tokens", "16", question)
+    assert split["text"] == whole["text"] and "Paris" in split["text"]
+    assert split["model"] == "smollm2"
+
+
+def test_a_split_gguf_is_described_by_all_its_parts(smollm2_path, smollm2_split, isolated_dirs):
+    from edgechat.models import read_model_info
+
+    whole, first = read_model_info(smollm2_path), read_model_info(smollm2_split[0])
+    assert first.size_bytes == sum(p.stat().st_size for p in smollm2_split) > smollm2_split[0].stat().st_size
+    assert (first.n_params, first.architecture, first.quant) == (whole.n_params, whole.architecture, whole.quant)
+    # in the models cache it is listed once, by its first part, at its whole size
+    isolated_dirs.models_cache.mkdir(parents=True)
+    for part in smollm2_split:
+        (isolated_dirs.models_cache / part.name).symlink_to(part)
+    listing = edgechat("models")
+    assert listing.returncode == 0, listing.stderr
+    rows = [line for line in listing.stdout.splitlines() if line.startswith("smollm2-0000")]
+    assert len(rows) == 1 and rows[0].split()[:3] == ["smollm2-00001-of-00002", "94", "MiB"], listing.stdout
+
+
+def test_a_split_gguf_named_by_another_part_or_missing_one_is_one_line(smollm2_split, tmp_path):
+    assert_one_line_error(edgechat("run", "-m", str(smollm2_split[1]), "hello"),
+                          "part 2 of 2", smollm2_split[0].name)
+    alone = tmp_path / smollm2_split[0].name
+    os.link(smollm2_split[0], alone)  # not a symlink: the path is resolved, and its target has company
+    assert_one_line_error(edgechat("run", "-m", str(alone), "hello"), "part 1 of 2", "missing", smollm2_split[1].name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +17,30 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 #: arrays longer than this are skipped, not decoded (vocabularies, merges, scores)
 _MAX_ARRAY = 4096
+#: a model split in parts (llama.cpp's gguf-split): PREFIX-00001-of-00003.gguf, ...; llama.cpp,
+#: given the first part, opens the others by these names
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_part_names(name: str) -> list[str]:
+    """Every part's file name for a split model's part `name`; [name] for a single-file model."""
+    m = SPLIT_NAME.match(name)
+    if m is None:
+        return [name]
+    count = int(m["count"])
+    return [f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+
+
+def model_stem(path: Path) -> str:
+    """A model file's name without .gguf, and without the -00001-of-0000N of a split model."""
+    m = SPLIT_NAME.match(path.name)
+    return m["prefix"] if m else path.stem
 
 
 @dataclass(frozen=True)
 class ModelInfo:
     path: Path
+    #: all parts together, for a split model
     size_bytes: int
     architecture: str
     name: str
@@ -144,10 +164,7 @@ def _parse(path: Path) -> tuple[dict, int]:
     return fields, data_start + data_end
 
 
-def read_model_info(path: str | Path) -> ModelInfo:
-    """Parse the header; raises a one-line ModelFormatError for anything llama.cpp would choke on."""
-    path = Path(path)
-    _check_file(path)
+def _read_part(path: Path) -> dict:
     try:
         fields, data_end = _parse(path)
     except (struct.error, IndexError, ValueError, KeyError, OverflowError) as exc:
@@ -155,6 +172,43 @@ def read_model_info(path: str | Path) -> ModelInfo:
     size = path.stat().st_size
     if data_end > size:
         raise ModelFormatError(f"{path} is truncated ({size} of {data_end} bytes); download it again")
+    return fields
+
+
+def _other_parts(path: Path, fields: dict) -> list[Path]:
+    """The parts after the first of a split model (none for a single file), checked to be there."""
+    count, no = int(fields.get("split.count", 1)), int(fields.get("split.no", 0))
+    if count <= 1:
+        return []
+    names = split_part_names(path.name)
+    if len(names) != count:
+        raise ModelFormatError(
+            f"{path} is part {no + 1} of a model split in {count}; llama.cpp finds the parts by name: "
+            f"keep the names they came with (PREFIX-00001-of-{count:05d}.gguf, ...)"
+        )
+    if no != 0:
+        raise ModelFormatError(f"{path} is part {no + 1} of {count} of a split model; pass the first part: {names[0]}")
+    missing = [n for n in names[1:] if not (path.parent / n).is_file()]
+    if missing:
+        raise ModelNotFoundError(
+            f"{path} is part 1 of {count} of a split model, and {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} missing beside it; download every part"
+        )
+    return [path.parent / n for n in names[1:]]
+
+
+def read_model_info(path: str | Path) -> ModelInfo:
+    """Parse the header (every part's, for a split model); raises a one-line ModelFormatError for
+    anything llama.cpp would choke on."""
+    path = Path(path)
+    _check_file(path)
+    fields = _read_part(path)
+    size = path.stat().st_size
+    for part in _other_parts(path, fields):
+        _check_file(part)
+        # the metadata is the first part's; the others add weights
+        fields["_n_params"] = fields.get("_n_params", 0) + _read_part(part).get("_n_params", 0)
+        size += part.stat().st_size
     arch = fields.get("general.architecture")
     if not arch:
         raise ModelFormatError(f"{path} has no general.architecture; it is not a model GGUF")
@@ -195,7 +249,7 @@ def read_model_info(path: str | Path) -> ModelInfo:
         path=path,
         size_bytes=size,
         architecture=str(arch),
-        name=str(fields.get("general.name") or path.stem),
+        name=str(fields.get("general.name") or model_stem(path)),
         quant=quant,
         n_params=int(fields.get("_n_params", 0)),
         n_layer=n_layer,

@@ -10,6 +10,7 @@ from edgechat.config import Paths
 from edgechat.errors import ModelNotFoundError
 from edgechat.models import catalog, hub
 from edgechat.models.embedded import ALIASES, EMBEDDED, GEMMA3_FILE
+from edgechat.models.ggufinfo import model_stem, split_part_names
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -18,7 +19,11 @@ def known_model_names(paths: Paths) -> list[str]:
     names = list(EMBEDDED)
     if paths.models_cache.is_dir():
         # the assembled embedded Gemma lives in the cache too; it is listed under its short name
-        names += sorted(p.stem for p in paths.models_cache.glob("*.gguf") if p.name != GEMMA3_FILE)
+        # a split model is named by its first part, the one llama.cpp is given
+        names += sorted(
+            p.stem for p in paths.models_cache.glob("*.gguf")
+            if p.name != GEMMA3_FILE and split_part_names(p.name)[0] == p.name
+        )
     # catalog models count once downloaded; the default quant goes by the bare name
     for entry in catalog.load_catalog().values():
         for cfile in entry.files.values():
@@ -30,7 +35,7 @@ def known_model_names(paths: Paths) -> list[str]:
 def display_name(ref: str | None, path: Path) -> str:
     """What to call a model in the UI: its short name when embedded, else the file's stem."""
     name = ALIASES.get((ref or DEFAULT_MODEL).lower(), (ref or DEFAULT_MODEL).lower())
-    return name if name in EMBEDDED else path.stem
+    return name if name in EMBEDDED else model_stem(path)
 
 
 def resolve_model(ref: str | None, paths: Paths) -> Path:
