@@ -31,7 +31,7 @@ import httpx
 
 from edgechat.config import get_paths
 from edgechat.models import resolve_model
-from edgechat.server.loadgen import Run, load, summarize
+from edgechat.loadgen import Run, load, summarize
 
 MODEL = "smollm2-135m-instruct"
 THREADS, CTX_TOTAL, PARALLEL, MAX_TOKENS = 2, 8192, 4, 128

@@ -16,6 +16,9 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from edgechat.engine.metrics import percentile
+from edgechat.openai_stream import StreamError, aiter_chunks
+
 # Plain English words; prompts are random sequences of them so no two share more than the template.
 _WORDS = (
     "river mountain quiet engine garden silver morning letter window market island winter "
@@ -40,17 +43,6 @@ def prompt_token_targets(n: int, rng: random.Random) -> list[int]:
 def make_prompt(tokens: int, rng: random.Random) -> str:
     words = [rng.choice(_WORDS) for _ in range(max(1, int(tokens * _WORDS_PER_TOKEN) - 8))]
     return "Write a long story that uses these words: " + " ".join(words)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); 0.0 for no values."""
-    if not values:
-        return 0.0
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 @dataclass
@@ -137,25 +129,16 @@ async def _one(client: httpx.AsyncClient, base: str, model: str, prompt: str, ta
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200].decode(errors='replace')}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    result.error = str(event["error"])[:200]
-                    break
-                if event.get("usage"):
-                    usage_tokens = event["usage"].get("completion_tokens")
-                for choice in event.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") or choice.get("text")
-                    if text:
-                        if chunks == 0:
-                            result.ttft = time.perf_counter() - start
-                        chunks += 1
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+            async for chunk in aiter_chunks(response):
+                if chunk.usage:
+                    usage_tokens = chunk.usage.get("completion_tokens")
+                if chunk.text:
+                    if chunks == 0:
+                        result.ttft = time.perf_counter() - start
+                    chunks += 1
+    except StreamError as exc:
+        result.error = str(exc)[:200]
+    except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.e2e = time.perf_counter() - start
     # a server may merge several tokens into one chunk; its usage count is the truth when it sends one
@@ -171,7 +154,8 @@ async def _model_id(client: httpx.AsyncClient, base: str) -> str:
 
 
 def _summary(values: list[float]) -> dict:
-    return {p: percentile(values, q) for p, q in (("p50", 50), ("p95", 95), ("p99", 99))}
+    ordered = sorted(values)
+    return {p: percentile(ordered, q) for p, q in (("p50", 50), ("p95", 95), ("p99", 99))}
 
 
 @dataclass

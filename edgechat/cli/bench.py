@@ -25,7 +25,7 @@ def bench_serve(url: str, concurrency: int, n_requests: int, max_tokens: int, se
     import httpx
 
     from edgechat.errors import EdgechatError
-    from edgechat.server.loadgen import run_load
+    from edgechat.loadgen import run_load
 
     try:
         report = asyncio.run(run_load(url, concurrency, n_requests, max_tokens, seed, api_key=api_key))

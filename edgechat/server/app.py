@@ -2,52 +2,40 @@
 
 create_app(settings, engine) builds a Starlette app whose state lives in one _Server object, so
 several apps can share a process, even an engine. Each HTTP request becomes one
-engine.submit(); the engine calls back on its own thread and call_soon_threadsafe carries the
-events into the event loop. The engine does the batching; this layer parses, admits, streams,
-cancels on disconnect or timeout, and counts.
+engine.submit(), followed on the event loop through a bridge.Generation. The engine does the
+batching; this layer routes, parses, admits, streams, cancels on disconnect or timeout, and
+counts. Response bodies are built in responses.py, the API key is checked in auth.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import math
-import threading
 import time
-import uuid
 from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgechat.engine.request import ChatRequest, Event, Finished, RequestStatus, TextDelta
+from edgechat.engine.request import ChatRequest, Finished, RequestStatus, TextDelta
 from edgechat.errors import EdgechatError
+from edgechat.server import responses
+from edgechat.server.auth import BearerAuth
+from edgechat.server.bridge import Generation
 from edgechat.server.degrade import DegradeSwitch
 from edgechat.server.errors import ApiError, from_engine_error, prompt_too_long
 from edgechat.server.metrics import ServerMetrics
+from edgechat.server.responses import ResponseIds, sse
 from edgechat.server.schemas import ParsedRequest, decode_body, parse_chat, parse_completion
 from edgechat.server.settings import ServerSettings
 
 log = logging.getLogger("edgechat.server")
-
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-#: the engine wakes the event loop at most this often per streaming request
-STREAM_FLUSH_S = 0.025
-
-
-def _sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
 
 
 class _Served:
@@ -77,59 +65,6 @@ class _Served:
         }
 
 
-class _Generation:
-    """One submitted request as the event loop sees it; its end is counted here, exactly once."""
-
-    def __init__(self, server: _Server, loop: asyncio.AbstractEventLoop, deadline: float):
-        self._server = server
-        self._loop = loop
-        self.deadline = deadline
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self._lock = threading.Lock()
-        self._buffer: list[Event] = []
-        self._last_signal = 0.0
-        self.finished: asyncio.Future[Finished] = loop.create_future()
-        self.timed_out = False
-        self.handle = None
-        self.submitted = time.monotonic()
-
-    def on_event(self, event: Event) -> None:
-        """Called on the engine thread: hand over and return at once. The event loop is woken at
-        most every STREAM_FLUSH_S (the first event and Finished at once): on a 2-core machine a
-        wake-up per token takes CPU from llama.cpp's threads. A held event goes with the next."""
-        now = time.monotonic()
-        with self._lock:
-            self._buffer.append(event)
-            if not isinstance(event, Finished) and self._last_signal and now - self._last_signal < STREAM_FLUSH_S:
-                return
-            self._last_signal = now
-        try:
-            self._loop.call_soon_threadsafe(self._flush)
-        except RuntimeError:
-            # the loop is closed: the server is shutting down and nobody is listening
-            pass
-
-    def _flush(self) -> None:
-        with self._lock:
-            events, self._buffer = self._buffer, []
-        for event in events:
-            self._deliver(event)
-
-    def _deliver(self, event: Event) -> None:
-        self.events.put_nowait(event)
-        if isinstance(event, Finished) and not self.finished.done():
-            self.finished.set_result(event)
-            self._server.in_flight.discard(self)
-            self._server.count_finished(event, self.timed_out)
-
-    def remaining(self) -> float:
-        return max(0.0, self.deadline - time.monotonic())
-
-    def time_out(self) -> None:
-        self.timed_out = True
-        self.handle.cancel()
-
-
 class _Server:
     def __init__(self, settings: ServerSettings, engine, fallback=None):
         self.settings = settings
@@ -145,16 +80,18 @@ class _Server:
         )
         self.created = int(time.time())
         #: submitted and not finished: the degrade switch reads how long the queued ones wait
-        self.in_flight: set[_Generation] = set()
+        self.in_flight: set[Generation] = set()
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
-    def count_finished(self, finished: Finished, timed_out: bool) -> None:
+    def on_finished(self, gen: Generation, finished: Finished) -> None:
+        """Count a request's end (on the event loop, once per request)."""
+        self.in_flight.discard(gen)
         if finished.reason in ("stop", "length"):
             outcome = "ok"
             self.degrade.observe(finished.metrics.queue_wait)
         elif finished.reason == "cancelled":
-            outcome = "timeout" if timed_out else "cancelled"
+            outcome = "timeout" if gen.timed_out else "cancelled"
         else:
             outcome = "error"
             log.error("generation failed: %s", finished.error)
@@ -258,7 +195,7 @@ class _Server:
         waiting = sum(m.engine.stats()["waiting"] for m in self.served())
         self.degrade.on_admit(waiting, self.oldest_queued_wait())
         served = self.route(served)
-        gen = _Generation(self, asyncio.get_running_loop(), arrival + self.settings.request_timeout)
+        gen = Generation(asyncio.get_running_loop(), arrival + self.settings.request_timeout, self.on_finished)
         try:
             await self.admit(served.engine, req)
             # submit tokenizes the prompt; keep that off the event loop
@@ -268,16 +205,18 @@ class _Server:
         gen.handle = handle
         if not gen.finished.done():
             self.in_flight.add(gen)
-        ids = (f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), served.id)
+        ids = ResponseIds.new(kind, served.id)
         if parsed.stream:
-            return StreamingResponse(self.stream(gen, parsed, kind, ids), media_type="text/event-stream", headers=_SSE_HEADERS)
+            return StreamingResponse(
+                self.stream(gen, parsed, kind, ids), media_type="text/event-stream", headers=responses.SSE_HEADERS
+            )
         finished = await self.wait(request, gen)
         if finished is None:
             # the client left; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(self.completion_body(finished, kind, ids))
+        return JSONResponse(responses.completion_body(finished, kind, ids))
 
-    async def wait(self, request: Request, gen: _Generation) -> Finished | None:
+    async def wait(self, request: Request, gen: Generation) -> Finished | None:
         """The Finished event, or None if the client disconnected first (its sequence is cancelled)."""
         disconnect = asyncio.ensure_future(_disconnected(request))
         try:
@@ -303,47 +242,17 @@ class _Server:
             code="timeout",
         )
 
-    def _usage(self, finished: Finished) -> dict:
-        m = finished.metrics
-        return {
-            "prompt_tokens": m.prompt_tokens,
-            "completion_tokens": m.completion_tokens,
-            "total_tokens": m.prompt_tokens + m.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
-        }
-
-    def completion_body(self, finished: Finished, kind: str, ids: tuple[str, int, str]) -> dict:
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": finished.text}}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": finished.text}
-            obj = "text_completion"
-        choice.update(logprobs=None, finish_reason=finished.reason)
-        return {"id": ids[0], "object": obj, "created": ids[1], "model": ids[2], "choices": [choice], "usage": self._usage(finished)}
-
-    def _chunk(self, kind: str, ids: tuple[str, int, str], text: str | None, finish_reason: str | None, role: bool = False) -> dict:
-        if kind == "chat":
-            delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": text or ""}
-            obj = "text_completion"
-        choice.update(logprobs=None, finish_reason=finish_reason)
-        return {"id": ids[0], "object": obj, "created": ids[1], "model": ids[2], "choices": [choice]}
-
-    async def stream(self, gen: _Generation, parsed: ParsedRequest, kind: str, ids: tuple[str, int, str]) -> AsyncIterator[str]:
+    async def stream(self, gen: Generation, parsed: ParsedRequest, kind: str, ids: ResponseIds) -> AsyncIterator[str]:
         finished: Finished | None = None
         try:
             if kind == "chat":
-                yield _sse(self._chunk(kind, ids, None, None, role=True))
+                yield sse(responses.chunk(kind, ids, None, None, role=True))
             while finished is None:
                 try:
                     event = await asyncio.wait_for(gen.events.get(), gen.remaining())
                 except asyncio.TimeoutError:
                     gen.time_out()
-                    yield _sse(ApiError(504, "the request timed out and was cancelled", type="timeout", code="timeout").body())
+                    yield sse(ApiError(504, "the request timed out and was cancelled", type="timeout", code="timeout").body())
                     return
                 # under load several tokens queue up between two writes: send them as one chunk
                 text = []
@@ -357,16 +266,15 @@ class _Server:
                         break
                     event = gen.events.get_nowait()
                 if any(text):
-                    yield _sse(self._chunk(kind, ids, "".join(text), None))
+                    yield sse(responses.chunk(kind, ids, "".join(text), None))
             if finished.reason not in ("stop", "length"):
                 message = finished.error or f"the generation ended: {finished.reason}"
-                yield _sse(ApiError(500, message, type="server_error", code=finished.reason).body())
+                yield sse(ApiError(500, message, type="server_error", code=finished.reason).body())
                 return
-            yield _sse(self._chunk(kind, ids, None, finished.reason))
+            yield sse(responses.chunk(kind, ids, None, finished.reason))
             if parsed.include_usage:
-                last = self._chunk(kind, ids, None, None)
-                yield _sse({**last, "choices": [], "usage": self._usage(finished)})
-            yield _sse("[DONE]")
+                yield sse(responses.usage_chunk(kind, ids, finished))
+            yield sse("[DONE]")
         finally:
             if finished is None:
                 # client disconnected (the task was cancelled) or timed out: free the sequence now
@@ -385,28 +293,6 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-class _BearerAuth:
-    """Pure ASGI middleware: every path but /health needs `Authorization: Bearer <key>`."""
-
-    def __init__(self, app, api_key: str | None):
-        self.app = app
-        self.api_key = api_key.encode() if api_key else None
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.api_key is not None and scope["path"] != "/health":
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
-                error = ApiError(
-                    401,
-                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -439,7 +325,7 @@ def create_app(settings: ServerSettings, engine, fallback=None) -> Starlette:
     ]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(_BearerAuth, api_key=settings.api_key)],
+        middleware=[Middleware(BearerAuth, api_key=settings.api_key)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
     )
     app.state.server = server

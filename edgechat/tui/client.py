@@ -7,7 +7,6 @@ thread. `handle.cancel()` may be called from any thread.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -122,6 +121,8 @@ class RemoteHandle:
     def __iter__(self) -> Iterator[Event]:
         import httpx
 
+        from edgechat.openai_stream import iter_chunks
+
         req = self._request
         body = self._client.body(req)
         metrics = RequestMetrics(context_size=self._client.n_ctx or 0)
@@ -141,30 +142,20 @@ class RemoteHandle:
                     response.read()
                     raise EdgechatError(f"server answered {response.status_code}: {_error_text(response)}")
                 if not cancelled:
-                    for line in response.iter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            break
-                        chunk = json.loads(data)
-                        if chunk.get("error"):
-                            # the server gave up mid-answer (timeout, engine error): what came is partial
-                            raise EdgechatError(f"the server stopped the answer: {_error_message(chunk)}")
-                        if chunk.get("usage"):
-                            metrics.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
-                            metrics.completion_tokens = chunk["usage"].get("completion_tokens", 0)
-                        for choice in chunk.get("choices") or []:
-                            text = (choice.get("delta") or {}).get("content") or ""
-                            if text:
-                                if first is None:
-                                    first = time.perf_counter()
-                                n_chunks += 1
-                                parts.append(text)
-                                yield TextDelta(text)
-                            if choice.get("finish_reason"):
-                                reason = choice["finish_reason"]
-        except (httpx.HTTPError, json.JSONDecodeError, EdgechatError) as exc:
+                    # an error event mid-answer raises StreamError (an EdgechatError): what came is partial
+                    for chunk in iter_chunks(response):
+                        if chunk.usage:
+                            metrics.prompt_tokens = chunk.usage.get("prompt_tokens", 0)
+                            metrics.completion_tokens = chunk.usage.get("completion_tokens", 0)
+                        if chunk.text:
+                            if first is None:
+                                first = time.perf_counter()
+                            n_chunks += 1
+                            parts.append(chunk.text)
+                            yield TextDelta(chunk.text)
+                        if chunk.finish_reason:
+                            reason = chunk.finish_reason
+        except (httpx.HTTPError, EdgechatError) as exc:
             if not self._state.cancelled:
                 reason, error = "error", str(exc) or type(exc).__name__
         if self._state.cancelled:
@@ -182,15 +173,11 @@ class RemoteHandle:
         yield Finished(reason=reason, text="".join(parts), metrics=metrics, error=error)
 
 
-def _error_message(data) -> str:
-    """The message of an OpenAI-style error body ({"error": {"message": ...}}), or the body itself."""
-    err = data.get("error", data) if isinstance(data, dict) else data
-    return err.get("message", str(err)) if isinstance(err, dict) else str(err)
-
-
 def _error_text(response) -> str:
+    from edgechat.openai_stream import error_message
+
     try:
-        return _error_message(response.json())
+        return error_message(response.json())
     except ValueError:
         return response.text[:200]
 
@@ -237,8 +224,15 @@ class RemoteClient:
             "messages": req.messages,
             "stream": True,
             "stream_options": {"include_usage": True},
+            # every sampler setting, so a server answers as the local engine would (names as llama-server's)
             "temperature": s.temperature,
+            "top_k": s.top_k,
             "top_p": s.top_p,
+            "min_p": s.min_p,
+            "repeat_penalty": s.repeat_penalty,
+            "repeat_last_n": s.penalty_last_n,
+            "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty,
         }
         if req.max_tokens is not None:
             body["max_tokens"] = req.max_tokens
