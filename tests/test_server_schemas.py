@@ -8,7 +8,8 @@ import time
 import pytest
 
 from edgechat.server.degrade import DegradeSwitch
-from edgechat.server.errors import ApiError
+from edgechat.errors import EngineBusyError, EngineStoppedError, PromptTooLongError
+from edgechat.server.errors import ApiError, from_engine_error
 from edgechat.loadgen import RequestResult, Run, make_prompt, prompt_token_targets, summarize
 from edgechat.server.schemas import decode_body, parse_chat, parse_completion
 
@@ -287,3 +288,12 @@ def test_summaries_pool_requests_and_time_across_runs():
     # TPOT: (e2e - ttft) / (tokens - 1) = 0.9 t / (t - 1): 1.0, 1.0, 1.8, 1.2
     assert report.tpot["p50"] == pytest.approx(1.0) and report.tpot["p99"] == pytest.approx(1.8)
     assert report.errors == ["HTTP 429"]
+
+
+def test_engine_errors_map_to_http():
+    too_long = from_engine_error(PromptTooLongError("x", prompt_tokens=900, limit=384), retry_after=2)
+    assert (too_long.status, too_long.code) == (400, "context_length_exceeded") and "900" in too_long.message and "384" in too_long.message
+    busy = from_engine_error(EngineBusyError("busy"), retry_after=2)
+    assert busy.status == 429 and busy.headers["Retry-After"] == "2"
+    stopped = from_engine_error(EngineStoppedError("the engine stopped"), retry_after=2)
+    assert (stopped.status, stopped.code) == (503, "engine_stopped")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from edgechat.errors import EdgechatError, EngineBusyError, PromptTooLongError, UsageError
+from edgechat.errors import EdgechatError, EngineBusyError, EngineStoppedError, PromptTooLongError, UsageError
 
 
 class ApiError(Exception):
@@ -66,4 +66,7 @@ def from_engine_error(exc: EdgechatError, retry_after: int) -> ApiError:
         return overloaded(retry_after)
     if isinstance(exc, UsageError):
         return bad_request(str(exc))
+    if isinstance(exc, EngineStoppedError):
+        # no request will be served until the server is restarted: say so, not "try again"
+        return ApiError(503, str(exc), type="server_error", code="engine_stopped")
     return ApiError(500, str(exc), type="server_error", code="engine_error")
