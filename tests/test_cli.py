@@ -182,11 +182,16 @@ def test_session_turns_are_stored_listed_and_removed(isolated_dirs):
     assert_one_line_error(edgechat("sessions", "rm", "work"), "no session named 'work'")
 
 
-def test_a_split_gguf_runs_like_the_whole_file(smollm2_path, smollm2_split):
-    """Given its first part, llama.cpp reads every part: the same greedy answer as the one file."""
+def test_a_split_gguf_runs_like_the_whole_file(smollm2_path, smollm2_split, tmp_path):
+    """Given its first part, llama.cpp reads every part: the same greedy answer as the one file.
+    The parts are links to blobs with other names, as in the Hugging Face cache."""
+    for i, part in enumerate(smollm2_split):
+        (tmp_path / "blobs").mkdir(exist_ok=True)
+        os.link(part, tmp_path / "blobs" / f"blob{i}")
+        (tmp_path / part.name).symlink_to(tmp_path / "blobs" / f"blob{i}")
     question = "What is the capital of France? Answer in one word."
     whole, _ = _run_json("-m", str(smollm2_path), "--max-tokens", "16", question)
-    split, _ = _run_json("-m", str(smollm2_split[0]), "--max-tokens", "16", question)
+    split, _ = _run_json("-m", str(tmp_path / smollm2_split[0].name), "--max-tokens", "16", question)
     assert split["text"] == whole["text"] and "Paris" in split["text"]
     assert split["model"] == "smollm2"
 

@@ -148,8 +148,11 @@ def test_quant_picking_from_a_listing():
         pick("Q8_0")
     with pytest.raises(ModelNotFoundError, match="several Q4_K_M files"):
         pick("Q4_K_M", files + ["m-abliterated-Q4_K_M.gguf"])
-    with pytest.raises(ModelNotFoundError, match="split"):
-        pick("Q8_0", ["m-Q8_0-00001-of-00002.gguf", "m-Q8_0-00002-of-00002.gguf"])
+    # a model split in parts is picked by its first part, which llama.cpp is given
+    split = ["Q8_0/m-Q8_0-00002-of-00002.gguf", "Q8_0/m-Q8_0-00001-of-00002.gguf"]
+    assert pick("Q8_0", split) == "Q8_0/m-Q8_0-00001-of-00002.gguf"
+    with pytest.raises(ModelNotFoundError, match="several Q8_0 files"):
+        pick("Q8_0", split + ["m-Q8_0.gguf"])
 
 
 # --- offline resolution from the cache ---------------------------------------------------------
@@ -363,3 +366,23 @@ def test_model_picker_describes_downloaded_catalog_models(hub_cache, isolated_di
     assert rows[CATALOG_NAME].fits is True and "Q4_1" in rows[CATALOG_NAME].detail
     assert "not downloaded" not in rows[CATALOG_NAME].detail
     assert "not downloaded (edgechat pull qwen3-0.6b)" in rows["qwen3-0.6b"].detail
+
+
+@pytest.mark.slow
+def test_a_split_model_is_pulled_whole_and_runs_offline(smollm2_split, isolated_dirs, tmp_path):
+    """Every part is downloaded; from the cache, the reference resolves to the first part."""
+    repo = "edgetest/split-GGUF"
+    names = [f"Q4_1/SmolLM2-Q4_1-{i:05d}-of-00002.gguf" for i in (1, 2)]
+    server = FakeHub({(repo, name): part for name, part in zip(names, smollm2_split)})
+    try:
+        env = online(server, tmp_path)
+        proc = subprocess.run([sys.executable, "-m", "edgechat", "pull", f"{repo}:Q4_1"],
+                              capture_output=True, text=True, timeout=300, env=env, check=False)
+        assert proc.returncode == 0, proc.stderr
+    finally:
+        server.close()
+    path = resolve_model(f"{repo}:Q4_1", isolated_dirs)
+    assert path.as_posix().endswith(names[0])
+    assert read_model_info(path).size_bytes == sum(p.stat().st_size for p in smollm2_split)
+    proc = edgechat("run", "-m", f"{repo}:Q4_1", "--temperature", "0", "--max-tokens", "4", "Hi")
+    assert proc.returncode == 0, proc.stderr

@@ -19,14 +19,13 @@ from pathlib import Path
 from edgechat.config import Paths
 from edgechat.errors import ModelFormatError, ModelNotFoundError
 from edgechat.models.catalog import QUANT_RE, CatalogEntry, CatalogFile, load_catalog
-from edgechat.models.ggufinfo import GGUF_MAGIC
+from edgechat.models.ggufinfo import GGUF_MAGIC, split_part_names
 
 HUB_PREFIX = "hf:"
 DEFAULT_QUANT = "Q4_K_M"
 _REPO = r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
 _QUANT_REF = re.compile(rf"^(?P<repo>{_REPO})(?::(?P<quant>[A-Za-z0-9_]+))?$")
 _FILE_REF = re.compile(rf"^(?P<repo>{_REPO})/(?P<file>[^:\\]+)$")
-_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 _USAGE = "write hf:OWNER/REPO/FILE.gguf or OWNER/REPO:QUANT, e.g. Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M"
 
 
@@ -107,13 +106,13 @@ def _matches_quant(file: str, quant: str) -> bool:
 
 
 def _pick(ref: HubRef, files: list[str]) -> str:
+    """The file for ref's quant; for a model split in parts, its first part (the one llama.cpp is given)."""
     matches = sorted(f for f in files if _matches_quant(f, ref.quant))
     if not matches:
         have = sorted({q for f in files for q in _quants_in(f)})
         listing = f"it has {', '.join(have)}" if have else "it holds no GGUF files"
         raise ModelNotFoundError(f"{ref.repo} has no {ref.quant} GGUF file; {listing}")
-    if any(_SPLIT.search(f) for f in matches):
-        raise ModelNotFoundError(f"{ref.repo}:{ref.quant} is split into several files; edgechat loads single-file GGUFs")
+    matches = [f for f in matches if split_part_names(f)[0] == f] or matches
     if len(matches) > 1:
         raise ModelNotFoundError(
             f"{ref.repo} has several {ref.quant} files ({', '.join(matches)}); name one: hf:{ref.repo}/{matches[0]}"
@@ -162,18 +161,21 @@ def resolve_hub(ref: HubRef, paths: Paths) -> Path:
     if file is None:
         if cached := _cached_snapshot(ref.repo, paths):
             snapshot, names = cached
-            # only other quants of this repo are cached: ask the Hub's listing instead
+            # only other quants of this repo (or some parts of a split one) are cached: ask the Hub's listing instead
             with contextlib.suppress(ModelNotFoundError):
-                return snapshot / _pick(ref, names)
+                picked = _pick(ref, names)
+                if set(split_part_names(picked)) <= set(names):
+                    return snapshot / picked
         if offline():
             raise ModelNotFoundError(_pull_hint(ref.text))
         file = _pick(ref, _list_repo_files(ref))
-    cached = cached_file(ref.repo, file, paths)
-    if cached is not None:
-        return cached
+    # a split model's parts, all of them, side by side in one snapshot: llama.cpp opens them by name
+    parts = [cached_file(ref.repo, part, paths) for part in split_part_names(file)]
+    if all(parts):
+        return parts[0]
     if offline():
         raise ModelNotFoundError(_pull_hint(ref.text))
-    return _download(ref.repo, file, ref.text, paths)
+    return [found or _download(ref.repo, part, ref.text, paths) for part, found in zip(split_part_names(file), parts)][0]
 
 
 def resolve_catalog(entry: CatalogEntry, cfile: CatalogFile, paths: Paths) -> Path:
@@ -182,7 +184,7 @@ def resolve_catalog(entry: CatalogEntry, cfile: CatalogFile, paths: Paths) -> Pa
 
 
 def is_downloaded(entry: CatalogEntry, cfile: CatalogFile, paths: Paths) -> bool:
-    return cached_file(entry.repo, cfile.file, paths) is not None
+    return all(cached_file(entry.repo, part, paths) is not None for part in split_part_names(cfile.file))
 
 
 def _list_repo_files(ref: HubRef) -> list[str]:

@@ -51,7 +51,9 @@ def resolve_model(ref: str | None, paths: Paths) -> Path:
     if path.is_dir():
         raise ModelNotFoundError(f"{ref} is a directory, not a model file; pass the .gguf file inside it")
     if path.is_file():
-        return path.resolve()
+        # absolute, not resolved: llama.cpp finds a split model's other parts beside the name it is
+        # given, and the Hugging Face cache's files are links to blobs with other names
+        return path.absolute()
     cached = paths.models_cache / f"{ref}.gguf"
     if cached.is_file():
         return cached
