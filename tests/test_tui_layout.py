@@ -278,13 +278,20 @@ async def test_settings_dialog_validates_and_saves(isolated_dirs):
         await pilot.pause()
         assert "temperature" in str(dialog.query_one("#settings-error").render())
         dialog.query_one("#temperature").value = "0.3"
+        dialog.query_one("#min_p").value = "1.5"
+        dialog.query_one("#save").press()
+        await pilot.pause(0.3)
+        assert "min-p must be between 0 and 1" in str(dialog.query_one("#settings-error").render())
+        dialog.query_one("#min_p").value = "0.1"
+        dialog.query_one("#top_k").value = "5"
         dialog.query_one("#seed").value = "42"
         dialog.query_one("#system_prompt").load_text("Be brief.")
         dialog.query_one("#save").press()
         await pilot.pause(0.3)
         assert app.screen is screen, str(dialog.query_one("#settings-error").render())
         saved = app.store.get_conversation(conv.id).settings
-        assert (saved["temperature"], saved["seed"], saved["system_prompt"]) == (0.3, 42, "Be brief.")
+        assert (saved["temperature"], saved["min_p"], saved["top_k"]) == (0.3, 0.1, 5)
+        assert (saved["seed"], saved["system_prompt"]) == (42, "Be brief.")
 
 
 #: user text that Textual markup would swallow ([bold]), or refuse to render at all ([/] closes nothing)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -47,9 +48,48 @@ def server_url(engine):
 
 @pytest.fixture(scope="module")
 def cutoff_url(engine):
-    """A server that cancels answers running over 4 s: it sends an error event in the middle of the stream."""
-    with serving(create_app(ServerSettings(api_key=KEY, model_id="smollm2", request_timeout=4.0), engine)) as url:
+    """A server that cancels answers running over 1 s: it sends an error event in the middle of the stream
+    (after the first chunk, and after some text unless the machine is too loaded for any in a second)."""
+    with serving(create_app(ServerSettings(api_key=KEY, model_id="smollm2", request_timeout=1.0), engine)) as url:
         yield url
+
+
+def openai_double(events: list[dict | str], bodies: list[dict]):
+    """A stand-in for an OpenAI-compatible server that records each request body and streams `events`:
+    for what our own server cannot be made to do on cue."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "double"}]})
+
+    async def chat(request):
+        bodies.append(await request.json())
+        lines = [f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events]
+        return StreamingResponse(iter(lines), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+def delta(text: str, finish: str | None = None) -> dict:
+    return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]}
+
+
+async def answer_in_app(app, pilot, text: str):
+    """Wait for the client, send `text`, wait for the answer to end; returns the stored (user, answer)."""
+    deadline = time.monotonic() + 30
+    while app.client is None:
+        assert time.monotonic() < deadline
+        await pilot.pause(0.05)
+    screen = app.chat_screen
+    screen.prompt.set_text(text)
+    await pilot.press("enter")
+    while screen.turn is not None:
+        assert time.monotonic() < deadline + 60
+        await pilot.pause(0.05)
+    await pilot.pause(0.05)
+    return app.store.messages(screen.conv.id)
 
 
 def test_remote_client_streams_events_like_the_engine(server_url):
@@ -90,7 +130,6 @@ def test_remote_client_error_mid_stream_ends_in_error(cutoff_url):
     events = list(handle)
     deltas = [e.text for e in events if isinstance(e, TextDelta)]
     fin = events[-1]
-    assert deltas, "the answer was cut off before any text came"
     assert isinstance(fin, Finished) and fin.reason == "error" and fin.text == "".join(deltas)
     assert fin.error == "the server stopped the answer: the request timed out and was cancelled"
     client.close()
@@ -109,21 +148,10 @@ async def test_app_in_remote_mode(server_url, isolated_dirs):
     isolated_dirs.config_file.write_text("[chat]\nmax_tokens = 10\ntemperature = 0.0\n")
     app = EdgechatApp(isolated_dirs, url=server_url, api_key=KEY)
     async with app.run_test(size=(100, 30)) as pilot:
-        deadline = time.monotonic() + 30
-        while app.client is None:
-            assert time.monotonic() < deadline
-            await pilot.pause(0.05)
-        screen = app.chat_screen
-        assert screen.status.backend == f"remote {server_url}"
-        screen.prompt.set_text("What is 2+2?")
-        await pilot.press("enter")
-        while screen.turn is not None:
-            assert time.monotonic() < deadline + 60
-            await pilot.pause(0.05)
-        await pilot.pause(0.05)
-        msgs = app.store.messages(screen.conv.id)
+        msgs = await answer_in_app(app, pilot, "What is 2+2?")
+        assert app.chat_screen.status.backend == f"remote {server_url}"
         assert [(m.role, m.status) for m in msgs] == [("user", "complete"), ("assistant", "complete")]
-        assert msgs[1].content.strip() and screen.chat.boxes()[-1].text == msgs[1].content
+        assert msgs[1].content.strip() and app.chat_screen.chat.boxes()[-1].text == msgs[1].content
         assert msgs[1].meta["completion_tokens"] > 0
     assert app.client is None  # quitting closed the HTTP client
 
@@ -134,21 +162,59 @@ async def test_app_stores_an_answer_cut_off_by_the_server_as_an_error(cutoff_url
     isolated_dirs.config_file.write_text("[chat]\nmax_tokens = 900\ntemperature = 0.0\n")
     app = EdgechatApp(isolated_dirs, url=cutoff_url, api_key=KEY)
     async with app.run_test(size=(100, 30)) as pilot:
-        deadline = time.monotonic() + 30
-        while app.client is None:
-            assert time.monotonic() < deadline
-            await pilot.pause(0.05)
-        screen = app.chat_screen
-        screen.prompt.set_text(LOOPING)
-        await pilot.press("enter")
-        while screen.turn is not None:
-            assert time.monotonic() < deadline + 60
-            await pilot.pause(0.05)
-        await pilot.pause(0.05)
-        user, answer = app.store.messages(screen.conv.id)
+        user, answer = await answer_in_app(app, pilot, LOOPING)
         assert (user.status, answer.status) == ("complete", "error")
-        assert answer.content.strip() and answer.meta["error"].endswith("the request timed out and was cancelled")
-        box = screen.chat.boxes()[-1]
+        assert answer.meta["error"] == "the server stopped the answer: the request timed out and was cancelled"
+        box = app.chat_screen.chat.boxes()[-1]
         assert box.has_class("-error") and box.text == answer.content
-        assert "timed out" in str(box.query_one(".status-note").render())
-        assert any("The answer failed" in n.message and "timed out" in n.message for n in app._notifications)
+        assert str(box.query_one(".status-note").render()) == f"(error: {answer.meta['error']})"
+        assert any(n.message == f"The answer failed: {answer.meta['error']}" for n in app._notifications)
+
+
+@pytest.mark.asyncio
+async def test_app_keeps_the_text_before_an_error_event(isolated_dirs):
+    # our server's shape of a failure mid-answer: text chunks, then an error event and no [DONE]
+    failure = {"error": {"message": "the engine failed", "type": "server_error", "code": "error"}}
+    with serving(openai_double([delta("Hello, "), delta("wor"), failure], [])) as url:
+        app = EdgechatApp(isolated_dirs, url=url)
+        async with app.run_test(size=(100, 30)) as pilot:
+            user, answer = await answer_in_app(app, pilot, "hi")
+    assert (answer.content, answer.status) == ("Hello, wor", "error")
+    assert answer.meta["error"] == "the server stopped the answer: the engine failed"
+
+
+@pytest.mark.asyncio
+async def test_app_an_answer_whose_stream_just_stops_is_an_error(isolated_dirs):
+    # a stream that ends without a finish reason (a proxy timing out, a server killed) is not complete
+    with serving(openai_double([delta("Hello, "), delta("wor")], [])) as url:
+        app = EdgechatApp(isolated_dirs, url=url)
+        async with app.run_test(size=(100, 30)) as pilot:
+            user, answer = await answer_in_app(app, pilot, "hi")
+    assert (answer.content, answer.status) == ("Hello, wor", "error")
+    assert answer.meta["error"] == "the server closed the stream before the answer ended"
+
+
+@pytest.mark.asyncio
+async def test_app_sends_every_sampling_setting(isolated_dirs):
+    """The server samples as the conversation says: every setting is in the request body."""
+    settings = {
+        "temperature": 0.2,
+        "top_p": 0.8,
+        "top_k": 7,
+        "min_p": 0.1,
+        "repeat_penalty": 1.3,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+        "seed": 3,
+        "max_tokens": 5,
+    }
+    isolated_dirs.config.mkdir(parents=True, exist_ok=True)
+    isolated_dirs.config_file.write_text("[chat]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items()))
+    bodies: list[dict] = []
+    with serving(openai_double([delta("ok", "stop"), "[DONE]"], bodies)) as url:
+        app = EdgechatApp(isolated_dirs, url=url)
+        async with app.run_test(size=(100, 30)) as pilot:
+            user, answer = await answer_in_app(app, pilot, "hi")
+    assert (answer.content, answer.status) == ("ok", "complete")
+    (body,) = bodies
+    assert {k: body.get(k) for k in settings} == settings

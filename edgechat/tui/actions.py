@@ -34,7 +34,7 @@ ACTIONS: list[Action] = [
     Action(
         "settings",
         "Conversation settings",
-        "System prompt, temperature, top-p, max tokens, seed, context policy",
+        "System prompt, sampling (temperature, top-k/p, min-p, penalties), max tokens, seed, context policy",
         "f4",
         "/settings",
     ),

@@ -12,11 +12,13 @@ from edgechat.errors import UsageError
 from edgechat.fsutil import atomic_write_text
 from edgechat.store.history import with_system_prompt
 
+#: the sampler settings a conversation keeps (SamplingParams fields), in the order the settings show them
+SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
+
 #: the per-conversation settings and their defaults (overridden by [chat] in config.toml)
 CHAT_DEFAULTS: dict = {
     "system_prompt": "",
-    "temperature": 0.7,
-    "top_p": 0.95,
+    **{name: getattr(SamplingParams(), name) for name in SAMPLING_SETTINGS},
     "max_tokens": 512,
     "seed": None,
     "context_policy": "shift",
@@ -49,8 +51,10 @@ def validate_settings(settings: dict) -> dict:
     """Check user-entered conversation settings; returns them normalised, raises UsageError."""
     out = dict(settings)
     try:
-        out["temperature"] = float(out.get("temperature", CHAT_DEFAULTS["temperature"]))
-        out["top_p"] = float(out.get("top_p", CHAT_DEFAULTS["top_p"]))
+        for name in SAMPLING_SETTINGS:
+            value = out.get(name)
+            kind = int if name == "top_k" else float
+            out[name] = kind(value) if value not in (None, "") else CHAT_DEFAULTS[name]
         mt = out.get("max_tokens")
         out["max_tokens"] = int(mt) if mt not in (None, "") else None
         seed = out.get("seed")
@@ -61,6 +65,15 @@ def validate_settings(settings: dict) -> dict:
         raise UsageError("temperature must be 0 or more (0 = greedy)")
     if not 0 < out["top_p"] <= 1:
         raise UsageError("top-p must be above 0 and at most 1")
+    if out["top_k"] < 0:
+        raise UsageError("top-k must be 0 or more (0 = off)")
+    if not 0 <= out["min_p"] <= 1:
+        raise UsageError("min-p must be between 0 and 1 (0 = off)")
+    if out["repeat_penalty"] <= 0:
+        raise UsageError("repeat penalty must be above 0 (1 = off)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= out[name] <= 2:
+            raise UsageError(f"{name.replace('_', ' ')} must be between -2 and 2 (0 = off)")
     if out["max_tokens"] is not None and out["max_tokens"] < 1:
         raise UsageError("max tokens must be at least 1")
     policy = out.get("context_policy") or "shift"
@@ -76,7 +89,7 @@ def build_request(settings: dict, history: list[dict], session: str | None) -> C
     s = {**CHAT_DEFAULTS, **settings}
     return ChatRequest(
         messages=with_system_prompt(s, history),
-        sampling=SamplingParams(temperature=s["temperature"], top_p=s["top_p"], seed=s["seed"]),
+        sampling=SamplingParams(**{name: s[name] for name in SAMPLING_SETTINGS}, seed=s["seed"]),
         max_tokens=s["max_tokens"],
         session=session,
         context_policy=ContextPolicy(s["context_policy"]),

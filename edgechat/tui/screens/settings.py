@@ -13,6 +13,20 @@ from edgechat.errors import UsageError
 from edgechat.tui.config import validate_settings
 
 
+#: the one-line settings: key, label, Input type
+FIELDS = (
+    ("temperature", "Temperature", "number"),
+    ("top_k", "Top-k (0: off)", "integer"),
+    ("top_p", "Top-p", "number"),
+    ("min_p", "Min-p (0: off)", "number"),
+    ("repeat_penalty", "Repeat penalty", "number"),
+    ("presence_penalty", "Presence penalty", "number"),
+    ("frequency_penalty", "Frequency penalty", "number"),
+    ("max_tokens", "Max tokens", "integer"),
+    ("seed", "Seed (empty: random)", "integer"),
+)
+
+
 def _text(value) -> str:
     return "" if value is None else str(value)
 
@@ -31,12 +45,7 @@ class SettingsScreen(ModalScreen[dict | None]):
             with VerticalScroll():
                 yield Label("System prompt")
                 yield TextArea(_text(s.get("system_prompt")), id="system_prompt", soft_wrap=True)
-                for key, label, kind in (
-                    ("temperature", "Temperature", "number"),
-                    ("top_p", "Top-p", "number"),
-                    ("max_tokens", "Max tokens", "integer"),
-                    ("seed", "Seed (empty: random)", "integer"),
-                ):
+                for key, label, kind in FIELDS:
                     with Horizontal(classes="field"):
                         yield Label(label)
                         yield Input(_text(s.get(key)), id=key, type=kind, compact=True)
@@ -57,10 +66,7 @@ class SettingsScreen(ModalScreen[dict | None]):
         return {
             **self.settings,
             "system_prompt": self.query_one("#system_prompt", TextArea).text,
-            "temperature": self.query_one("#temperature", Input).value,
-            "top_p": self.query_one("#top_p", Input).value,
-            "max_tokens": self.query_one("#max_tokens", Input).value,
-            "seed": self.query_one("#seed", Input).value,
+            **{key: self.query_one(f"#{key}", Input).value for key, _, _ in FIELDS},
             "context_policy": self.query_one("#context_policy", Select).value,
         }
 
