@@ -621,10 +621,12 @@ class Engine:
             prefix = slot.tokens[-1:]
             self.kv.truncate(slot, keep - 1)  # its logits are gone: decode the last token again
         else:
-            slot = next((s for s in self.slots if not s.busy and s.session is None), None)
+            # an idle sequence, a conversation's only if need be (it is spilled to its snapshot)
+            slot = min((s for s in self.slots if not s.busy), key=lambda s: s.session is not None, default=None)
             if slot is None:
                 raise ValueError("no idle sequence to prefill into")
-            self.kv.clear(slot)
+            self.kv.save_snapshot(slot)
+            self.kv.forget(slot)
             keep, prefix = 0, list(tokens)
         out: list[int] = []
         try:

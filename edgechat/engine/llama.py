@@ -282,17 +282,18 @@ class LlamaBackend:
 
     def seq_cell_positions(self, seq: int) -> list[int]:
         """The positions of every cell the sequence holds, sorted, read from its serialized state
-        (llama.cpp has no other way to list them). Layout of llama_kv_cache::state_write: u32
-        stream count, then per stream a u32 cell count and per cell an i32 position, a u32 count
-        of sequence ids and those ids; then the tensors, which are not read. With a sliding-window
-        model the full-attention cache comes first, and it is the one read."""
+        (llama.cpp has no other way to list them). Layout: a u32 magic and the i32 sequence id,
+        then llama_kv_cache::state_write's u32 stream count, per stream a u32 cell count and per
+        cell an i32 position, a u32 count of sequence ids and those ids; then the tensors, which
+        are not read. With a sliding-window model the full-attention cache comes first, and it
+        is the one read."""
         data = self.state_seq_get(seq)
-        if len(data) < 8:
+        if len(data) < 16:
             return []
-        n_stream, n_cells = struct.unpack_from("<II", data, 0)
-        if n_stream != 1:
-            raise RuntimeError(f"expected one KV stream (unified cache), found {n_stream}")
-        off, positions = 8, []
+        _magic, seq_read, n_stream, n_cells = struct.unpack_from("<IiII", data, 0)
+        if seq_read != seq or n_stream != 1:
+            raise RuntimeError(f"unexpected state layout for sequence {seq} (seq {seq_read}, {n_stream} streams)")
+        off, positions = 16, []
         for _ in range(n_cells):
             pos, n_ids = struct.unpack_from("<iI", data, off)
             ids = struct.unpack_from(f"<{n_ids}i", data, off + 8)
