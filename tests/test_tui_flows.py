@@ -118,6 +118,35 @@ async def test_stop_keeps_partial_answer_and_restores_prompt(paths, client):
         assert screen.prompt.text == LOOPING
 
 
+async def test_stop_before_the_first_token_undoes_the_send(paths, client):
+    """Esc before any text came back: nothing is stored, the message goes back into the input."""
+    from edgechat.engine import ChatRequest, RequestStatus
+
+    # Another request holds the engine's one decoding slot: the app's request waits in the queue,
+    # so the stop lands before its first token however fast the machine is.
+    blocker = client.submit(ChatRequest(messages=[{"role": "user", "content": LOOPING}], max_tokens=3000, ignore_eos=True))
+    try:
+        app = app_for(paths, client)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await ready(pilot)
+            screen = app.chat_screen
+            await pilot.press(*"hello there", "enter")
+            await until(pilot, lambda: client.engine.stats()["waiting"] == 1, what="the request to queue")
+            await pilot.press("escape")
+            await until(pilot, lambda: screen.turn is None, what="the stop")
+            await pilot.pause(0.05)
+            assert blocker.status == RequestStatus.RUNNING  # still holding the slot: no token came first
+            assert app.store.messages(screen.conv.id) == [] and screen.chat.boxes() == []
+            assert screen.prompt.text == "hello there"
+            assert client.engine.stats()["waiting"] == 0
+            # once the engine is free, the message put back is answered
+            blocker.cancel()
+            await send(pilot, screen.prompt.text)
+            assert [(role, status) for role, _, status in stored(app)] == [("user", "complete"), ("assistant", "complete")]
+    finally:
+        blocker.cancel()
+
+
 async def test_regenerate_edit_and_resend(paths, client):
     app = app_for(paths, client)
     async with app.run_test(size=(100, 30)) as pilot:
