@@ -33,8 +33,11 @@ def model_fingerprint(path: Path, cache_dir: Path) -> str:
         while block := fh.read(1 << 22):
             digest.update(block)
     value = digest.hexdigest()
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(memo, [value.encode()])
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(memo, [value.encode()])
+    except OSError:
+        pass  # a full or read-only disk: the hash is computed again next time
     return value
 
 
