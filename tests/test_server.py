@@ -173,7 +173,8 @@ def test_huge_max_tokens_is_clamped_to_the_room_left_in_the_context(open_url, en
     )
     assert out.choices[0].finish_reason == "length"
     assert out.usage.prompt_tokens + out.usage.completion_tokens == N_CTX
-    assert wait_idle(engine)["kv_used"] == 0
+    wait_idle(engine)
+    assert engine.kv_problems() == []
 
 
 def test_full_queue_answers_429_with_retry_after(client, engine, base_url):
@@ -194,7 +195,8 @@ def test_full_queue_answers_429_with_retry_after(client, engine, base_url):
     assert statuses.count(200) + statuses.count(429) == 12
     assert all(int(ra) >= 1 for s, ra in results if s == 429)
     assert metric(base_url, 'edgechat_requests_total{outcome="rejected"}') - rejected_before == statuses.count(429)
-    assert wait_idle(engine)["kv_used"] == 0
+    wait_idle(engine)
+    assert engine.kv_problems() == []
 
 
 def test_disconnect_mid_stream_cancels_and_frees_the_sequence(client, engine, base_url):
@@ -210,7 +212,7 @@ def test_disconnect_mid_stream_cancels_and_frees_the_sequence(client, engine, ba
     assert engine.stats()["running"] == 1
     stream.close()
     stats = wait_idle(engine, timeout=3)
-    assert stats["running"] == 0 and stats["kv_used"] == 0
+    assert stats["running"] == 0 and engine.kv_problems() == []
     deadline = time.monotonic() + 3
     while metric(base_url, 'edgechat_requests_total{outcome="cancelled"}') == cancelled:
         assert time.monotonic() < deadline
@@ -229,7 +231,8 @@ def test_request_timeout_cancels(engine):
         with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=30) as r:
             events = [line for line in r.iter_lines() if line.startswith("data:")]
         assert '"code": "timeout"' in events[-1]
-        assert wait_idle(engine)["kv_used"] == 0
+        wait_idle(engine)
+        assert engine.kv_problems() == []
         metrics = httpx.get(f"{url}/metrics").text
         assert 'edgechat_requests_total{outcome="timeout"} 2.0' in metrics
 

@@ -162,6 +162,7 @@ class Engine:
         self._waiting: deque[_Active] = deque()
         self._active: list[_Active] = []
         self._n_waiting = 0
+        self._decode_calls = 0  # llama_decode calls of the step loop: batching shows as fewer calls
         self._batch = Batch(be.n_batch, self.n_slots)
         self._closed = False
         self._stopped: str | None = None  # why the thread ended, once it has
@@ -214,6 +215,7 @@ class Engine:
             "kv_cached": max(cached, 0),
             "kv_total": self.n_ctx * self.n_slots,
             "n_parallel": self.config.n_parallel,
+            "decode_calls": self._decode_calls,
         }
 
     @property
@@ -511,6 +513,7 @@ class Engine:
         if batch.n == 0:
             return
         be.decode(batch)
+        self._decode_calls += 1
         for act in sampling:
             smp = act.sampler
             self._on_token(act, be.argmax(act.out_index) if smp.plain_greedy else be.sample(smp.chain, act.out_index))
