@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgechat.config import Paths, get_paths
+from edgechat.config import Paths, get_paths, make_data_dir
 from edgechat.engine import planner
 from edgechat.engine.kvcache import KVManager, Slot
 from edgechat.engine.llama import Batch, LlamaBackend
@@ -644,6 +644,10 @@ class Engine:
     # ------------------------------------------------------------------ snapshots
     def _snapshot_store(self) -> SnapshotStore:
         if self._snapshots is None:
+            try:
+                make_data_dir(self.paths)  # private (0700) before the first snapshot lands there
+            except OSError as exc:
+                log.warning("cannot create %s (%s); conversations will not be snapshotted", self.paths.snapshots, exc)
             tags = {
                 "model_sha256": model_fingerprint(self.model_path, self.paths.cache),
                 "n_ctx": self.n_ctx,

@@ -15,23 +15,27 @@ from pathlib import Path
 import llama_cpp as L
 
 from edgechat.fsutil import atomic_write
+from edgechat.models.ggufinfo import split_part_names
 
 SNAPSHOT_MAGIC = b"ECKVSNP1"
 
 
 def model_fingerprint(path: Path, cache_dir: Path) -> str:
-    """sha256 of the model file, remembered per (path, size, mtime) so it is computed once."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    """sha256 of the model's files (every part of a split model), remembered per (path, size,
+    mtime) so it is computed once."""
+    parts = [path.parent / name for name in split_part_names(path.name)]
+    stamp = "|".join(f"{p.resolve()}|{p.stat().st_size}|{p.stat().st_mtime_ns}" for p in parts)
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:32]
     memo = cache_dir / "model-hashes" / key
     try:
         return memo.read_text().strip()
     except OSError:
         pass
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 22):
-            digest.update(block)
+    for part in parts:
+        with open(part, "rb") as fh:
+            while block := fh.read(1 << 22):
+                digest.update(block)
     value = digest.hexdigest()
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
