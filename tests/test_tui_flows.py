@@ -130,7 +130,8 @@ async def test_stop_before_the_first_token_undoes_the_send(paths, client):
         async with app.run_test(size=(100, 30)) as pilot:
             await ready(pilot)
             screen = app.chat_screen
-            await pilot.press(*"hello there", "enter")
+            screen.prompt.set_text("hello there")  # (each key waits for an idle app, slow beside a busy engine)
+            await pilot.press("enter")
             await until(pilot, lambda: client.engine.stats()["waiting"] == 1, what="the request to queue")
             await pilot.press("escape")
             await until(pilot, lambda: screen.turn is None, what="the stop")
