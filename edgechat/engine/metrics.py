@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 from edgechat.engine.request import RequestMetrics
@@ -11,7 +12,7 @@ def percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile of an already sorted list (0 for an empty one)."""
     if not sorted_values:
         return 0.0
-    k = max(0, min(len(sorted_values) - 1, int(round(q / 100 * len(sorted_values) + 0.5)) - 1))
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100 * len(sorted_values)) - 1))
     return sorted_values[k]
 
 
