@@ -124,7 +124,9 @@ async def test_stop_before_the_first_token_undoes_the_send(paths, client):
 
     # Another request holds the engine's one decoding slot: the app's request waits in the queue,
     # so the stop lands before its first token however fast the machine is.
-    blocker = client.submit(ChatRequest(messages=[{"role": "user", "content": LOOPING}], max_tokens=3000, ignore_eos=True))
+    blocker = client.submit(
+        ChatRequest(messages=[{"role": "user", "content": LOOPING}], max_tokens=3000, ignore_eos=True)
+    )
     try:
         app = app_for(paths, client)
         async with app.run_test(size=(100, 30)) as pilot:
@@ -143,7 +145,8 @@ async def test_stop_before_the_first_token_undoes_the_send(paths, client):
             # once the engine is free, the message put back is answered
             blocker.cancel()
             await send(pilot, screen.prompt.text)
-            assert [(role, status) for role, _, status in stored(app)] == [("user", "complete"), ("assistant", "complete")]
+            statuses = [(role, status) for role, _, status in stored(app)]
+            assert statuses == [("user", "complete"), ("assistant", "complete")]
     finally:
         blocker.cancel()
 

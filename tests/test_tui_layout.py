@@ -324,7 +324,8 @@ async def test_titles_names_and_errors_are_shown_literally(isolated_dirs):
         await screen.send("/undo")
         await pilot.pause(0.2)
         toasts = [str(t.render()) for t in app.screen.query(Toast)]
-        assert any(f"Deleted “{MARKUP}”" in t for t in toasts) and any(f"Restored “{MARKUP}”" in t for t in toasts)
+        assert any(f"Deleted “{MARKUP}”" in t for t in toasts)
+        assert any(f"Restored “{MARKUP}”" in t for t in toasts)
         # a typed setting that is not a number is quoted back in the dialog's error line
         await pilot.press("f4")
         await pilot.pause()

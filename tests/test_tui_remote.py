@@ -1,4 +1,5 @@
-"""Remote mode: the chat app talking to edgechat's own OpenAI-compatible server (real engine, real SmolLM2)."""
+"""Remote mode: the chat app talking to edgechat's own OpenAI-compatible server (real engine, real SmolLM2),
+and to a small stand-in server that records request bodies and fails on cue."""
 
 from __future__ import annotations
 
@@ -125,7 +126,9 @@ def test_remote_client_cancel_stops_the_stream(server_url):
 def test_remote_client_error_mid_stream_ends_in_error(cutoff_url):
     client = RemoteClient(cutoff_url, KEY)
     handle = client.submit(
-        ChatRequest(messages=[{"role": "user", "content": LOOPING}], max_tokens=900, sampling=SamplingParams(temperature=0.0))
+        ChatRequest(
+            messages=[{"role": "user", "content": LOOPING}], max_tokens=900, sampling=SamplingParams(temperature=0.0)
+        )
     )
     events = list(handle)
     deltas = [e.text for e in events if isinstance(e, TextDelta)]

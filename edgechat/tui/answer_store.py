@@ -56,7 +56,8 @@ class StoredAnswer:
         if finished.error:
             meta["error"] = finished.error
         self.text = finished.text
-        self.store.update_message(self.id, content=finished.text, status=_STATUS.get(finished.reason, "error"), meta=meta)
+        status = _STATUS.get(finished.reason, "error")
+        self.store.update_message(self.id, content=finished.text, status=status, meta=meta)
         return self.store.get_message(self.id)
 
     def interrupt(self) -> None:

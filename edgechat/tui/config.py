@@ -13,7 +13,9 @@ from edgechat.fsutil import atomic_write_text
 from edgechat.store.history import with_system_prompt
 
 #: the sampler settings a conversation keeps (SamplingParams fields), in the order the settings show them
-SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
+SAMPLING_SETTINGS = (
+    "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"
+)
 
 #: the per-conversation settings and their defaults (overridden by [chat] in config.toml)
 CHAT_DEFAULTS: dict = {
