@@ -1,0 +1,69 @@
+"""Faults inside the engine seen through the server: the request that hits one fails alone and
+fast, the others are answered, nothing is left queued or out of step; a dead engine is a 503."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import pytest
+
+from edgechat.engine import Engine, EngineConfig
+from edgechat.server import ServerSettings, create_app
+from serving import serving
+
+MODEL = "smollm2-135m-instruct"
+
+pytestmark = pytest.mark.slow
+
+
+def ask(url: str, text: str) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 12, "temperature": 0}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+
+
+def test_a_request_that_breaks_the_engine_fails_alone(models_root, monkeypatch):
+    with Engine(EngineConfig(model=MODEL, n_ctx=512, n_threads=2, n_parallel=2, paths=models_root)) as engine:
+        real_reuse = engine.kv.reuse
+
+        def reuse(slot, prompt, realign):
+            if "POISON" in engine.detokenize(prompt):
+                raise RuntimeError("a bug met while starting this request")
+            return real_reuse(slot, prompt, realign)
+
+        monkeypatch.setattr(engine.kv, "reuse", reuse)
+        settings = ServerSettings(model_id=MODEL, degrade_queue_wait=None)
+        with serving(create_app(settings, engine)) as url:
+            texts = ["Say hello.", "POISON: say hi.", "Name a fruit.", "POISON again.", "Name a color."]
+            with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
+                replies = list(pool.map(lambda t: ask(url, t), texts))
+            for text, reply in zip(texts, replies):
+                if "POISON" in text:
+                    assert reply.status_code == 500 and "a bug met" in reply.json()["error"]["message"]
+                else:
+                    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"]
+            stats = engine.stats()
+            assert stats["running"] == 0 and stats["waiting"] == 0
+            assert engine.kv_problems() == []
+            assert ask(url, "Say hello.").status_code == 200
+
+
+class Killed(BaseException):
+    """Stands for what no `except Exception` stops."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_engine_answers_503_at_once(models_root, monkeypatch):
+    with Engine(EngineConfig(model=MODEL, n_ctx=512, n_threads=2, paths=models_root)) as engine:
+        with serving(create_app(ServerSettings(model_id=MODEL, degrade_queue_wait=None), engine)) as url:
+            def die():
+                raise Killed("the engine thread died")
+
+            monkeypatch.setattr(engine, "_step", die)
+            first = ask(url, "Say hello.")
+            assert first.status_code == 500 and "the engine thread died" in first.json()["error"]["message"]
+            started = time.monotonic()
+            second = ask(url, "Say hello.")
+            assert second.status_code == 503 and second.json()["error"]["code"] == "engine_stopped"
+            assert time.monotonic() - started < 2
