@@ -174,27 +174,26 @@ async def test_app_stores_an_answer_cut_off_by_the_server_as_an_error(cutoff_url
         assert any(n.message == f"The answer failed: {answer.meta['error']}" for n in app._notifications)
 
 
+FAILURE = {"error": {"message": "the engine failed", "type": "server_error", "code": "error"}}
+
+
 @pytest.mark.asyncio
-async def test_app_keeps_the_text_before_an_error_event(isolated_dirs):
-    # our server's shape of a failure mid-answer: text chunks, then an error event and no [DONE]
-    failure = {"error": {"message": "the engine failed", "type": "server_error", "code": "error"}}
-    with serving(openai_double([delta("Hello, "), delta("wor"), failure], [])) as url:
+@pytest.mark.parametrize(
+    "ending, error",
+    [
+        # our server's shape of a failure mid-answer: text chunks, then an error event and no [DONE]
+        ([FAILURE], "the server stopped the answer: the engine failed"),
+        # a stream that ends without a finish reason (a proxy timing out, a server killed) is not complete
+        ([], "the server closed the stream before the answer ended"),
+    ],
+)
+async def test_app_keeps_the_text_of_an_answer_cut_off_and_marks_it_an_error(isolated_dirs, ending, error):
+    with serving(openai_double([delta("Hello, "), delta("wor"), *ending], [])) as url:
         app = EdgechatApp(isolated_dirs, url=url)
         async with app.run_test(size=(100, 30)) as pilot:
             user, answer = await answer_in_app(app, pilot, "hi")
     assert (answer.content, answer.status) == ("Hello, wor", "error")
-    assert answer.meta["error"] == "the server stopped the answer: the engine failed"
-
-
-@pytest.mark.asyncio
-async def test_app_an_answer_whose_stream_just_stops_is_an_error(isolated_dirs):
-    # a stream that ends without a finish reason (a proxy timing out, a server killed) is not complete
-    with serving(openai_double([delta("Hello, "), delta("wor")], [])) as url:
-        app = EdgechatApp(isolated_dirs, url=url)
-        async with app.run_test(size=(100, 30)) as pilot:
-            user, answer = await answer_in_app(app, pilot, "hi")
-    assert (answer.content, answer.status) == ("Hello, wor", "error")
-    assert answer.meta["error"] == "the server closed the stream before the answer ended"
+    assert answer.meta["error"] == error
 
 
 @pytest.mark.asyncio
