@@ -67,3 +67,24 @@ def test_a_dead_engine_answers_503_at_once(models_root, monkeypatch):
             second = ask(url, "Say hello.")
             assert second.status_code == 503 and second.json()["error"]["code"] == "engine_stopped"
             assert time.monotonic() - started < 2
+
+
+def test_each_request_builds_its_prompt_once(models_root, monkeypatch):
+    """Templating and tokenizing a long history is most of a request's CPU before decoding:
+    the server checks its limits on the same built prompt that the engine then runs."""
+    with Engine(EngineConfig(model=MODEL, n_ctx=512, n_threads=2, paths=models_root)) as engine:
+        builds = []
+        real_prepare = engine.prompts.prepare
+
+        def prepare(request, policy, check_limit=True):
+            builds.append(request)
+            return real_prepare(request, policy, check_limit)
+
+        monkeypatch.setattr(engine.prompts, "prepare", prepare)
+        settings = ServerSettings(model_id=MODEL, max_input_tokens=300, degrade_queue_wait=None)
+        with serving(create_app(settings, engine)) as url:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "temperature": 0}
+            for extra in ({}, {"max_tokens": 10**9}, {"max_tokens": 8}):
+                builds.clear()
+                reply = httpx.post(f"{url}/v1/chat/completions", json={**body, **extra}, timeout=60)
+                assert reply.status_code == 200 and len(builds) == 1, (extra, len(builds))

@@ -174,10 +174,16 @@ class Engine:
         return self.kv.slots
 
     # ---------------------------------------------------------------- public API (any thread)
-    def submit(self, request: ChatRequest, on_event=None) -> RequestHandle:
+    def submit(self, request: ChatRequest, on_event=None, prepared: Prepared | None = None) -> RequestHandle:
+        """Queue a request. `prepared` is what prepare() built for it (its max_tokens may have
+        been lowered since): the prompt is then not built twice."""
         self._check_running()
         clock = RequestClock()
-        prep = self.prompts.prepare(request, self._policy(request))
+        if prepared is None:
+            prep = self.prompts.prepare(request, self._policy(request))
+        else:
+            prep = prepared
+            self.prompts.check(request, prep)
         clock.tokenize = time.perf_counter() - clock.submitted
         handle = RequestHandle(request, on_event)
         with self._lock:
@@ -191,9 +197,14 @@ class Engine:
             self._inbox.put(_Active(handle, request, prep, clock))
         return handle
 
+    def prepare(self, request: ChatRequest) -> Prepared:
+        """The prompt submit() would build for this request (template, tokens, eviction), without
+        the limit check; front ends that look at it first hand it to submit()."""
+        return self.prompts.prepare(request, self._policy(request), check_limit=False)
+
     def prompt_tokens(self, request: ChatRequest) -> list[int]:
         """The exact tokens the model would be given for this request (template applied)."""
-        return list(self.prompts.prepare(request, self._policy(request), check_limit=False).tokens)
+        return list(self.prepare(request).tokens)
 
     def count_tokens(self, request: ChatRequest) -> int:
         return len(self.prompt_tokens(request))

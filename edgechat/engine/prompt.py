@@ -82,7 +82,14 @@ class PromptBuilder:
             prep = Prepared(self.tokens_for([text])[0], 0, [], 0, 0)
         else:
             prep = self._prepare_chat(request, policy, limit)
-        if check_limit and len(prep.tokens) > limit:
+        if check_limit:
+            self.check(request, prep)
+        return prep
+
+    def check(self, request: ChatRequest, prep: Prepared) -> None:
+        """Refuse a prompt that leaves too little of the context for the request's answer."""
+        limit = self.limit(request)
+        if len(prep.tokens) > limit:
             raise PromptTooLongError(
                 f"the prompt is {len(prep.tokens)} tokens but this context allows {limit} "
                 f"({self.n_ctx} minus {self.n_ctx - limit} kept for the answer); shorten it, "
@@ -90,7 +97,6 @@ class PromptBuilder:
                 len(prep.tokens),
                 limit,
             )
-        return prep
 
     def tokens_for(self, segments: list[str]) -> list[list[int]]:
         """Tokens of each segment (lists shared with the cache: never modify them)."""

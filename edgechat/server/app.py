@@ -168,26 +168,28 @@ class _Server:
         parsed = parse_completion(await self.read_body(request))
         return await self.generate(request, parsed, "text", arrival)
 
-    async def admit(self, engine, req: ChatRequest) -> None:
-        """Enforce --max-input-tokens and fit max_tokens to the room the prompt leaves.
+    async def admit(self, engine, req: ChatRequest):
+        """Build the prompt once, enforce --max-input-tokens and fit max_tokens to the room the
+        prompt leaves; returns the built prompt for submit().
 
         The engine keeps going past a full context by shifting it, so an unbounded or huge
         max_tokens (10**9) must be cut to what the context holds, or the answer never ends.
         """
         n_ctx, limit = engine.n_ctx, self.settings.max_input_tokens
-        # up to a quarter of the context, the engine itself checks that prompt + answer fit
-        if limit is not None or req.max_tokens is None or req.max_tokens > n_ctx // 4:
-            n = await run_in_threadpool(engine.count_tokens, req)
-            if limit is not None and n > limit:
-                raise self.reject(prompt_too_long(n, limit, "the server's --max-input-tokens"))
-            room = n_ctx - n
-            if req.max_tokens is not None and req.max_tokens > room >= 1:
-                req.max_tokens = room
-            elif req.max_tokens is None and room >= n_ctx // 4:
-                # with no max_tokens the engine keeps a quarter of the context for the answer
-                # and refuses longer prompts itself
-                req.max_tokens = room
+        # templating and tokenizing: keep them off the event loop
+        prepared = await run_in_threadpool(engine.prepare, req)
+        n = len(prepared.tokens)
+        if limit is not None and n > limit:
+            raise self.reject(prompt_too_long(n, limit, "the server's --max-input-tokens"))
+        room = n_ctx - n
+        if req.max_tokens is not None and req.max_tokens > room >= 1:
+            req.max_tokens = room
+        elif req.max_tokens is None and room >= n_ctx // 4:
+            # with no max_tokens the engine keeps a quarter of the context for the answer
+            # and refuses longer prompts itself (in submit)
+            req.max_tokens = room
         req.max_tokens = self.degrade.cap(req.max_tokens)
+        return prepared
 
     async def generate(self, request: Request, parsed: ParsedRequest, kind: str, arrival: float) -> Response:
         served = self.find_model(parsed.model)
@@ -197,9 +199,8 @@ class _Server:
         served = self.route(served)
         gen = Generation(asyncio.get_running_loop(), arrival + self.settings.request_timeout, self.on_finished)
         try:
-            await self.admit(served.engine, req)
-            # submit tokenizes the prompt; keep that off the event loop
-            handle = await run_in_threadpool(served.engine.submit, req, gen.on_event)
+            prepared = await self.admit(served.engine, req)
+            handle = served.engine.submit(req, gen.on_event, prepared)
         except EdgechatError as exc:
             raise self.reject(from_engine_error(exc, self.retry_after())) from None
         gen.handle = handle
