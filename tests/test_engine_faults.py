@@ -117,7 +117,7 @@ def test_a_dead_engine_thread_finishes_every_request_and_refuses_new_work(smollm
         def die():
             raise Killed("the thread died")
 
-        monkeypatch.setattr(engine, "_step", die)
+        monkeypatch.setattr(engine.scheduler, "step", die)
         for handle in (running, queued):
             done = handle.result(BOUND_S)
             assert done.reason == "error" and "the thread died" in done.error

@@ -60,7 +60,7 @@ def test_a_dead_engine_answers_503_at_once(models_root, monkeypatch):
             def die():
                 raise Killed("the engine thread died")
 
-            monkeypatch.setattr(engine, "_step", die)
+            monkeypatch.setattr(engine.scheduler, "step", die)
             first = ask(url, "Say hello.")
             assert first.status_code == 500 and "the engine thread died" in first.json()["error"]["message"]
             started = time.monotonic()

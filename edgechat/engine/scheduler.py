@@ -1,0 +1,331 @@
+"""The scheduler: which requests run, and one step of them all.
+
+Runs on the engine thread only. Waiting requests are admitted when a sequence is free (the KV
+manager picks it and reuses what it can); each step decodes one token for every running
+sequence and a chunk of every prompt still being prefilled, all in one llama_decode (continuous
+batching); sampled tokens go through each request's output processor to its handle. Every
+request ends in `finish`, which frees what it holds before its client hears of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from edgechat.engine.kvcache import KVManager, Slot
+from edgechat.engine.llama import Batch, LlamaBackend
+from edgechat.engine.metrics import RequestClock
+from edgechat.engine.prompt import Prepared
+from edgechat.engine.request import (
+    FINISH_REASONS,
+    ChatRequest,
+    ContextPolicy,
+    Evicted,
+    Finished,
+    Metrics,
+    RequestHandle,
+    RequestStatus,
+    TextDelta,
+)
+from edgechat.engine.sampling import SamplerChain
+from edgechat.engine.sessions import ConversationStates
+from edgechat.engine.stream import OutputProcessor
+from edgechat.errors import EngineBusyError
+
+log = logging.getLogger("edgechat.engine")
+
+#: prompt tokens prefilled per step while other sequences are decoding (chunked prefill):
+#: one llama.cpp ubatch, so a long prompt never stalls the running streams for more than that
+PREFILL_CHUNK_BUSY = 512
+
+
+@dataclass
+class Running:
+    """A submitted request as the scheduler tracks it, from the queue to its end."""
+
+    handle: RequestHandle
+    request: ChatRequest
+    prep: Prepared
+    clock: RequestClock
+    queued: bool = True  # counted in Scheduler.n_waiting
+    slot: Slot | None = None
+    sampler: SamplerChain | None = None
+    proc: OutputProcessor | None = None
+    pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill
+    next_token: int | None = None  # sampled, not yet in the KV cache
+    out_index: int = -1  # batch index whose logits this request samples from
+    n_out: int = 0
+    cached: int = 0
+    tokens_out: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        backend: LlamaBackend,
+        kv: KVManager,
+        states: ConversationStates,
+        n_ctx: int,
+        n_parallel: int,
+        policy: Callable[[ChatRequest], ContextPolicy],
+    ):
+        self.backend = backend
+        self.kv = kv
+        self.states = states
+        self.n_ctx = n_ctx
+        self.n_parallel = n_parallel
+        self.policy = policy
+        self.waiting: deque[Running] = deque()
+        self.active: list[Running] = []
+        #: requests submitted and not yet started or ended (read by any thread)
+        self.n_waiting = 0
+        self._count_lock = threading.Lock()
+        #: llama_decode calls of the step loop: batching shows as fewer calls than tokens
+        self.decode_calls = 0
+        self._batch = Batch(backend.n_batch, len(kv.slots))
+
+    def close(self) -> None:
+        self._batch.close()
+
+    # ------------------------------------------------------------------ the queue (any thread)
+    def reserve(self, max_queue: int | None) -> None:
+        """Count one more waiting request, or refuse it when the queue is full."""
+        with self._count_lock:
+            # requests that a free sequence will take at the next step are not queued
+            free = max(self.n_parallel - len(self.active), 0)
+            if max_queue is not None and self.n_waiting - free >= max_queue:
+                raise EngineBusyError(f"the engine is busy ({self.n_waiting - free} requests waiting); try again shortly")
+            self.n_waiting += 1
+
+    def _dequeue(self, run: Running) -> None:
+        if run.queued:
+            run.queued = False
+            with self._count_lock:
+                self.n_waiting -= 1
+
+    # ------------------------------------------------------------------ admission
+    def admit(self) -> None:
+        still: deque[Running] = deque()
+        while self.waiting:
+            run = self.waiting.popleft()
+            try:
+                if run.handle.cancelled:
+                    self.finish(run, RequestStatus.FINISHED_CANCELLED)
+                    continue
+                slot = None
+                if len(self.active) < self.n_parallel:
+                    slot = self.kv.pick(run.request.session, run.prep.tokens, self.n_ctx)
+                if slot is None:
+                    still.append(run)
+                    continue
+                self._dequeue(run)
+                self._start(run, slot)
+            except Exception as exc:  # this request cannot start (a snapshot it needs, a bug): it alone fails
+                log.exception("could not start a request")
+                self.finish(run, RequestStatus.FINISHED_ERROR, error=str(exc) or type(exc).__name__)
+        self.waiting = still
+
+    def _start(self, run: Running, slot: Slot) -> None:
+        req, prompt = run.request, run.prep.tokens
+        run.slot, slot.busy = slot, True
+        run.clock.admitted = time.perf_counter()
+        run.handle.status = RequestStatus.RUNNING
+        self.active.append(run)
+        if req.session is not None:
+            self.states.update(req.session, evicted=run.prep.evicted_total)
+            if run.prep.summary:
+                self.states.update(req.session, summary=run.prep.summary)
+        if run.prep.evicted_now:
+            n = run.prep.evicted_now
+            run.handle.emit(Evicted(n, 0, self.policy(req).value, f"{n} oldest message{'s' if n > 1 else ''} left the context"))
+        realign = req.session is not None and self.policy(req) is ContextPolicy.SHIFT
+        run.cached = self.kv.reuse(slot, prompt, realign)
+        run.pending = prompt[run.cached :]
+        run.sampler = SamplerChain(req.sampling, self.backend.n_vocab)
+        run.sampler.accept_prompt(prompt)
+        run.proc = OutputProcessor(req.stop)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> None:
+        be, batch, kv = self.backend, self._batch, self.kv
+        batch.clear()
+        sampling: list[Running] = []
+        for run in list(self.active):
+            if run.handle.cancelled:
+                self.finish(run, RequestStatus.FINISHED_CANCELLED)
+                continue
+            if run.next_token is None:
+                continue
+            if len(run.slot.tokens) >= self.n_ctx:
+                self._make_room(run)
+            run.out_index = batch.add(run.next_token, len(run.slot.tokens), run.slot.seq, True)
+            kv.extend(run.slot, [run.next_token])
+            run.next_token = None
+            sampling.append(run)
+        busy = bool(sampling)
+        for run in self.active:
+            if not run.pending or batch.free == 0:
+                continue
+            room = min(batch.free, PREFILL_CHUNK_BUSY if busy else batch.free)
+            chunk, run.pending = run.pending[:room], run.pending[room:]
+            base = len(run.slot.tokens)
+            for i, tok in enumerate(chunk):
+                last = not run.pending and i == len(chunk) - 1
+                idx = batch.add(tok, base + i, run.slot.seq, last)
+            kv.extend(run.slot, chunk)
+            if not run.pending:
+                run.out_index = idx
+                sampling.append(run)
+        if batch.n == 0:
+            return
+        be.decode(batch)
+        self.decode_calls += 1
+        for run in sampling:
+            smp = run.sampler
+            self._on_token(run, be.argmax(run.out_index) if smp.plain_greedy else be.sample(smp.chain, run.out_index))
+
+    def _on_token(self, run: Running, token: int) -> None:
+        be, req = self.backend, run.request
+        run.clock.token()
+        if be.is_eog(token) and not req.ignore_eos:
+            self.finish(run, RequestStatus.FINISHED_STOPPED)
+            return
+        run.n_out += 1
+        run.tokens_out.append(token)
+        text = run.proc.feed(be.piece(token))
+        if text:
+            run.handle.emit(TextDelta(text))
+        if run.proc.stopped:
+            self.finish(run, RequestStatus.FINISHED_STOPPED)
+        elif req.max_tokens is not None and run.n_out >= req.max_tokens:
+            self.finish(run, RequestStatus.FINISHED_LENGTH)
+        else:
+            run.next_token = token
+
+    def finish(self, run: Running, status: RequestStatus, error: str | None = None) -> None:
+        """End a request: free what it holds first, then tell its client (whose callback may fail)."""
+        self._dequeue(run)
+        if run in self.active:
+            self.active.remove(run)
+        if run.sampler is not None:
+            run.sampler.free()
+            run.sampler = None
+        slot = run.slot
+        if slot is not None:
+            self.kv.release(slot)
+            slot.dirty = slot.session is not None
+        tail = ""
+        if run.proc is not None and status is not RequestStatus.FINISHED_ERROR:
+            tail = run.proc.finish()
+        if tail:
+            run.handle.emit(TextDelta(tail))
+        run.handle.status = status
+        metrics = run.clock.build(
+            len(run.prep.tokens), run.cached, run.n_out, len(slot.tokens) if slot else 0, self.n_ctx
+        )
+        run.handle.emit(Metrics(metrics))
+        text = run.proc.text if run.proc is not None else ""
+        run.handle.emit(Finished(FINISH_REASONS[status], text, metrics, error, run.tokens_out))
+
+    def fail_running(self, exc: Exception) -> None:
+        """A step failed (a bug, a llama.cpp error): its requests end with the error."""
+        for run in list(self.active):
+            self.finish(run, RequestStatus.FINISHED_ERROR, error=str(exc) or type(exc).__name__)
+            # what llama.cpp holds after a failed decode is unknown: start that sequence afresh
+            try:
+                self.kv.clear(run.slot)
+            except Exception:
+                log.exception("could not clear sequence %d", run.slot.seq)
+
+    def end_all(self, others: list[Running], error: str | None) -> None:
+        """The engine is stopping: every request still here (and `others`, not yet queued) ends."""
+        for run in list(self.active) + list(self.waiting) + others:
+            run.handle.cancel()
+            status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_CANCELLED
+            self.finish(run, status, error=error)
+        self.active.clear()
+        self.waiting.clear()
+
+    # ------------------------------------------------------------------ context full mid-answer
+    def _make_room(self, run: Running) -> None:
+        """The sequence is full: drop the oldest whole message(s), or failing that the older half
+        of what follows the pinned prefix, then keep going. The stored conversation is untouched."""
+        slot, prep = run.slot, run.prep
+        tokens = list(slot.tokens)
+        need = max(self.n_ctx // 8, 1)
+        dropped_msgs = 0
+        if prep.spans:
+            a = b = prep.spans[0][0]
+            while prep.spans and b - a < need:
+                start, length = prep.spans.pop(0)
+                b = start + length
+                dropped_msgs += 1
+        else:
+            a = prep.keep
+            b = a + max((len(tokens) - a) // 2, 1)
+        n = b - a
+        for span in prep.spans:
+            span[0] -= n
+        policy = self.policy(run.request)
+        if policy is ContextPolicy.TRUNCATE or not self.kv.drop(slot, a, b):
+            # no position shift (by choice, or the memory or a busy sharer forbids it):
+            # recompute what follows the cut at its new positions
+            kept = self.kv.truncate(slot, a)
+            self.prefill_now(slot, tokens[kept:a] + tokens[b:])
+        if dropped_msgs:
+            note = f"{dropped_msgs} oldest message{'s' if dropped_msgs > 1 else ''} left the context"
+            if run.request.session is not None:
+                self.states.add_evicted(run.request.session, dropped_msgs)
+        else:
+            note = f"{n} older tokens left the context to make room for the answer"
+        run.handle.emit(Evicted(dropped_msgs, n, policy.value, note))
+
+    def prefill_now(self, slot: Slot, tokens: list[int], logits_last: bool = False) -> int:
+        """Decode tokens into the slot at once (outside the step's batch); returns the batch
+        index of the last token's logits in the final chunk."""
+        batch = Batch(self.backend.n_batch, len(self.kv.slots))
+        idx = -1
+        try:
+            for i in range(0, len(tokens), self.backend.n_batch):
+                batch.clear()
+                chunk = tokens[i : i + self.backend.n_batch]
+                for j, tok in enumerate(chunk):
+                    last = logits_last and i + j == len(tokens) - 1
+                    idx = batch.add(tok, len(slot.tokens) + j, slot.seq, last)
+                self.kv.extend(slot, chunk)
+                self.backend.decode(batch)
+        finally:
+            batch.close()
+        return idx
+
+    def continuation(self, n: int, session: str | None, tokens: list[int] | None) -> list[int]:
+        """For consistency checks: n greedy tokens after a session's cached sequence (left as it
+        was), or after `tokens` prefilled cold in an idle sequence."""
+        if session is not None:
+            slot = self.kv.slot_of(session)
+            if slot is None or slot.busy or not slot.tokens:
+                raise ValueError(f"no idle cached sequence for {session!r}")
+            keep = len(slot.tokens)
+            prefix = slot.tokens[-1:]
+            self.kv.truncate(slot, keep - 1)  # its logits are gone: decode the last token again
+        else:
+            # an idle sequence, a conversation's only if need be (it is spilled to its snapshot)
+            slot = min((s for s in self.kv.slots if not s.busy), key=lambda s: s.session is not None, default=None)
+            if slot is None:
+                raise ValueError("no idle sequence to prefill into")
+            self.kv.save_snapshot(slot)
+            self.kv.forget(slot)
+            keep, prefix = 0, list(tokens)
+        out: list[int] = []
+        try:
+            while len(out) < n:
+                idx = self.prefill_now(slot, prefix, logits_last=True)
+                prefix = [self.backend.argmax(idx)]
+                out.append(prefix[0])
+        finally:
+            self.kv.truncate(slot, keep)
+        return out
