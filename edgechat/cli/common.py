@@ -23,6 +23,14 @@ flash_attn_option = click.option(
     help="llama.cpp flash attention (off can be faster deep into long chats on CPUs).",
 )
 
+speculative_option = click.option(
+    "--speculative",
+    type=click.Choice(["auto", "off", "lookup"]),
+    default="auto",
+    help="Speculative decoding: auto guesses tokens from the text so far where that pays (same output, "
+    "fewer model passes); lookup always guesses; off never.",
+)
+
 
 def model_options(func):
     """-m/--model, --ctx, --threads: how a command loads its model."""

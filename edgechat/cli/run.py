@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from edgechat.cli.common import data_dir_option, flash_attn_option, model_options, sampling_options
+from edgechat.cli.common import data_dir_option, flash_attn_option, model_options, sampling_options, speculative_option
 from edgechat.config import get_paths
 from edgechat.engine.request import ChatRequest, ContextPolicy, Evicted, SamplingParams, TextDelta
 from edgechat.errors import UsageError
@@ -56,11 +56,12 @@ def read_prompt(prompt: str | None) -> str | None:
 )
 @click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", help="KV cache element type.")
 @flash_attn_option
+@speculative_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.argument("prompt", required=False)
 @data_dir_option
 def run_cmd(model, ctx, threads, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
-            system, session, raw, context_policy, kv_type, flash_attn, as_json, prompt, data_dir):
+            system, session, raw, context_policy, kv_type, flash_attn, speculative, as_json, prompt, data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
     from edgechat.engine import Engine, EngineConfig
 
@@ -79,7 +80,8 @@ def run_cmd(model, ctx, threads, temperature, top_p, top_k, min_p, repeat_penalt
     params = dict(sampling=build_sampling(temperature, top_p, top_k, min_p, repeat_penalty, seed),
                   max_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos)
     paths = get_paths(data_dir)
-    cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, kv_type=kv_type, flash_attn=flash_attn, paths=paths)
+    cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, kv_type=kv_type, flash_attn=flash_attn,
+                       speculative=speculative, paths=paths)
     if session is not None:
         finished = _session_turn(cfg, session, text, system, context_policy, params, as_json)
     else:

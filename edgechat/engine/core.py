@@ -29,6 +29,7 @@ from edgechat.engine.request import ChatRequest, ContextPolicy, RequestHandle, S
 from edgechat.engine.scheduler import Running, Scheduler
 from edgechat.engine.sessions import ConversationStates
 from edgechat.engine.snapshots import SnapshotStore, model_fingerprint, state_version
+from edgechat.engine.speculative import SpeculativeMode
 from edgechat.engine.templates import choose_format
 from edgechat.errors import EdgechatError, EngineStoppedError, UsageError
 from edgechat.models import display_name, read_model_info, resolve_model
@@ -58,6 +59,8 @@ class EngineConfig:
     n_gpu_layers: int | None = None
     snapshot_budget: int = 4 << 30
     paths: Paths | None = None
+    #: speculative decoding by default: "auto" (n-gram lookup where it pays), "off", "lookup"
+    speculative: str = "off"
     #: called from the loading thread with the fraction of the model read (0..1)
     on_load_progress: Callable[[float], None] | None = None
 
@@ -83,6 +86,7 @@ class Engine:
             raise UsageError("--parallel must be at least 1")
         if cfg.flash_attn not in ("auto", "on", "off"):
             raise UsageError(f"flash attention must be auto, on or off (got {cfg.flash_attn!r})")
+        self.speculative_default = _speculative_mode(cfg.speculative)
         self.model_path: Path = resolve_model(cfg.model, self.paths)
         self.model_info = info = read_model_info(self.model_path)
         self.n_slots = cfg.n_parallel + cfg.hot_sessions
@@ -116,7 +120,7 @@ class Engine:
         self.states = ConversationStates()
         self._snapshots: SnapshotStore | None = None
         self.kv = KVManager(be, self.n_slots, self._snapshot_store, self._saved_state, self._restored_state)
-        self.scheduler = Scheduler(be, self.kv, self.states, self.n_ctx, cfg.n_parallel, self._policy)
+        self.scheduler = Scheduler(be, self.kv, self.states, self.n_ctx, cfg.n_parallel, self._policy, self._speculative)
         self.prompts = PromptBuilder(
             self.format,
             lambda text: be.tokenize(text, add_bos=False, special=True),
@@ -140,6 +144,7 @@ class Engine:
         """Queue a request. `prepared` is what prepare() built for it (its max_tokens may have
         been lowered since): the prompt is then not built twice."""
         self._check_running()
+        _speculative_mode(request.speculative)
         clock = RequestClock()
         if prepared is None:
             prep = self.prompts.prepare(request, self._policy(request))
@@ -211,6 +216,10 @@ class Engine:
         """For consistency checks: the n tokens greedy decoding appends to a session's cached
         sequence (which is left as it was), or to `tokens` prefilled cold in an idle slot."""
         return self._call("continue", (n, session, tokens))
+
+    def top_logits(self, tokens: list[int], n: int = 2) -> list[tuple[int, float]]:
+        """For checking near-ties: the n highest (token, logit) after `tokens`, prefilled cold."""
+        return self._call("top_logits", (tokens, n))
 
     def close(self) -> None:
         if self._closed:
@@ -285,6 +294,9 @@ class Engine:
 
     def _saved_state(self, session: str) -> dict:
         return self.states.get(session) or {}
+
+    def _speculative(self, req: ChatRequest) -> SpeculativeMode:
+        return self.speculative_default if req.speculative is None else SpeculativeMode(req.speculative)
 
     def _restored_state(self, session: str, state: dict) -> None:
         self.states.update(session, **state)
@@ -365,6 +377,8 @@ class Engine:
                 cmd.result = self.kv.check()
             elif cmd.name == "continue":
                 cmd.result = self.scheduler.continuation(*cmd.arg)
+            elif cmd.name == "top_logits":
+                cmd.result = self.scheduler.top_logits(*cmd.arg)
             elif cmd.name == "release":
                 if slot is not None and not slot.busy:
                     self.kv.save_snapshot(slot)
@@ -397,3 +411,12 @@ class Engine:
             }
             self._snapshots = SnapshotStore(self.paths.snapshots, tags, self.config.snapshot_budget)
         return self._snapshots
+
+
+def _speculative_mode(value: str | None) -> SpeculativeMode | None:
+    if value is None:
+        return None
+    try:
+        return SpeculativeMode(value)
+    except ValueError:
+        raise UsageError(f"speculative decoding must be auto, off or lookup (got {value!r})") from None

@@ -261,6 +261,12 @@ class LlamaBackend:
         logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, index), (self.n_vocab,))
         return int(logits.argmax())
 
+    def top_logits(self, index: int, n: int) -> list[tuple[int, float]]:
+        """The n highest logits at a batch index, highest first (for checking near-ties)."""
+        logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, index), (self.n_vocab,))
+        best = np.argpartition(logits, -n)[-n:]
+        return sorted(((int(t), float(logits[t])) for t in best), key=lambda x: -x[1])
+
     # --- KV memory ------------------------------------------------------------------------------
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
         return bool(L.llama_memory_seq_rm(self.mem, seq, p0, p1))

@@ -56,6 +56,8 @@ class ChatRequest:
     context_policy: ContextPolicy = ContextPolicy.SHIFT
     #: messages (by index) kept in context under eviction besides the system prompt
     pinned: frozenset[int] = frozenset()
+    #: speculative decoding: "auto", "off" or "lookup"; None takes the engine's setting
+    speculative: str | None = None
 
 
 class RequestStatus(enum.Enum):
@@ -101,6 +103,9 @@ class RequestMetrics:
     #: tokens in the sequence's context after the request
     context_tokens: int = 0
     context_size: int = 0
+    #: speculative decoding: tokens guessed and verified, and how many of them were kept
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def prefill_tps(self) -> float:

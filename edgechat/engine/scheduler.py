@@ -33,6 +33,7 @@ from edgechat.engine.request import (
 )
 from edgechat.engine.sampling import SamplerChain
 from edgechat.engine.sessions import ConversationStates
+from edgechat.engine.speculative import MAX_DRAFT, DraftPolicy, NgramDrafter, SpeculativeMode, StepCost
 from edgechat.engine.stream import OutputProcessor
 from edgechat.errors import EngineBusyError
 
@@ -61,6 +62,10 @@ class Running:
     n_out: int = 0
     cached: int = 0
     tokens_out: list[int] = field(default_factory=list)
+    drafter: NgramDrafter | None = None
+    policy: DraftPolicy | None = None
+    draft: list[int] = field(default_factory=list)  # drafted tokens in this step's batch
+    draft_indices: list[int] = field(default_factory=list)  # batch indices of the logits to verify them
 
 
 class Scheduler:
@@ -72,6 +77,7 @@ class Scheduler:
         n_ctx: int,
         n_parallel: int,
         policy: Callable[[ChatRequest], ContextPolicy],
+        speculative: Callable[[ChatRequest], SpeculativeMode],
     ):
         self.backend = backend
         self.kv = kv
@@ -79,6 +85,9 @@ class Scheduler:
         self.n_ctx = n_ctx
         self.n_parallel = n_parallel
         self.policy = policy
+        self.speculative = speculative
+        #: what a wider batch costs on this machine, measured on every step
+        self.cost = StepCost()
         self.waiting: deque[Running] = deque()
         self.active: list[Running] = []
         #: requests submitted and not yet started or ended (read by any thread)
@@ -148,12 +157,16 @@ class Scheduler:
         run.sampler = SamplerChain(req.sampling, self.backend.n_vocab)
         run.sampler.accept_prompt(prompt)
         run.proc = OutputProcessor(req.stop)
+        mode = self.speculative(req)
+        if mode is not SpeculativeMode.OFF:
+            run.drafter = NgramDrafter(prompt)
+            run.policy = DraftPolicy(mode)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
         be, batch, kv = self.backend, self._batch, self.kv
         batch.clear()
-        sampling: list[Running] = []
+        decoding: list[Running] = []
         for run in list(self.active):
             if run.handle.cancelled:
                 self.finish(run, RequestStatus.FINISHED_CANCELLED)
@@ -165,7 +178,10 @@ class Scheduler:
             run.out_index = batch.add(run.next_token, len(run.slot.tokens), run.slot.seq, True)
             kv.extend(run.slot, [run.next_token])
             run.next_token = None
-            sampling.append(run)
+            decoding.append(run)
+        if decoding:
+            self._add_drafts(decoding)
+        sampling = list(decoding)
         busy = bool(sampling)
         for run in self.active:
             if not run.pending or batch.free == 0:
@@ -182,29 +198,87 @@ class Scheduler:
                 sampling.append(run)
         if batch.n == 0:
             return
+        started = time.perf_counter()
         be.decode(batch)
+        self.cost.observe(batch.n, time.perf_counter() - started)
         self.decode_calls += 1
         for run in sampling:
-            smp = run.sampler
-            self._on_token(run, be.argmax(run.out_index) if smp.plain_greedy else be.sample(smp.chain, run.out_index))
+            if run.draft:
+                self._verify(run)
+                continue
+            status = self._on_token(run, self._sample(run, run.out_index))
+            if status is not None:
+                self.finish(run, status)
 
-    def _on_token(self, run: Running, token: int) -> None:
+    def _sample(self, run: Running, index: int) -> int:
+        smp = run.sampler
+        return self.backend.argmax(index) if smp.plain_greedy else self.backend.sample(smp.chain, index)
+
+    def _add_drafts(self, decoding: list[Running]) -> None:
+        """Put drafted tokens after each decoding sequence's next token, with logits at each."""
+        batch = self._batch
+        width = len(decoding) + sum(min(len(r.pending), PREFILL_CHUNK_BUSY) for r in self.active if r.pending)
+        for run in decoding:
+            if run.drafter is None:
+                continue
+            slot = run.slot
+            room = min(self.n_ctx - len(slot.tokens), batch.free, MAX_DRAFT)
+            if run.request.max_tokens is not None:
+                # what this step can emit is the drafted tokens plus one
+                room = min(room, run.request.max_tokens - run.n_out - 1)
+            if room <= 0:
+                continue
+            guess = run.drafter.propose(room)
+            k = run.policy.length(self.cost, width, len(guess))
+            if k <= 0:
+                continue
+            run.draft = guess[:k]
+            base = len(slot.tokens)
+            run.draft_indices = [run.out_index] + [batch.add(tok, base + i, slot.seq, True) for i, tok in enumerate(run.draft)]
+            self.kv.extend(slot, run.draft)
+            width += k
+
+    def _verify(self, run: Running) -> None:
+        """Sample at each drafted position, in order, with the sequence's own sampler: drafted
+        tokens stay while they equal what was sampled; the cells after the first miss go."""
+        draft, slot = run.draft, run.slot
+        keep = len(slot.tokens) - len(draft)  # the next token's cell and everything before it
+        accepted, status = 0, None
+        for j, index in enumerate(run.draft_indices):
+            token = self._sample(run, index)
+            status = self._on_token(run, token)
+            if status is not None:
+                break
+            if j < len(draft) and token == draft[j]:
+                accepted += 1  # already in the cache, and its logits are the next to sample
+                continue
+            break  # a miss, or all kept and one more sampled: that token is the next to decode
+        self.kv.truncate(slot, keep + accepted)
+        run.policy.update(len(draft), accepted)
+        run.draft, run.draft_indices = [], []
+        if status is not None:
+            self.finish(run, status)
+
+    def _on_token(self, run: Running, token: int) -> RequestStatus | None:
+        """One sampled token reaches the request: its text goes out; returns how the request
+        ends if this token ends it, else None (the caller decides what goes into the cache)."""
         be, req = self.backend, run.request
         run.clock.token()
         if be.is_eog(token) and not req.ignore_eos:
-            self.finish(run, RequestStatus.FINISHED_STOPPED)
-            return
+            return RequestStatus.FINISHED_STOPPED
         run.n_out += 1
         run.tokens_out.append(token)
         text = run.proc.feed(be.piece(token))
         if text:
             run.handle.emit(TextDelta(text))
         if run.proc.stopped:
-            self.finish(run, RequestStatus.FINISHED_STOPPED)
-        elif req.max_tokens is not None and run.n_out >= req.max_tokens:
-            self.finish(run, RequestStatus.FINISHED_LENGTH)
-        else:
-            run.next_token = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.max_tokens is not None and run.n_out >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if run.drafter is not None:
+            run.drafter.extend([token])
+        run.next_token = token
+        return None
 
     def finish(self, run: Running, status: RequestStatus, error: str | None = None) -> None:
         """End a request: free what it holds first, then tell its client (whose callback may fail)."""
@@ -227,6 +301,8 @@ class Scheduler:
         metrics = run.clock.build(
             len(run.prep.tokens), run.cached, run.n_out, len(slot.tokens) if slot else 0, self.n_ctx
         )
+        if run.policy is not None:
+            metrics.drafted_tokens, metrics.accepted_tokens = run.policy.drafted, run.policy.accepted
         run.handle.emit(Metrics(metrics))
         text = run.proc.text if run.proc is not None else ""
         run.handle.emit(Finished(FINISH_REASONS[status], text, metrics, error, run.tokens_out))
@@ -313,13 +389,7 @@ class Scheduler:
             prefix = slot.tokens[-1:]
             self.kv.truncate(slot, keep - 1)  # its logits are gone: decode the last token again
         else:
-            # an idle sequence, a conversation's only if need be (it is spilled to its snapshot)
-            slot = min((s for s in self.kv.slots if not s.busy), key=lambda s: s.session is not None, default=None)
-            if slot is None:
-                raise ValueError("no idle sequence to prefill into")
-            self.kv.save_snapshot(slot)
-            self.kv.forget(slot)
-            keep, prefix = 0, list(tokens)
+            slot, keep, prefix = self._cold_slot(), 0, list(tokens)
         out: list[int] = []
         try:
             while len(out) < n:
@@ -329,3 +399,20 @@ class Scheduler:
         finally:
             self.kv.truncate(slot, keep)
         return out
+
+    def top_logits(self, tokens: list[int], n: int) -> list[tuple[int, float]]:
+        """For checking near-ties: the n highest logits after `tokens`, prefilled cold."""
+        slot = self._cold_slot()
+        try:
+            return self.backend.top_logits(self.prefill_now(slot, list(tokens), logits_last=True), n)
+        finally:
+            self.kv.clear(slot)
+
+    def _cold_slot(self) -> Slot:
+        """An idle sequence, emptied; a conversation's only if need be (spilled to its snapshot)."""
+        slot = min((s for s in self.kv.slots if not s.busy), key=lambda s: s.session is not None, default=None)
+        if slot is None:
+            raise ValueError("no idle sequence to prefill into")
+        self.kv.save_snapshot(slot)
+        self.kv.forget(slot)
+        return slot

@@ -33,6 +33,8 @@ class ServerMetrics:
         self.prompt_tokens = Counter("edgechat_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.cached_tokens = Counter("edgechat_prompt_cached_tokens", "Prompt tokens taken from the KV cache instead of prefilled.", registry=r)
         self.completion_tokens = Counter("edgechat_completion_tokens", "Generated tokens.", registry=r)
+        self.draft_tokens = Counter("edgechat_draft_tokens", "Tokens guessed by speculative decoding and verified.", registry=r)
+        self.draft_accepted_tokens = Counter("edgechat_draft_accepted_tokens", "Guessed tokens the model agreed with (kept).", registry=r)
         self.requests = Counter("edgechat_requests", "Generation requests by outcome (rejected: refused before any compute, for a full queue or a long prompt).", ["outcome"], registry=r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
@@ -50,6 +52,8 @@ class ServerMetrics:
         self.prompt_tokens.inc(m.prompt_tokens)
         self.cached_tokens.inc(m.cached_tokens)
         self.completion_tokens.inc(m.completion_tokens)
+        self.draft_tokens.inc(m.drafted_tokens)
+        self.draft_accepted_tokens.inc(m.accepted_tokens)
         if outcome != "ok":
             # a cancelled request's latencies describe the client, not the server
             return

@@ -161,6 +161,16 @@ def _opt_bool(body: dict, name: str) -> bool:
     return value
 
 
+def _speculative(body: dict) -> str | None:
+    """edgechat's own field: speculative decoding for this request (the server's setting if absent)."""
+    value = body.get("speculative")
+    if value is None:
+        return None
+    if value not in ("auto", "off", "lookup"):
+        raise bad_request("'speculative' must be one of auto, off, lookup", param="speculative", code="invalid_value")
+    return value
+
+
 def _stop(body: dict) -> list[str]:
     value = body.get("stop")
     if value is None:
@@ -278,6 +288,7 @@ def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages) -> P
         max_tokens=_max_tokens(body, None),
         stop=_stop(body),
         ignore_eos=_opt_bool(body, "ignore_eos"),
+        speculative=_speculative(body),
     )
     return ParsedRequest(request, model, stream, include_usage)
 
@@ -300,5 +311,6 @@ def parse_completion(body: dict) -> ParsedRequest:
         max_tokens=_max_tokens(body, 16),
         stop=_stop(body),
         ignore_eos=_opt_bool(body, "ignore_eos"),
+        speculative=_speculative(body),
     )
     return ParsedRequest(request, model, stream, include_usage)

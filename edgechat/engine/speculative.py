@@ -1,0 +1,143 @@
+"""Speculative decoding: guess the next tokens of a sequence cheaply, verify them in one pass.
+
+A drafter proposes up to k tokens for a sequence; the scheduler puts them into the step's
+llama_decode after the sequence's next token, samples at each position with the sequence's own
+sampler chain, and keeps the drafted tokens while they equal what was sampled. What the model
+says is unchanged (greedy or sampled); only the number of passes drops.
+
+Verification is not free on a CPU: a batch of 1 + k tokens costs more than one token. `StepCost`
+measures that cost on this machine as the engine runs, and `DraftPolicy` drafts only as many
+tokens as the sequence's recent acceptance makes worth it, backing off when nothing is accepted.
+"""
+
+from __future__ import annotations
+
+import enum
+
+#: the most tokens drafted for one sequence in one step
+MAX_DRAFT = 8
+#: n-gram lengths matched, longest first: a longer match predicts its continuation better
+NGRAM_SIZES = (4, 3, 2)
+
+
+class SpeculativeMode(str, enum.Enum):
+    AUTO = "auto"  # n-gram lookup, adaptive
+    OFF = "off"
+    LOOKUP = "lookup"  # n-gram lookup, even where the cost model would not draft
+
+
+class NgramDrafter:
+    """Prompt lookup: the longest recent n-gram of the sequence's own tokens (prompt, earlier
+    turns, the answer so far) that occurred before proposes what followed it then. Pays on
+    grounded work: rewriting a pasted text, editing code, quoting a document or a tool's output."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens: list[int] = []
+        #: n-gram -> the position right after its latest earlier occurrence
+        self._next: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        seq, index = self.tokens, self._next
+        for tok in tokens:
+            seq.append(tok)
+            end = len(seq) - 1  # the new token's position: what followed each n-gram ending before it
+            for n in NGRAM_SIZES:
+                if end >= n:
+                    index[tuple(seq[end - n : end])] = end
+
+    def propose(self, k: int) -> list[int]:
+        seq = self.tokens
+        for n in NGRAM_SIZES:
+            if len(seq) <= n:
+                continue
+            at = self._next.get(tuple(seq[-n:]))
+            if at is not None:
+                return seq[at : at + k]
+        return []
+
+
+class StepCost:
+    """Seconds one llama_decode takes for a batch of n tokens, measured as the engine runs
+    (moving averages per batch size; sizes not seen yet are interpolated, with a prior that a
+    token more costs 10% of a one-token step, until they are)."""
+
+    PRIOR = 0.10
+    ALPHA = 0.2
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        old = self._seconds.get(n_tokens)
+        self._seconds[n_tokens] = seconds if old is None else old + self.ALPHA * (seconds - old)
+
+    def ratio(self, base: int, extra: int) -> float:
+        """How much longer a step of base + extra tokens takes than one of base tokens."""
+        if extra <= 0:
+            return 1.0
+        b, w = self._estimate(base), self._estimate(base + extra)
+        if b is None or w is None:
+            return 1.0 + self.PRIOR * extra
+        return max(w / b, 1.0)
+
+    def _estimate(self, n: int) -> float | None:
+        known = self._seconds
+        if n in known:
+            return known[n]
+        lower = max((m for m in known if m < n), default=None)
+        upper = min((m for m in known if m > n), default=None)
+        if lower is not None and upper is not None:
+            f = (n - lower) / (upper - lower)
+            return known[lower] + f * (known[upper] - known[lower])
+        near = lower if lower is not None else upper
+        if near is None:
+            return None
+        # scale the nearest measured size by the prior's cost curve, 1 + PRIOR * (tokens - 1)
+        return known[near] * (1 + self.PRIOR * (n - 1)) / (1 + self.PRIOR * (near - 1))
+
+
+class DraftPolicy:
+    """How many tokens to draft for one sequence: the k that maximizes expected tokens per unit
+    of step cost, given the rate at which this sequence's drafts have been accepted."""
+
+    ALPHA = 0.3
+
+    def __init__(self, mode: SpeculativeMode):
+        self.mode = mode
+        self.rate = 0.5  # per drafted token, a moving average; starts undecided
+        self.cooldown = 0  # steps to skip drafting after misses
+        self._backoff = 1
+        self.drafted = 0
+        self.accepted = 0
+
+    def length(self, cost: StepCost, batch: int, available: int) -> int:
+        """Tokens to draft now, 0 for none; `available` is what the drafter could offer."""
+        if self.cooldown > 0:
+            self.cooldown -= 1
+            return 0
+        limit = min(available, MAX_DRAFT)
+        if self.mode is SpeculativeMode.LOOKUP:
+            return limit
+        best_k, best_gain = 0, 1.0
+        p = self.rate
+        expected = 0.0
+        for k in range(1, limit + 1):
+            expected += p**k  # the k-th drafted token is kept only if all before it were
+            gain = (1.0 + expected) / cost.ratio(batch, k)
+            if gain > best_gain * 1.02:
+                best_k, best_gain = k, gain
+        return best_k
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        self.rate += self.ALPHA * (accepted / drafted - self.rate)
+        if accepted == 0:
+            # a miss: wait a little before the next guess, longer after each miss in a row
+            self.cooldown = self._backoff
+            self._backoff = min(self._backoff * 2, 32)
+        else:
+            self._backoff = 1

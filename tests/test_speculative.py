@@ -1,0 +1,142 @@
+"""Speculative decoding: the drafter and the cost policy alone, then on the real models: the same
+text as plain decoding (greedy and seeded sampling), fewer passes on grounded work, and a KV
+cache that stays consistent through rejected drafts, eviction mid-answer, sessions and cancels."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
+from edgechat.engine.speculative import DraftPolicy, NgramDrafter, SpeculativeMode, StepCost
+from edgechat.errors import UsageError
+
+GREEDY = SamplingParams(temperature=0)
+PASSAGE = (
+    "The lighthouse keeper climbed the stairs every evening at six. He polished the great lens, "
+    "trimmed the wick and wrote the weather in a blue notebook. Ships passed far out at sea, and "
+    "none of them ever knew his name, but each of them found the harbour by his light."
+)
+REWRITE = f"Repeat this text exactly, word for word:\n\n{PASSAGE}"
+ZH = "请把下面这段话原样重复一遍：\n\n小猫每天早上坐在窗台上看鸟。它从来不去抓它们，只是安静地看着，然后回到厨房吃早饭。"
+
+
+# ---------------------------------------------------------------- without a model
+def test_ngram_drafter_proposes_what_followed_the_longest_recent_match():
+    d = NgramDrafter([1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7])
+    assert d.propose(3) == []  # 6 7 never occurred before
+    d.extend([2, 3, 4])
+    assert d.propose(2) == [6, 7]  # the latest earlier 2 3 4 was followed by 6 7
+    d.extend([1, 2])
+    assert d.propose(4) == [3, 4, 5, 9]  # the 4-gram 4 1 2 is new, the 2-gram 1 2 was followed by 3 4 5 9
+
+
+def test_step_cost_interpolates_and_starts_from_a_prior():
+    cost = StepCost()
+    assert cost.ratio(1, 4) == pytest.approx(1.4)
+    cost.observe(1, 0.010)
+    cost.observe(9, 0.018)
+    assert cost.ratio(1, 4) == pytest.approx(0.014 / 0.010)
+    assert cost.ratio(1, 0) == 1.0
+
+
+def test_draft_policy_drafts_when_it_pays_and_backs_off_when_it_misses():
+    cost = StepCost()
+    cost.observe(1, 0.010)
+    cost.observe(9, 0.040)  # a wide batch is 4x a single token: only a good guess pays
+    policy = DraftPolicy(SpeculativeMode.AUTO)
+    policy.rate = 0.95
+    assert policy.length(cost, 1, 8) >= 4
+    policy.rate = 0.1
+    assert policy.length(cost, 1, 8) == 0
+    policy.rate = 0.9
+    policy.update(4, 0)  # a miss: skip the next step, then two, ...
+    assert policy.length(cost, 1, 8) == 0 and policy.length(cost, 1, 8) > 0
+    assert (policy.drafted, policy.accepted) == (4, 0)
+    assert DraftPolicy(SpeculativeMode.LOOKUP).length(cost, 1, 5) == 5
+
+
+# ---------------------------------------------------------------- on the real models
+@pytest.fixture(scope="module")
+def smol(smollm2_path, models_root):
+    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=1024, n_threads=2, paths=models_root)) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma3_path, models_root):
+    with Engine(EngineConfig(model=str(gemma3_path), n_ctx=1024, n_threads=2, paths=models_root)) as engine:
+        yield engine
+
+
+#: top-two logit gap under which batched and one-token numerics may pick different tokens
+NEAR_TIE = 0.5
+
+
+def assert_same_or_near_tie(engine, text, plain, fast):
+    """Equal token ids, or a first divergence where the model's top two logits nearly tie:
+    llama.cpp's batched verification is not bit-identical to one-token decoding."""
+    if fast.token_ids == plain.token_ids:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(plain.token_ids + [-1], fast.token_ids + [-1])) if a != b)
+    prompt = engine.prompt_tokens(ChatRequest(messages=[{"role": "user", "content": text}]))
+    top = dict(engine.top_logits(prompt + plain.token_ids[:i], 10))
+    best = max(top.values())
+    chosen = [t for t in ((plain.token_ids + [-1])[i], (fast.token_ids + [-1])[i]) if t != -1]
+    gaps = [best - top[t] if t in top else float("inf") for t in chosen]
+    print(f"divergence at token {i}: {chosen} trail the top logit {best:.3f} by {gaps}")
+    assert max(gaps) < NEAR_TIE, (gaps, plain.text, fast.text)
+
+
+def answer(engine, text, mode, **kw):
+    kw.setdefault("sampling", GREEDY)
+    kw.setdefault("max_tokens", 80)
+    before = engine.stats()["decode_calls"]
+    done = engine.submit(ChatRequest(messages=[{"role": "user", "content": text}], speculative=mode, **kw)).result()
+    return done, engine.stats()["decode_calls"] - before
+
+
+@pytest.mark.parametrize("name", ["smol", "gemma"])
+@pytest.mark.parametrize("text", [REWRITE, ZH, "Tell me a short story about a fox."])
+def test_greedy_text_is_the_same_with_speculation(request, name, text):
+    engine = request.getfixturevalue(name)
+    plain, plain_calls = answer(engine, text, "off")
+    for mode in ("lookup", "auto"):
+        fast, calls = answer(engine, text, mode)
+        assert_same_or_near_tie(engine, text, plain, fast)
+        assert fast.metrics.accepted_tokens <= fast.metrics.drafted_tokens
+        assert calls <= plain_calls
+        assert engine.kv_problems() == []
+
+
+def test_grounded_text_takes_fewer_passes(smol):
+    plain, plain_calls = answer(smol, REWRITE, "off", max_tokens=60, ignore_eos=True)
+    fast, calls = answer(smol, REWRITE, "lookup", max_tokens=60, ignore_eos=True)
+    assert fast.token_ids == plain.token_ids
+    assert fast.metrics.accepted_tokens > 20 and calls < plain_calls * 0.7, (calls, plain_calls, fast.metrics)
+
+
+def test_seeded_sampling_is_the_same_with_speculation(smol):
+    hot = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=11, repeat_penalty=1.1)
+    plain, _ = answer(smol, REWRITE, "off", sampling=hot, max_tokens=60)
+    fast, _ = answer(smol, REWRITE, "lookup", sampling=hot, max_tokens=60)
+    assert fast.metrics.drafted_tokens > 0
+    assert fast.token_ids == plain.token_ids
+
+
+def test_rejected_drafts_leave_the_cache_consistent_through_eviction_sessions_and_cancel(smollm2_path, isolated_dirs):
+    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=256, n_threads=2, paths=isolated_dirs, speculative="lookup")) as engine:
+        long = engine.submit(ChatRequest(messages=[{"role": "user", "content": REWRITE}], sampling=GREEDY,
+                                         max_tokens=500, ignore_eos=True, session="s")).result()
+        assert long.reason == "length" and long.metrics.drafted_tokens > long.metrics.accepted_tokens > 0
+        assert engine.kv_problems() == []
+        handle = engine.submit(ChatRequest(messages=[{"role": "user", "content": REWRITE}], sampling=GREEDY,
+                                           max_tokens=300, ignore_eos=True))
+        for _ in handle.events():
+            handle.cancel()
+        assert handle.finished.reason == "cancelled"
+        assert engine.kv_problems() == []
+
+
+def test_a_bad_mode_is_one_clear_line(smol):
+    with pytest.raises(UsageError, match="auto, off or lookup"):
+        smol.submit(ChatRequest(messages=[{"role": "user", "content": "hi"}], speculative="fast"))
