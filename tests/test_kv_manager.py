@@ -132,6 +132,9 @@ def test_memory_that_refuses_partial_removal_is_cleared_whole(smollm2_path, isol
         assert engine.kv_problems() == []
         assert second.metrics.cached_tokens == 0  # nothing could be kept, and nothing wrong was
         assert "Lutz" in first.text
+        # a rejected guess could not be rolled back there: guessing stopped, and what a failed
+        # rollback lost was recomputed (without that, the first answer lost its context)
+        assert not engine.kv.can_rewind and second.metrics.drafted_tokens == 0
 
 
 def test_no_shift_is_attempted_where_the_memory_cannot_shift(smollm2_path, isolated_dirs, monkeypatch):

@@ -60,7 +60,7 @@ class EngineConfig:
     snapshot_budget: int = 4 << 30
     paths: Paths | None = None
     #: speculative decoding by default: "auto" (n-gram lookup where it pays), "off", "lookup"
-    speculative: str = "off"
+    speculative: str = "auto"
     #: called from the loading thread with the fraction of the model read (0..1)
     on_load_progress: Callable[[float], None] | None = None
 

@@ -108,6 +108,9 @@ class KVManager:
         self._restored = restored
         # _shared[a][b]: positions 0.._shared[a][b]-1 of sequences a and b are the same cells
         self._shared = [[0] * n_slots for _ in range(n_slots)]
+        #: False once the memory refused to drop part of a sequence (recurrent and hybrid
+        #: models): rewinding then means recomputing, so nothing should be guessed ahead
+        self.can_rewind = True
 
     @property
     def can_shift(self) -> bool:
@@ -173,6 +176,7 @@ class KVManager:
             if not self.backend.seq_rm(slot.seq, -1, -1):
                 raise KVInvariantError(f"llama.cpp refused to clear sequence {slot.seq}")
             n = 0
+            self.can_rewind = False
         del slot.tokens[n:]
         self._limit_sharing(slot, n)
         return n

@@ -219,7 +219,7 @@ class Scheduler:
         batch = self._batch
         width = len(decoding) + sum(min(len(r.pending), PREFILL_CHUNK_BUSY) for r in self.active if r.pending)
         for run in decoding:
-            if run.drafter is None:
+            if run.drafter is None or not self.kv.can_rewind:
                 continue
             slot = run.slot
             room = min(self.n_ctx - len(slot.tokens), batch.free, MAX_DRAFT)
@@ -253,7 +253,10 @@ class Scheduler:
                 accepted += 1  # already in the cache, and its logits are the next to sample
                 continue
             break  # a miss, or all kept and one more sampled: that token is the next to decode
-        self.kv.truncate(slot, keep + accepted)
+        valid = slot.tokens[: keep + accepted]
+        kept = self.kv.truncate(slot, len(valid))
+        if kept < len(valid):  # memory that cannot drop part of a sequence: recompute what it lost
+            self.prefill_now(slot, valid[kept:])
         run.policy.update(len(draft), accepted)
         run.draft, run.draft_indices = [], []
         if status is not None:

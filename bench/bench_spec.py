@@ -1,0 +1,100 @@
+"""Speculative decoding against plain decoding, same engine, same run (issue 11).
+
+For each embedded model and task, greedy decode tokens/s with speculation off, auto and lookup,
+alternating modes in every round (best of the rounds each), and whether the text is the same.
+Grounded tasks (rewrite a pasted text, fix a pasted code block, quote a pasted document) are
+where n-gram lookup pays (target >= 1.6x); open chat has nothing to look up (target >= 0.98x
+with auto).
+
+    python -m bench.bench_spec [--rounds 3] [--threads 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+
+from edgechat.config import get_paths
+from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
+
+MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
+MODES = ["off", "auto", "lookup"]
+
+STORY = (
+    "The old bridge over the river Aller was built in 1823 by the engineer Martha Klein. It has "
+    "seven stone arches, each eleven metres wide, and it carried the mail coach from Celle to "
+    "Hanover for forty years. In 1890 the town added iron railings and gas lamps. During the "
+    "flood of 1946 the water rose to the top of the third arch, but the bridge stood. Today it "
+    "is closed to cars; on Saturdays there is a market on it, where farmers sell honey, apples "
+    "and smoked trout, and a brass band plays near the western end."
+)
+CODE = '''def average(values):
+    total = 0
+    for v in values:
+        total += v
+    return total / len(values) + 1
+
+
+def report(scores):
+    for name, values in scores.items():
+        print(name, average(values))
+'''
+TASKS = {
+    "rewrite": f"Rewrite this text in the same words, keeping every sentence:\n\n{STORY}",
+    "code": f"This code has a bug: average() adds 1. Write the whole corrected code.\n\n```python\n{CODE}```",
+    "quote": f"{STORY}\n\nQuote the sentences of the text above that mention the flood and the market, word for word.",
+    "open": "Write a short poem about the sea at night.",
+}
+
+
+def run_task(engine: Engine, prompt: str, mode: str, max_tokens: int) -> tuple[float, list[int], float]:
+    done = engine.submit(ChatRequest(messages=[{"role": "user", "content": prompt}], sampling=SamplingParams(temperature=0),
+                                     max_tokens=max_tokens, speculative=mode)).result()
+    m = done.metrics
+    rate = m.accepted_tokens / m.drafted_tokens if m.drafted_tokens else 0.0
+    return m.decode_tps, done.token_ids, rate
+
+
+def bench_model(name: str, threads: int, rounds: int, max_tokens: int) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        with Engine(EngineConfig(model=name, n_ctx=2048, n_threads=threads, paths=get_paths(tmp))) as engine:
+            run_task(engine, "Hello", "off", 8)  # warm-up
+            for task, prompt in TASKS.items():
+                best = {mode: 0.0 for mode in MODES}
+                outputs, rates = {}, {}
+                for _ in range(rounds):
+                    for mode in MODES:
+                        tps, tokens, rate = run_task(engine, prompt, mode, max_tokens)
+                        best[mode] = max(best[mode], tps)
+                        outputs[mode], rates[mode] = tokens, rate
+                rows.append({
+                    "model": name, "task": task, "tokens": len(outputs["off"]),
+                    **{f"{mode}_tps": best[mode] for mode in MODES},
+                    "auto_ratio": best["auto"] / best["off"], "lookup_ratio": best["lookup"] / best["off"],
+                    "auto_accept": rates["auto"], "lookup_accept": rates["lookup"],
+                    "same_text": outputs["auto"] == outputs["off"] and outputs["lookup"] == outputs["off"],
+                })
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    rows = [row for name in MODELS for row in bench_model(name, args.threads, args.rounds, args.max_tokens)]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{'model':22} {'task':8} {'tokens':>6} {'off t/s':>8} {'auto':>7} {'ratio':>6} {'acc':>5} {'lookup':>7} {'ratio':>6} {'acc':>5} same")
+    for r in rows:
+        print(f"{r['model']:22} {r['task']:8} {r['tokens']:>6} {r['off_tps']:>8.1f} {r['auto_tps']:>7.1f} {r['auto_ratio']:>6.2f} "
+              f"{r['auto_accept']:>5.2f} {r['lookup_tps']:>7.1f} {r['lookup_ratio']:>6.2f} {r['lookup_accept']:>5.2f} {r['same_text']}")
+
+
+if __name__ == "__main__":
+    main()
