@@ -79,7 +79,9 @@ def engine_round(name: str, threads: int) -> tuple[list[float], list[float]]:
 def _engine_round_here(name: str, threads: int) -> None:
     path = resolve_model(name, get_paths())
     pp, tg = [], []
-    with Engine(EngineConfig(model=str(path), n_ctx=1024, n_threads=threads)) as engine:
+    # plain decoding: llama-bench guesses nothing, so neither may the engine here (bench_spec
+    # measures speculation against this same plain decoding)
+    with Engine(EngineConfig(model=str(path), n_ctx=1024, n_threads=threads, speculative="off")) as engine:
         engine_run(engine, salt=0)  # warm-up, as llama-bench does
         for rep in range(3):
             p, t = engine_run(engine, salt=1 + rep)
