@@ -218,3 +218,19 @@ def test_a_split_gguf_named_by_another_part_or_missing_one_is_one_line(smollm2_s
     alone = tmp_path / smollm2_split[0].name
     os.link(smollm2_split[0], alone)  # not a symlink: the path is resolved, and its target has company
     assert_one_line_error(edgechat("run", "-m", str(alone), "hello"), "part 1 of 2", "missing", smollm2_split[1].name)
+
+
+def test_run_speculative_modes_give_the_same_text_and_report_their_guesses(isolated_dirs):
+    text = "Repeat exactly, twice: the quick brown fox jumps over the lazy dog near the river bank."
+    runs = {}
+    for mode in ("off", "lookup"):
+        proc = edgechat("run", "--json", "--temperature", "0", "--max-tokens", "40", "--threads", "2",
+                        "--speculative", mode, text)
+        assert proc.returncode == 0, proc.stderr
+        runs[mode] = json.loads(proc.stdout)
+    assert runs["lookup"]["text"] == runs["off"]["text"]
+    assert runs["off"]["drafted_tokens"] == 0 and runs["off"]["acceptance"] is None
+    assert runs["lookup"]["drafted_tokens"] >= runs["lookup"]["accepted_tokens"] > 0
+    assert 0 < runs["lookup"]["acceptance"] <= 1
+    bad = edgechat("run", "--speculative", "fast", "hi")
+    assert bad.returncode == 2 and "fast" in bad.stderr and "Traceback" not in bad.stderr

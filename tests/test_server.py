@@ -292,3 +292,20 @@ def test_degrade_switch_caps_max_tokens_and_routes_to_the_fallback_under_sustain
 
 def _value(metrics_text: str, name: str) -> float:
     return next(float(line.split()[-1]) for line in metrics_text.splitlines() if line.startswith(name + " "))
+
+
+def test_speculative_per_request_and_its_counters(engine, base_url):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    drafted = metric(base_url, "edgechat_draft_tokens_total")
+    prompt = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog near the river."}]
+    bodies = [{"model": MODEL, "messages": prompt, "max_tokens": 30, "temperature": 0, "speculative": mode} for mode in ("off", "lookup")]
+    texts = []
+    for body in bodies:
+        r = httpx.post(f"{base_url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["message"]["content"])
+    assert texts[0] == texts[1]
+    assert metric(base_url, "edgechat_draft_tokens_total") > drafted
+    assert metric(base_url, "edgechat_draft_accepted_tokens_total") > 0
+    bad = httpx.post(f"{base_url}/v1/chat/completions", json={**bodies[0], "speculative": "fast"}, headers=headers, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative"

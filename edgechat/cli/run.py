@@ -182,6 +182,9 @@ def result_json(engine, finished, **extra) -> dict:
         "ttft_ms": round(m.ttft * 1000, 2),
         "prefill_tps": round(m.prefill_tps, 2),
         "decode_tps": round(m.decode_tps, 2),
+        "drafted_tokens": m.drafted_tokens,
+        "accepted_tokens": m.accepted_tokens,
+        "acceptance": round(m.accepted_tokens / m.drafted_tokens, 3) if m.drafted_tokens else None,
         **extra,
     }
 
