@@ -240,6 +240,9 @@ class RemoteClient:
             body["seed"] = s.seed
         if req.stop:
             body["stop"] = req.stop
+        if req.speculative not in (None, "auto"):
+            # edgechat serve's own field; other servers are sent it only when a conversation asks
+            body["speculative"] = req.speculative
         return body
 
     def submit(self, request: ChatRequest) -> Handle:

@@ -8,6 +8,7 @@ import tomli_w
 
 from edgechat.config import Paths, load_settings
 from edgechat.engine.request import ChatRequest, ContextPolicy, SamplingParams
+from edgechat.engine.speculative import SpeculativeMode
 from edgechat.errors import UsageError
 from edgechat.fsutil import atomic_write_text
 from edgechat.store.history import with_system_prompt
@@ -24,6 +25,7 @@ CHAT_DEFAULTS: dict = {
     "max_tokens": 512,
     "seed": None,
     "context_policy": "shift",
+    "speculative": SpeculativeMode.AUTO.value,
 }
 
 
@@ -82,6 +84,10 @@ def validate_settings(settings: dict) -> dict:
     if policy not in {p.value for p in ContextPolicy}:
         raise UsageError(f"context policy must be one of: {', '.join(p.value for p in ContextPolicy)}")
     out["context_policy"] = policy
+    spec = out.get("speculative") or SpeculativeMode.AUTO.value
+    if spec not in {m.value for m in SpeculativeMode}:
+        raise UsageError(f"speculative decoding must be one of: {', '.join(m.value for m in SpeculativeMode)}")
+    out["speculative"] = spec
     out["system_prompt"] = str(out.get("system_prompt") or "")
     return out
 
@@ -95,4 +101,5 @@ def build_request(settings: dict, history: list[dict], session: str | None) -> C
         max_tokens=s["max_tokens"],
         session=session,
         context_policy=ContextPolicy(s["context_policy"]),
+        speculative=s["speculative"],
     )

@@ -342,6 +342,7 @@ class ChatScreen(Screen):
         self.status.context_size = m.context_size or self.status.context_size
         self.status.ttft = m.ttft
         self.status.tok_s = m.decode_tps
+        self.status.spec = 100 * m.accepted_tokens / m.drafted_tokens if m.drafted_tokens else None
 
     @on(ChatView.AnswerFinished)
     async def _finished(self, event: ChatView.AnswerFinished) -> None:

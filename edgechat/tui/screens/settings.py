@@ -1,4 +1,5 @@
-"""Per-conversation settings: system prompt, sampling, answer length, seed, context policy."""
+"""Per-conversation settings: system prompt, sampling, answer length, seed, context policy,
+speculative decoding."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, TextArea
 
 from edgechat.engine.request import ContextPolicy
+from edgechat.engine.speculative import SpeculativeMode
 from edgechat.errors import UsageError
 from edgechat.tui.config import validate_settings
 
@@ -57,6 +59,14 @@ class SettingsScreen(ModalScreen[dict | None]):
                     id="context_policy",
                     compact=True,
                 )
+                yield Label("Speculative decoding (same answers)")
+                yield Select(
+                    [(m.value, m.value) for m in SpeculativeMode],
+                    value=s.get("speculative") or SpeculativeMode.AUTO.value,
+                    allow_blank=False,
+                    id="speculative",
+                    compact=True,
+                )
             yield Label("", id="settings-error", markup=False)  # quotes what was typed
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", id="save", variant="primary", compact=True)
@@ -68,6 +78,7 @@ class SettingsScreen(ModalScreen[dict | None]):
             "system_prompt": self.query_one("#system_prompt", TextArea).text,
             **{key: self.query_one(f"#{key}", Input).value for key, _, _ in FIELDS},
             "context_policy": self.query_one("#context_policy", Select).value,
+            "speculative": self.query_one("#speculative", Select).value,
         }
 
     @on(Button.Pressed, "#save")
