@@ -148,7 +148,8 @@ def test_remote_errors_are_one_line(server_url):
 @pytest.mark.asyncio
 async def test_app_in_remote_mode(server_url, isolated_dirs):
     isolated_dirs.config.mkdir(parents=True, exist_ok=True)
-    isolated_dirs.config_file.write_text("[chat]\nmax_tokens = 10\ntemperature = 0.0\n")
+    # edgechat serve takes the conversation's speculative setting (a value it refused would fail the answer)
+    isolated_dirs.config_file.write_text('[chat]\nmax_tokens = 10\ntemperature = 0.0\nspeculative = "lookup"\n')
     app = EdgechatApp(isolated_dirs, url=server_url, api_key=KEY)
     async with app.run_test(size=(100, 30)) as pilot:
         msgs = await answer_in_app(app, pilot, "What is 2+2?")
@@ -197,8 +198,12 @@ async def test_app_keeps_the_text_of_an_answer_cut_off_and_marks_it_an_error(iso
 
 
 @pytest.mark.asyncio
-async def test_app_sends_every_sampling_setting(isolated_dirs):
-    """The server samples as the conversation says: every setting is in the request body."""
+@pytest.mark.parametrize("speculative", ["lookup", "auto"])
+async def test_app_sends_every_sampling_setting(isolated_dirs, speculative):
+    """The server samples as the conversation says: every setting is in the request body. Speculative
+    decoding is edgechat's own field, sent only when not the default (a foreign server never sees it)."""
+    import tomli_w
+
     settings = {
         "temperature": 0.2,
         "top_p": 0.8,
@@ -211,7 +216,7 @@ async def test_app_sends_every_sampling_setting(isolated_dirs):
         "max_tokens": 5,
     }
     isolated_dirs.config.mkdir(parents=True, exist_ok=True)
-    isolated_dirs.config_file.write_text("[chat]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items()))
+    isolated_dirs.config_file.write_text(tomli_w.dumps({"chat": {**settings, "speculative": speculative}}))
     bodies: list[dict] = []
     with serving(openai_double([delta("ok", "stop"), "[DONE]"], bodies)) as url:
         app = EdgechatApp(isolated_dirs, url=url)
@@ -220,3 +225,4 @@ async def test_app_sends_every_sampling_setting(isolated_dirs):
     assert (answer.content, answer.status) == ("ok", "complete")
     (body,) = bodies
     assert {k: body.get(k) for k in settings} == settings
+    assert body.get("speculative") == (None if speculative == "auto" else speculative)
