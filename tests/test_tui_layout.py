@@ -294,6 +294,32 @@ async def test_settings_dialog_validates_and_saves(isolated_dirs):
         assert (saved["seed"], saved["system_prompt"]) == (42, "Be brief.")
 
 
+@pytest.mark.asyncio
+async def test_speculative_setting_round_trips(isolated_dirs):
+    """[chat] speculative in config.toml is a new conversation's default; the dialog changes it per
+    conversation, shows it again, and the request to the engine carries it."""
+    from edgechat.tui.config import build_request
+
+    isolated_dirs.config.mkdir(parents=True, exist_ok=True)
+    isolated_dirs.config_file.write_text('[chat]\nspeculative = "lookup"\n')
+    app = make_app(isolated_dirs)
+    async with app.run_test(size=(80, 40)) as pilot:
+        screen = app.chat_screen
+        await pilot.press("f4")
+        await pilot.pause()
+        assert app.screen.query_one("#speculative").value == "lookup"
+        app.screen.query_one("#speculative").value = "off"
+        app.screen.query_one("#save").press()
+        await pilot.pause(0.3)
+        assert app.screen is screen
+        conv = screen.conv
+        assert app.store.get_conversation(conv.id).settings["speculative"] == "off"
+        assert build_request(conv.settings, [], session=conv.id).speculative == "off"
+        await pilot.press("f4")
+        await pilot.pause()
+        assert app.screen.query_one("#speculative").value == "off"
+
+
 #: user text that Textual markup would swallow ([bold]), or refuse to render at all ([/] closes nothing)
 MARKUP = "a [/] b [bold]x[/bold] [red"
 
