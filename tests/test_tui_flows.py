@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -430,3 +431,30 @@ async def test_usable_while_the_model_loads(paths, client):
         answer = app.store.messages(screen.conv.id)[-1]
         assert answer.status == "complete" and answer.content.strip()
         assert screen.chat.boxes()[-1].text == answer.content
+
+
+#: an answer that re-quotes its prompt: what n-gram lookup guesses well
+REPEAT = "Repeat this sentence exactly: The old lighthouse keeper climbed the stairs every night to light the lamp."
+
+
+async def test_speculative_lookup_shows_acceptance_and_answers_as_plain_decoding(paths, client):
+    """A conversation set to speculative "lookup" shows the last answer's acceptance in the status
+    bar, even at a phone's 50 columns, and stores the same greedy answer as one set to "off"."""
+    app = app_for(paths, client)
+    async with app.run_test(size=(50, 30)) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        answers, bars = {}, {}
+        for mode in ("off", "lookup"):
+            conv = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 40, "speculative": mode})
+            await screen.open_conversation(conv.id)
+            await send(pilot, REPEAT)
+            answers[mode] = stored(app)[-1]
+            bars[mode] = screen.status.render()
+        assert answers["lookup"] == answers["off"] and answers["off"][2] == "complete"
+        assert "lighthouse" in answers["off"][1]
+        assert "spec" not in bars["off"].plain
+        # the figure is whole on the screen: the model's name, not the figures, gave way to fit
+        assert bars["lookup"].cell_len <= screen.status.content_size.width, bars["lookup"].plain
+        assert re.search(r"│ \d+\.\d tok/s │ spec \d+%$", bars["lookup"].plain), bars["lookup"].plain
+        assert screen.status.spec > 0
