@@ -13,6 +13,7 @@ import pytest
 from textual.widgets._toast import Toast
 
 from edgechat.engine.request import Finished, Metrics, RequestMetrics, TextDelta
+from edgechat.errors import UsageError
 from edgechat.tui.app import EdgechatApp
 from edgechat.tui.widgets.chatview import PAGE, ChatView
 
@@ -544,3 +545,13 @@ def test_update_pacing_follows_the_ui_cost(monkeypatch):
     assert view._interval == chatview.MAX_INTERVAL
     view._pace()  # 10 ms: 0.010 / UI_SHARE
     assert view._interval == pytest.approx(0.010 / chatview.UI_SHARE)
+
+
+@pytest.mark.parametrize("line", ['speculative = "fast"', 'context_policy = "drop"', 'temperature = -1'])
+def test_a_bad_chat_setting_in_config_toml_is_one_line_naming_the_file(isolated_dirs, line):
+    from edgechat.tui.config import load_config
+
+    isolated_dirs.config_file.parent.mkdir(parents=True, exist_ok=True)
+    isolated_dirs.config_file.write_text(f"[chat]\n{line}\n")
+    with pytest.raises(UsageError, match=r"config\.toml: \[chat\] .*fix or remove that line"):
+        load_config(isolated_dirs)

@@ -40,6 +40,11 @@ def load_config(paths: Paths) -> AppConfig:
     raw = load_settings(paths)
     chat = dict(CHAT_DEFAULTS)
     chat.update({k: v for k, v in (raw.get("chat") or {}).items() if k in CHAT_DEFAULTS})
+    try:
+        chat = validate_settings(chat)
+    except UsageError as exc:
+        # a value the settings dialog could not even show: say where it is, before the app starts
+        raise UsageError(f"{paths.config_file}: [chat] {exc}; fix or remove that line") from None
     tui = raw.get("tui") or {}
     return AppConfig(chat=chat, theme=tui.get("theme"), model=tui.get("model"))
 
