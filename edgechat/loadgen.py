@@ -201,11 +201,17 @@ async def load(
     api_key: str | None = None,
     warmup: int = 1,
     timeout: float = 900.0,
+    prompts: list[str] | None = None,
 ) -> Run:
+    """`prompts`, when given, are sent in turn instead of the long-tail mix (grounded work, say)."""
     base = _base_url(url)
     rng = random.Random(seed)
-    targets = prompt_token_targets(requests, rng)
-    prompts = [make_prompt(t, rng) for t in targets]
+    if prompts:
+        prompts = [prompts[i % len(prompts)] for i in range(requests)]
+        targets = [int(len(p.split()) / _WORDS_PER_TOKEN) for p in prompts]
+    else:
+        targets = prompt_token_targets(requests, rng)
+        prompts = [make_prompt(t, rng) for t in targets]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
     async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
