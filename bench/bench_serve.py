@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.executable, "-m", "edgechat", "serve", "-m", MODEL, "--threads", str(THREADS),
             "--ctx", str(CTX_TOTAL // PARALLEL), "--parallel", str(PARALLEL), "--port", str(edge_port),
             "--degrade-queue-wait", "0",
+            # llama-server guesses nothing by default: compare batching alone (bench_serve_spec
+            # measures speculation)
+            "--speculative", "off",
         ]
         # fresh servers each round: a process settles at one of two speeds ~9% apart on this kind
         # of machine (see bench_engine), so each side draws one process per round, not one in all

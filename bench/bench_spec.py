@@ -6,7 +6,11 @@ Grounded tasks (rewrite a pasted text, fix a pasted code block, quote a pasted d
 where n-gram lookup pays (target >= 1.6x); open chat has nothing to look up (target >= 0.98x
 with auto).
 
-    python -m bench.bench_spec [--rounds 3] [--threads 2] [--json]
+With --llama-server, llama.cpp's own speculation (llama-server --spec-type ngram-simple and
+ngram-mod, built by bench/build_llama_bench.sh from the vendored sources) on the same grounded
+tasks and files, beside its plain decoding (target: edgechat auto >= 1.0x of the better).
+
+    python -m bench.bench_spec [--rounds 3] [--threads 2] [--llama-server] [--json]
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from pathlib import Path
+
+import httpx
 
 from edgechat.config import get_paths
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
@@ -79,14 +86,57 @@ def bench_model(name: str, threads: int, rounds: int, max_tokens: int) -> list[d
     return rows
 
 
+def llama_server_run(name: str, threads: int, spec_type: str, prompts: dict[str, str], max_tokens: int, log_dir) -> dict:
+    """llama.cpp's own speculation on the same file and tasks: decode tok/s and acceptance per
+    task, from the timings llama-server returns (one fresh server per spec type)."""
+    from bench.bench_serve import _free_port, _server
+    from bench.llamabench import find_llama_server
+    from edgechat.models import resolve_model
+
+    port = _free_port()
+    cmd = [str(find_llama_server()), "-m", str(resolve_model(name, get_paths())), "-t", str(threads), "-tb", str(threads),
+           "-c", "2048", "-np", "1", "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
+    if spec_type != "none":
+        cmd += ["--spec-type", spec_type]
+    out = {}
+    with _server(cmd, port, f"llama-server-{spec_type}", log_dir) as url:
+        for task, prompt in prompts.items():
+            body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": max_tokens}
+            timings = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600).json()["timings"]
+            drafted = timings.get("draft_n", 0)
+            out[task] = (timings["predicted_per_second"], timings.get("draft_n_accepted", 0) / drafted if drafted else 0.0)
+    return out
+
+
+def against_llama_server(rows: list[dict], threads: int, rounds: int, max_tokens: int) -> None:
+    """Best of `rounds` for llama-server plain, ngram-simple and ngram-mod, beside edgechat."""
+    grounded = {t: p for t, p in TASKS.items() if t != "open"}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in MODELS:
+            best: dict[str, dict[str, tuple[float, float]]] = {}
+            for _ in range(rounds):
+                for spec in ("none", "ngram-simple", "ngram-mod"):
+                    for task, (tps, rate) in llama_server_run(name, threads, spec, grounded, max_tokens, Path(tmp)).items():
+                        if tps > best.setdefault(spec, {}).get(task, (0.0, 0.0))[0]:
+                            best[spec][task] = (tps, rate)
+            for row in rows:
+                if row["model"] == name and row["task"] in grounded:
+                    for spec in best:
+                        row[f"llama_{spec}_tps"], row[f"llama_{spec}_accept"] = best[spec][row["task"]]
+                    row["auto_vs_best_llama_spec"] = row["auto_tps"] / max(best[s][row["task"]][0] for s in ("ngram-simple", "ngram-mod"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--llama-server", action="store_true", help="also measure llama-server's ngram-simple and ngram-mod")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rows = [row for name in MODELS for row in bench_model(name, args.threads, args.rounds, args.max_tokens)]
+    if args.llama_server:
+        against_llama_server(rows, args.threads, args.rounds, args.max_tokens)
     if args.json:
         print(json.dumps(rows, indent=2))
         return
@@ -94,6 +144,13 @@ def main() -> None:
     for r in rows:
         print(f"{r['model']:22} {r['task']:8} {r['tokens']:>6} {r['off_tps']:>8.1f} {r['auto_tps']:>7.1f} {r['auto_ratio']:>6.2f} "
               f"{r['auto_accept']:>5.2f} {r['lookup_tps']:>7.1f} {r['lookup_ratio']:>6.2f} {r['lookup_accept']:>5.2f} {r['same_text']}")
+    if args.llama_server:
+        print(f"\n{'model':22} {'task':8} {'llama plain':>11} {'ngram-simple':>12} {'acc':>5} {'ngram-mod':>9} {'acc':>5} {'edgechat auto':>13} {'vs best':>7}")
+        for r in rows:
+            if "auto_vs_best_llama_spec" in r:
+                print(f"{r['model']:22} {r['task']:8} {r['llama_none_tps']:>11.1f} {r['llama_ngram-simple_tps']:>12.1f} "
+                      f"{r['llama_ngram-simple_accept']:>5.2f} {r['llama_ngram-mod_tps']:>9.1f} {r['llama_ngram-mod_accept']:>5.2f} "
+                      f"{r['auto_tps']:>13.1f} {r['auto_vs_best_llama_spec']:>7.2f}")
 
 
 if __name__ == "__main__":
