@@ -32,10 +32,12 @@ def test_ngram_drafter_proposes_what_followed_the_longest_recent_match():
 
 def test_step_cost_interpolates_and_starts_from_a_prior():
     cost = StepCost()
-    assert cost.ratio(1, 4) == pytest.approx(1.4)
+    assert cost.ratio(1, 4) == pytest.approx(2.0)
     cost.observe(1, 0.010)
     cost.observe(9, 0.018)
     assert cost.ratio(1, 4) == pytest.approx(0.014 / 0.010)
+    cost.observe(600, 2.0)  # a prefill chunk: compute-bound, says nothing of a decode step's cost
+    assert cost.ratio(9, 4) == pytest.approx(1 + 0.25 * 4 / (1 + 0.25 * 8))
     assert cost.ratio(1, 0) == 1.0
 
 
@@ -45,14 +47,23 @@ def test_draft_policy_drafts_when_it_pays_and_backs_off_when_it_misses():
     cost.observe(9, 0.040)  # a wide batch is 4x a single token: only a good guess pays
     policy = DraftPolicy(SpeculativeMode.AUTO)
     policy.rate = 0.95
-    assert policy.length(cost, 1, 8) >= 4
+    assert policy.length(cost, 1, 1, 8) >= 4
     policy.rate = 0.1
-    assert policy.length(cost, 1, 8) == 0
+    assert policy.length(cost, 1, 1, 8) == 0
     policy.rate = 0.9
     policy.update(4, 0)  # a miss: skip the next step, then two, ...
-    assert policy.length(cost, 1, 8) == 0 and policy.length(cost, 1, 8) > 0
+    assert policy.length(cost, 1, 1, 8) == 0 and policy.length(cost, 1, 1, 8) > 0
     assert (policy.drafted, policy.accepted) == (4, 0)
-    assert DraftPolicy(SpeculativeMode.LOOKUP).length(cost, 1, 5) == 5
+    # a guess right 60% of the time pays for one sequence alone (a token more costs 5%), but not
+    # in a step of four where every sequence waits for the wider batch (a token more costs 17%)
+    costs = StepCost()
+    for n, seconds in ((1, 0.009), (2, 0.0095), (4, 0.024), (5, 0.028)):
+        costs.observe(n, seconds)
+    fair = DraftPolicy(SpeculativeMode.AUTO)
+    fair.rate = 0.6
+    assert fair.length(costs, 4, 4, 8) == 0
+    assert fair.length(costs, 1, 1, 1) == 1
+    assert DraftPolicy(SpeculativeMode.LOOKUP).length(cost, 1, 1, 5) == 5
 
 
 # ---------------------------------------------------------------- on the real models

@@ -229,7 +229,7 @@ class Scheduler:
             if room <= 0:
                 continue
             guess = run.drafter.propose(room)
-            k = run.policy.length(self.cost, width, len(guess))
+            k = run.policy.length(self.cost, width, len(decoding), len(guess))
             if k <= 0:
                 continue
             run.draft = guess[:k]

@@ -60,16 +60,16 @@ class NgramDrafter:
 class StepCost:
     """Seconds one llama_decode takes for a batch of n tokens, measured as the engine runs
     (moving averages per batch size; sizes not seen yet are interpolated, with a prior that a
-    token more costs 10% of a one-token step, until they are).
+    token more costs 25% of a one-token step, until they are).
 
     Only batches the size of decode steps are kept: a prefill chunk is compute-bound and says
     nothing of what a few more tokens cost a memory-bound decode step. Measured here (2 cores):
-    SmolLM2-135M pays ~20-35% of a one-token step per extra token, Gemma 3 270M ~50% (its
-    262k-entry output layer runs once per token that needs logits), so guessing pays only when
-    the guesses are mostly right, and the prior is optimistic on purpose: a size is tried, then
-    known."""
+    SmolLM2-135M pays ~45-70% of a one-token step per extra token (compute-bound on 2 cores),
+    Gemma 3 270M ~50% (its 262k-entry output layer runs once per token that needs logits), so
+    guessing pays only when the guesses are mostly right, and the prior is optimistic on
+    purpose: a size is tried, then known."""
 
-    PRIOR = 0.10
+    PRIOR = 0.25
     ALPHA = 0.2
     #: the largest batch whose cost is tracked (decoding sequences plus their drafts)
     MAX_TRACKED = 64
@@ -128,8 +128,13 @@ class DraftPolicy:
         self.drafted = 0
         self.accepted = 0
 
-    def length(self, cost: StepCost, batch: int, available: int) -> int:
-        """Tokens to draft now, 0 for none; `available` is what the drafter could offer."""
+    def length(self, cost: StepCost, batch: int, sequences: int, available: int) -> int:
+        """Tokens to draft now, 0 for none. `batch` is the step's width so far, `sequences` how
+        many sequences it decodes (each emits a token), `available` what the drafter offers.
+
+        Every sequence in the step waits for the wider batch, so a draft is scored over the
+        whole step: (sequences + expected kept) / sequences per unit of step cost. Alone, that
+        is (1 + expected) / cost; in a busy server's wide batch it is rarely worth it."""
         if self.cooldown > 0:
             self.cooldown -= 1
             return 0
@@ -141,7 +146,7 @@ class DraftPolicy:
         expected = 0.0
         for k in range(1, limit + 1):
             expected += p**k  # the k-th drafted token is kept only if all before it were
-            gain = (1.0 + expected) / cost.ratio(batch, k)
+            gain = (sequences + expected) / sequences / cost.ratio(batch, k)
             if gain > best_gain * 1.02:
                 best_k, best_gain = k, gain
         if best_k:
