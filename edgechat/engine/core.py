@@ -192,10 +192,6 @@ class Engine:
             "decode_calls": self.scheduler.decode_calls,
         }
 
-    @property
-    def alive(self) -> bool:
-        return self._stopped is None and self._thread.is_alive()
-
     def release_session(self, session: str, wait: bool = True) -> None:
         """The conversation went idle: snapshot its sequence to disk (it stays hot while room allows)."""
         self._call("release", session, wait)

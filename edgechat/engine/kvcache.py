@@ -122,9 +122,6 @@ class KVManager:
             return None
         return next((s for s in self.slots if s.session == session), None)
 
-    def shared(self, a: Slot, b: Slot) -> int:
-        return self._shared[a.seq][b.seq]
-
     def positions(self, slot: Slot) -> tuple[int, int, int]:
         """(pos_min, pos_max) as llama.cpp reports them, and the mirror's length."""
         lo, hi = self.backend.seq_pos_range(slot.seq)
@@ -155,11 +152,6 @@ class KVManager:
                 if a is not b and (s > min(len(a.tokens), len(b.tokens)) or a.tokens[:s] != b.tokens[:s]):
                     problems.append(f"seq {a.seq} and {b.seq} share {s} cells whose tokens differ")
         return problems
-
-    def assert_consistent(self) -> None:
-        problems = self.check()
-        if problems:
-            raise KVInvariantError("; ".join(problems))
 
     # ------------------------------------------------------------------ operations
     def extend(self, slot: Slot, tokens: list[int]) -> None:
