@@ -10,6 +10,7 @@ from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams, T
 from edgechat.engine.stream import OutputProcessor
 from edgechat.engine.templates import choose_format
 from edgechat.errors import PromptTooLongError, UsageError
+from neartie import assert_same_or_near_tie
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -188,17 +189,19 @@ def test_bad_requests_are_usage_errors(smol, req):
 def test_parallel_requests_are_batched_and_match_sequential_answers(smollm2_path, models_root):
     prompts = ["What is 2+2?", "Name a fruit.", "What color is the sky?"]
     with Engine(EngineConfig(model=str(smollm2_path), n_ctx=1024, n_threads=2, n_parallel=3, paths=models_root)) as engine:
-        alone = [ask(engine, p, max_tokens=24, ignore_eos=True).token_ids for p in prompts]
+        # speculation off: this is about batching alone
+        alone = [ask(engine, p, max_tokens=24, ignore_eos=True, speculative="off").token_ids for p in prompts]
         before = engine.stats()["decode_calls"]
         handles = [engine.submit(ChatRequest(messages=[{"role": "user", "content": p}], sampling=GREEDY, max_tokens=24,
-                                             ignore_eos=True)) for p in prompts]
+                                             ignore_eos=True, speculative="off")) for p in prompts]
         together = [h.result().token_ids for h in handles]
         calls = engine.stats()["decode_calls"] - before
         assert engine.stats()["running"] == 0 and engine.kv_problems() == []
-    # one llama_decode per step served all three: one sequence after another would take 3 x 24
-    assert calls <= 24 + 2, calls
-    # and batching computes the same greedy answers, whole
-    assert together == alone
+        # one llama_decode per step served all three: one sequence after another would take 3 x 24
+        assert calls <= 24 + 2, calls
+        # and batching computes the same greedy answers, whole, or parts from them at a near-tie
+        for p, a, b in zip(prompts, alone, together):
+            assert_same_or_near_tie(engine, [{"role": "user", "content": p}], a, b)
 
 
 def test_load_progress_is_reported_and_a_failing_reporter_does_not_abort_the_load(gemma3_path, isolated_dirs):

@@ -161,3 +161,16 @@ def test_the_check_reads_llama_cpps_cells(request, path_fixture, isolated_dirs):
         engine.backend.seq_add(slot.seq, 40, 60, -10)  # positions 30..49 now twice, 50..59 missing
         problems = engine.kv_problems()
         assert problems and f"seq {slot.seq}" in problems[0]
+
+
+def test_requests_taking_turns_keep_each_others_caches(smollm2_path, isolated_dirs):
+    """Stateless requests (an agent, a server's clients) resending a few prompts that share only
+    a short prefix: each takes a slot whose cache it does not destroy, so each prompt stays cached."""
+    prompts = [[SYSTEM, {"role": "user", "content": f"Remember this: {fact}"}] for fact in FACTS[:3]]
+    with engine_for(smollm2_path, isolated_dirs, n_parallel=4) as engine:
+        for msgs in prompts:
+            engine.submit(ChatRequest(messages=msgs, sampling=GREEDY, max_tokens=4)).result()
+        for msgs in prompts:
+            again = engine.submit(ChatRequest(messages=msgs, sampling=GREEDY, max_tokens=4)).result()
+            assert again.metrics.cached_tokens == again.metrics.prompt_tokens - 1
+        assert engine.kv_problems() == []

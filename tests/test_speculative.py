@@ -9,6 +9,7 @@ import pytest
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
 from edgechat.engine.speculative import DraftPolicy, NgramDrafter, SpeculativeMode, StepCost
 from edgechat.errors import UsageError
+from neartie import assert_same_or_near_tie
 
 GREEDY = SamplingParams(temperature=0)
 PASSAGE = (
@@ -79,25 +80,6 @@ def gemma(gemma3_path, models_root):
         yield engine
 
 
-#: top-two logit gap under which batched and one-token numerics may pick different tokens
-NEAR_TIE = 0.5
-
-
-def assert_same_or_near_tie(engine, text, plain, fast):
-    """Equal token ids, or a first divergence where the model's top two logits nearly tie:
-    llama.cpp's batched verification is not bit-identical to one-token decoding."""
-    if fast.token_ids == plain.token_ids:
-        return
-    i = next(i for i, (a, b) in enumerate(zip(plain.token_ids + [-1], fast.token_ids + [-1])) if a != b)
-    prompt = engine.prompt_tokens(ChatRequest(messages=[{"role": "user", "content": text}]))
-    top = dict(engine.top_logits(prompt + plain.token_ids[:i], 10))
-    best = max(top.values())
-    chosen = [t for t in ((plain.token_ids + [-1])[i], (fast.token_ids + [-1])[i]) if t != -1]
-    gaps = [best - top[t] if t in top else float("inf") for t in chosen]
-    print(f"divergence at token {i}: {chosen} trail the top logit {best:.3f} by {gaps}")
-    assert max(gaps) < NEAR_TIE, (gaps, plain.text, fast.text)
-
-
 def answer(engine, text, mode, **kw):
     kw.setdefault("sampling", GREEDY)
     kw.setdefault("max_tokens", 80)
@@ -113,7 +95,7 @@ def test_greedy_text_is_the_same_with_speculation(request, name, text):
     plain, plain_calls = answer(engine, text, "off")
     for mode in ("lookup", "auto"):
         fast, calls = answer(engine, text, mode)
-        assert_same_or_near_tie(engine, text, plain, fast)
+        assert_same_or_near_tie(engine, [{"role": "user", "content": text}], plain.token_ids, fast.token_ids)
         assert fast.metrics.accepted_tokens <= fast.metrics.drafted_tokens
         assert calls <= plain_calls
         assert engine.kv_problems() == []

@@ -230,8 +230,9 @@ class KVManager:
         free = [s for s in self.slots if not s.busy]
         if not free:
             return None
-        # prefer slots nobody's conversation lives in, then the one sharing the longest prefix, then LRU
-        free.sort(key=lambda s: (s.session is not None, -common_prefix(s.tokens, prompt), s.last_used))
+        # prefer slots nobody's conversation lives in, then the one whose cache loses least (an
+        # empty slot loses nothing: a prefix another slot holds is shared into it below), then LRU
+        free.sort(key=lambda s: (s.session is not None, len(s.tokens) - common_prefix(s.tokens, prompt), s.last_used))
         slot = free[0]
         if slot.session is not None:
             self.save_snapshot(slot)  # spill the least recently used conversation to disk

@@ -109,7 +109,7 @@ class Store:
             db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10)
             db.row_factory = sqlite3.Row
             if str(path) != ":memory:":
-                db.execute("PRAGMA journal_mode=WAL")
+                _enable_wal(db)
                 # NORMAL under WAL survives a killed process; only power loss can drop the last commit.
                 db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA foreign_keys=ON")
@@ -439,3 +439,17 @@ def open_store(paths: Paths) -> Store:
     except OSError as exc:
         raise StoreError(f"cannot create {paths.data}: {exc.strerror}") from None
     return Store.connect(paths.database)
+
+
+def _enable_wal(db: sqlite3.Connection, wait: float = 10.0) -> None:
+    """Switch a database to WAL. Two first runs at once both try it; SQLite answers "locked" at
+    once instead of waiting when the switch would deadlock with the other's lock, so retry."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)

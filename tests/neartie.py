@@ -1,0 +1,23 @@
+"""Comparing two greedy answers of the real model: llama.cpp's numerics depend on batch shape (a
+batch of several sequences, a verification batch, cells computed in another slot), so two runs may
+part where the model's top logits nearly tie. Equal, or parted at a near-tie: anything else fails."""
+
+from __future__ import annotations
+
+from edgechat.engine import ChatRequest
+
+#: how far below the top logit either diverging token may be
+NEAR_TIE = 0.5
+
+
+def assert_same_or_near_tie(engine, messages: list[dict], expected: list[int], got: list[int]) -> None:
+    if got == expected:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(expected + [-1], got + [-1])) if a != b)
+    prompt = engine.prompt_tokens(ChatRequest(messages=messages))
+    top = dict(engine.top_logits(prompt + expected[:i], 10))
+    best = max(top.values())
+    chosen = [t for t in ((expected + [-1])[i], (got + [-1])[i]) if t != -1]
+    gaps = [best - top[t] if t in top else float("inf") for t in chosen]
+    print(f"divergence at token {i}: {chosen} trail the top logit {best:.3f} by {gaps}")
+    assert max(gaps) < NEAR_TIE, (gaps, engine.detokenize(expected), engine.detokenize(got))
