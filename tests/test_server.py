@@ -256,9 +256,10 @@ def test_metrics_count_what_was_served(client, base_url, engine):
 
 def test_degrade_switch_caps_max_tokens_and_routes_to_the_fallback_under_sustained_queueing(models_root):
     # its own engines: 2 sequences and an unbounded queue, so 6 clients make requests wait;
-    # the "smaller" fallback is a second SmolLM2 engine, told apart by the model id it reports
+    # the "smaller" fallback is a second SmolLM2 engine, told apart by the model id it reports;
+    # no speculation: its guesses would shorten answers and so the queue waits this test needs
     def load():
-        return Engine(EngineConfig(model=MODEL, n_ctx=256, n_threads=2, n_parallel=2, paths=models_root))
+        return Engine(EngineConfig(model=MODEL, n_ctx=256, n_threads=2, n_parallel=2, paths=models_root, speculative="off"))
 
     engine, fallback = load(), load()
     fallback_id = fallback.model_info.path.stem
