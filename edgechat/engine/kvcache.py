@@ -127,12 +127,12 @@ class KVManager:
         lo, hi = self.backend.seq_pos_range(slot.seq)
         return lo, hi, len(slot.tokens)
 
-    def check(self, exact: bool = True) -> list[str]:
+    def check(self) -> list[str]:
         """Compare every mirror with llama.cpp's own view; return what disagrees.
 
-        With `exact`, each sequence's cell positions are read from llama.cpp's serialized state
-        (the only API that lists them), so a cell moved under another sequence, a duplicate or
-        a hole is seen, not only a wrong minimum or maximum."""
+        Each sequence's cell positions are read from llama.cpp's serialized state (the only API
+        that lists them), so a cell moved under another sequence, a duplicate or a hole is seen,
+        not only a wrong minimum or maximum."""
         problems = []
         for slot in self.slots:
             n = len(slot.tokens)
@@ -141,7 +141,7 @@ class KVManager:
             if (lo, hi) != want:
                 problems.append(f"seq {slot.seq}: llama.cpp holds positions {lo}..{hi}, the mirror {n} tokens")
                 continue
-            if exact and n:
+            if n:
                 cells = self.backend.seq_cell_positions(slot.seq)
                 if cells != list(range(n)):
                     extra = len(cells) - n
