@@ -83,6 +83,37 @@ def test_shipped_catalog_is_complete_and_consistent():
     assert tomllib.loads(root_copy.read_text()) == raw
 
 
+# sizes read from the Hub's listings (issue 14): exact bytes, so a slip in the catalog shows here
+LISTED_SIZES = {
+    ("qwen3-0.6b", "Q4_K_M"): 396_705_472,
+    ("qwen3-0.6b", "Q8_0"): 639_447_744,
+    ("qwen3-4b", "Q4_K_M"): 2_497_280_256,
+    ("phi4-mini-instruct", "Q4_K_M"): 2_491_874_272,
+}
+
+
+def test_catalog_sizes_are_the_listed_ones_and_drive_the_fit_column(isolated_dirs, monkeypatch):
+    from edgechat.engine import planner
+    from edgechat.tui.screens.models import catalog_models
+
+    entries = catalog.load_catalog()
+    for (name, quant), size in LISTED_SIZES.items():
+        assert entries[name].files[quant].size == size, (name, quant)
+    assert entries["phi4-mini-instruct"].files["Q8_0"].file == "Phi-4-mini-instruct.Q8_0.gguf"
+    # 1.5 GiB free: the 0.6B fits, the 4B models do not; both listings say so from the catalog's size,
+    # in the same words and units (nothing is downloaded in this data dir)
+    monkeypatch.setattr(planner, "available_memory", lambda: 3 << 29)
+    picker = {row.ref: row for row in catalog_models(isolated_dirs)}
+    listing = {line.split()[0]: line for line in CliRunner().invoke(cli, ["models"]).output.splitlines() if line.strip()}
+    for name, entry in entries.items():
+        row = catalog.catalog_row(entry)
+        assert row.fits == planner.weights_fit(entry.default.size)
+        assert picker[name].fits == row.fits and picker[name].detail.startswith(f"{row.size} · {row.quant}")
+        assert row.size in listing[name] and row.fit_text in listing[name]
+    assert picker["qwen3-0.6b"].fits and not picker["qwen3-4b"].fits and not picker["gemma3-4b-it"].fits
+    assert "~378 MiB" in listing["qwen3-0.6b"] and "~2.3 GiB" in listing["qwen3-4b"]
+
+
 def test_catalog_validation_names_every_problem():
     bad = {
         "schema": 1,

@@ -12,12 +12,8 @@ from edgechat.config import get_paths
 from edgechat.engine import planner
 from edgechat.errors import EdgechatError
 from edgechat.models import known_model_names, read_model_info, resolve_model
-from edgechat.models.catalog import load_catalog
+from edgechat.models.catalog import catalog_row, format_size, load_catalog
 from edgechat.models.hub import is_downloaded
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**20:,.0f} MiB" if n < 2**30 else f"{n / 2**30:,.1f} GiB"
 
 
 def _model_rows(paths, kv_type: str = "f16") -> list[dict]:
@@ -32,7 +28,7 @@ def _model_rows(paths, kv_type: str = "f16") -> list[dict]:
         rows.append(
             {
                 "name": name,
-                "size": _size(info.size_bytes),
+                "size": format_size(info.size_bytes),
                 "quant": info.quant,
                 "arch": info.architecture,
                 "trained_ctx": info.context_length,
@@ -54,7 +50,7 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 def _catalog_table(paths) -> str:
     rows = []
     for e in load_catalog().values():
-        quants = ", ".join(f"{q} {_size(f.size)}" for q, f in e.files.items())
+        quants = ", ".join(f"{q} {format_size(f.size)}" for q, f in e.files.items())
         have = ", ".join(q for q, f in e.files.items() if is_downloaded(e, f, paths)) or "-"
         rows.append([e.name, quants, have, e.licence, str(e.context), e.repo, e.description])
     return _table(["NAME", "QUANTS (about)", "DOWNLOADED", "LICENCE", "TRAINED CTX", "HUB REPO", "DESCRIPTION"], rows)
@@ -80,7 +76,8 @@ def models_cmd(show_catalog, data_dir):
     listed = {row[0] for row in rows}
     for e in load_catalog().values():
         if e.name not in listed:
-            rows.append([e.name, f"~{_size(e.default.size)}", e.default.quant, e.architecture, str(e.context), "not downloaded"])
+            row = catalog_row(e)
+            rows.append([row.name, row.size, row.quant, row.architecture, str(row.context), row.fit_text])
     click.echo(_table(["NAME", "SIZE", "QUANT", "ARCH", "TRAINED CTX", "FITS HERE"], rows))
     if len(rows) > len(listed):
         click.echo("\nnot downloaded: `edgechat pull NAME` once (or first use online fetches it); details: edgechat models --catalog")
@@ -99,7 +96,7 @@ def doctor_cmd(data_dir):
     click.echo(f"CPU: {platform.processor() or platform.machine()}; {planner.physical_cores()} physical cores, "
                f"{os.cpu_count()} logical; edgechat uses {planner.physical_cores()} threads by default")
     click.echo(f"CPU features (llama.cpp): {features.strip()}")
-    click.echo(f"RAM: {_size(planner.total_memory())} total, {_size(planner.available_memory())} available")
+    click.echo(f"RAM: {format_size(planner.total_memory())} total, {format_size(planner.available_memory())} available")
     gpu = "yes" if llama.supports_gpu_offload() else "no (CPU build; see packaging/GPU.md for CUDA, Metal, Vulkan)"
     click.echo(f"llama.cpp: llama-cpp-python {llama.llama_version()}; GPU offload: {gpu}")
     click.echo(f"Paths: data {paths.data}\n       cache {paths.cache}\n       config {paths.config_file}")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import click
 
 from edgechat.cli.common import data_dir_option
-from edgechat.cli.models import _size
 from edgechat.config import get_paths
 from edgechat.errors import UsageError
 from edgechat.models import catalog, hub, read_model_info
+from edgechat.models.catalog import format_size
 
 
 @click.command("pull")
@@ -23,7 +23,7 @@ def pull_cmd(ref: str, data_dir: str | None) -> None:
         entry, cfile = found
         hub_ref = hub.HubRef(entry.repo, cfile.file, cfile.quant, ref)
         if not hub.offline() and not hub.is_downloaded(entry, cfile, paths):
-            click.echo(f"{entry.name} {cfile.quant}: about {_size(cfile.size)}, licence {entry.licence}, from {entry.repo}", err=True)
+            click.echo(f"{entry.name} {cfile.quant}: about {format_size(cfile.size)}, licence {entry.licence}, from {entry.repo}", err=True)
     else:
         hub_ref = hub.parse_hub_ref(ref)
         if hub_ref is None:
@@ -31,7 +31,7 @@ def pull_cmd(ref: str, data_dir: str | None) -> None:
     path = hub.resolve_hub(hub_ref, paths)
     # reading the header proves the download is a whole, loadable GGUF
     info = read_model_info(path)
-    click.echo(f"ready: {path} ({_size(info.size_bytes)}, {info.architecture}, {info.quant}, trained ctx {info.context_length})")
+    click.echo(f"ready: {path} ({format_size(info.size_bytes)}, {info.architecture}, {info.quant}, trained ctx {info.context_length})")
 
 
 def register(cli: click.Group) -> None:

@@ -128,6 +128,18 @@ def choose_context(
         n = max(MIN_CTX, n // 2)
 
 
+#: before a model is downloaded only its file size is known: the KV cache and compute buffers of a
+#: small context are allowed for as this share of the weights (the real plan is made from the
+#: file's header once it is here)
+_UNKNOWN_OVERHEAD = 0.10
+
+
+def weights_fit(size_bytes: int, available: int | None = None) -> bool:
+    """Will a model of this file size fit with a small context? For catalog entries not yet downloaded."""
+    avail = available_memory() if available is None else available
+    return size_bytes * (1 + _UNKNOWN_OVERHEAD) <= avail * HEADROOM
+
+
 def max_context_that_fits(info: ModelInfo, kv_type: str = "f16", available: int | None = None) -> int:
     """For `edgechat doctor`: the largest power-of-two context (up to the trained one) that fits; 0 if none."""
     best, n = 0, MIN_CTX

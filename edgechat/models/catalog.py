@@ -121,6 +121,38 @@ def load_catalog() -> dict[str, CatalogEntry]:
     return parse_catalog(tomllib.loads(text))
 
 
+def format_size(n: float) -> str:
+    """Bytes as every listing shows them: MiB below a GiB, GiB with one decimal above."""
+    return f"{n / 2**20:,.0f} MiB" if n < 2**30 else f"{n / 2**30:,.1f} GiB"
+
+
+@dataclass(frozen=True)
+class CatalogRow:
+    """A catalog entry not downloaded yet, as `edgechat models` and the chat app's picker show it."""
+
+    name: str
+    size: str
+    quant: str
+    architecture: str
+    context: int
+    description: str
+    #: the planner's verdict from the catalog's file size alone (the file's header is not here yet)
+    fits: bool
+
+    @property
+    def fit_text(self) -> str:
+        return "probably (not downloaded)" if self.fits else "no: larger than free memory (not downloaded)"
+
+
+def catalog_row(entry: CatalogEntry, cfile: CatalogFile | None = None, available: int | None = None) -> CatalogRow:
+    """The one description of a not-downloaded entry (its default file unless `cfile` is given)."""
+    from edgechat.engine import planner
+
+    cfile = cfile or entry.default
+    return CatalogRow(entry.name, f"~{format_size(cfile.size)}", cfile.quant, entry.architecture, entry.context,
+                      entry.description, planner.weights_fit(cfile.size, available))
+
+
 def lookup(ref: str) -> tuple[CatalogEntry, CatalogFile] | None:
     """`name` or `name:QUANT` (any case) -> entry and file; None when `ref` names no catalog entry."""
     name, _, quant = ref.strip().partition(":")

@@ -27,12 +27,13 @@ def describe(ref: str, path, note: str = "") -> ModelRow:
     """Size, quant, architecture, and whether the planner says it fits here."""
     from edgechat.engine.planner import choose_context
     from edgechat.models import read_model_info
+    from edgechat.models.catalog import format_size
 
     try:
         info = read_model_info(path)
     except EdgechatError as exc:
         return ModelRow(ref, f"unreadable: {exc}", False)
-    detail = f"{info.size_bytes / 2**20:,.0f} MB · {info.quant} · {info.architecture}"
+    detail = f"{format_size(info.size_bytes)} · {info.quant} · {info.architecture}"
     try:
         plan = choose_context(info)
         fits, detail = True, detail + f" · fits (ctx {plan.n_ctx})"
@@ -65,7 +66,7 @@ def local_models(paths: Paths) -> list[ModelRow]:
 def catalog_models(paths: Paths) -> list[ModelRow]:
     """The curated catalog: downloaded entries described like local files, the others with their
     download size (picking one fetches it once; offline, loading says how to pull it)."""
-    from edgechat.models.catalog import load_catalog
+    from edgechat.models.catalog import catalog_row, load_catalog
     from edgechat.models.hub import cached_file
 
     rows = []
@@ -75,8 +76,9 @@ def catalog_models(paths: Paths) -> list[ModelRow]:
         if path is not None:
             rows.append(describe(entry.name, path, entry.description))
         else:
-            rows.append(ModelRow(entry.name, f"{cfile.size / 2**20:,.0f} MB · {cfile.quant} · {entry.architecture} · "
-                                             f"{entry.description} · not downloaded (edgechat pull {entry.name})"))
+            row = catalog_row(entry, cfile)
+            rows.append(ModelRow(entry.name, f"{row.size} · {row.quant} · {row.architecture} · {row.description} · "
+                                             f"not downloaded (edgechat pull {entry.name})", row.fits))
     return rows
 
 
