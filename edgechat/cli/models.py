@@ -10,7 +10,7 @@ import click
 from edgechat.cli.common import data_dir_option
 from edgechat.config import get_paths
 from edgechat.engine import planner
-from edgechat.errors import EdgechatError
+from edgechat.errors import EdgechatError, UsageError
 from edgechat.models import known_model_names, read_model_info, resolve_model
 from edgechat.models.catalog import catalog_row, format_size, load_catalog
 from edgechat.models.hub import is_downloaded
@@ -84,21 +84,36 @@ def models_cmd(show_catalog, data_dir):
 
 
 @click.command("doctor")
+@click.option("--expect", "expect", default=None, metavar="BACKEND",
+              help="Fail unless this llama.cpp has BACKEND (CUDA, Metal, Vulkan, OpenCL, RPC...): checks a GPU install.")
 @data_dir_option
-def doctor_cmd(data_dir):
+def doctor_cmd(expect, data_dir):
     """Report this machine, the llama.cpp build, edgechat's paths and which models fit."""
     from edgechat import __version__
-    from edgechat.engine import llama
+    from edgechat.android import on_android
+    from edgechat.android import report as android_report
+    from edgechat.engine import devices, llama
 
     paths = get_paths(data_dir)
     features = llama.system_info()
     click.echo(f"edgechat {__version__} on {platform.system()} {platform.release()} ({platform.machine()}), Python {platform.python_version()}")
+    if on_android():
+        for line in android_report():
+            click.echo(line)
     click.echo(f"CPU: {platform.processor() or platform.machine()}; {planner.physical_cores()} physical cores, "
                f"{os.cpu_count()} logical; edgechat uses {planner.physical_cores()} threads by default")
     click.echo(f"CPU features (llama.cpp): {features.strip()}")
-    click.echo(f"RAM: {format_size(planner.total_memory())} total, {format_size(planner.available_memory())} available")
+    click.echo(f"RAM: {format_size(planner.total_memory())} total, {format_size(planner.available_memory())} available"
+               f"; plans use {planner.headroom():.0%} of what is available")
+    built = devices.backends()
     gpu = "yes" if llama.supports_gpu_offload() else "no (CPU build; see packaging/GPU.md for CUDA, Metal, Vulkan)"
-    click.echo(f"llama.cpp: llama-cpp-python {llama.llama_version()}; GPU offload: {gpu}")
+    click.echo(f"llama.cpp: llama-cpp-python {llama.llama_version()}; backends: {', '.join(built)}; GPU offload: {gpu}")
+    for dev in devices.devices():
+        if dev.kind != "cpu":
+            click.echo(f"  device {dev.name} ({dev.kind}, {dev.description}): {format_size(dev.free)} free of {format_size(dev.total)}")
+    if expect and expect.lower() not in (b.lower() for b in built):
+        raise UsageError(f"this llama.cpp has no {expect} backend (it has {', '.join(built)}); "
+                         "reinstall llama-cpp-python with the CMAKE_ARGS in packaging/GPU.md")
     click.echo(f"Paths: data {paths.data}\n       cache {paths.cache}\n       config {paths.config_file}")
     click.echo("")
     rows = []

@@ -22,6 +22,15 @@ MIN_CTX = 512
 KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 #: leave this share of available memory to the OS and other programs
 HEADROOM = 0.85
+#: on Android the low-memory killer ends apps well before MemAvailable reaches zero
+ANDROID_HEADROOM = 0.70
+
+
+def headroom() -> float:
+    """The share of available memory a plan may use here."""
+    from edgechat.android import on_android
+
+    return ANDROID_HEADROOM if on_android() else HEADROOM
 
 
 def _meminfo(field: str) -> int | None:
@@ -78,7 +87,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.available * HEADROOM
+        return self.total <= self.available * headroom()
 
 
 def _compute_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int = 512) -> int:
@@ -137,7 +146,7 @@ _UNKNOWN_OVERHEAD = 0.10
 def weights_fit(size_bytes: int, available: int | None = None) -> bool:
     """Will a model of this file size fit with a small context? For catalog entries not yet downloaded."""
     avail = available_memory() if available is None else available
-    return size_bytes * (1 + _UNKNOWN_OVERHEAD) <= avail * HEADROOM
+    return size_bytes * (1 + _UNKNOWN_OVERHEAD) <= avail * headroom()
 
 
 def max_context_that_fits(info: ModelInfo, kv_type: str = "f16", available: int | None = None) -> int:
@@ -158,7 +167,7 @@ def _too_large(info: ModelInfo, plan: Plan) -> str:
     return (
         f"{info.name} needs about {_mib(plan.total)} with a {plan.n_ctx}-token context "
         f"(weights {_mib(plan.weights)}, KV cache {_mib(plan.kv_cache)}) but only "
-        f"{_mib(plan.available * HEADROOM)} is free; close other programs, use a smaller --ctx "
+        f"{_mib(plan.available * headroom())} is free; close other programs, use a smaller --ctx "
         f"or --kv-type q8_0, or pick a smaller model (edgechat models)"
     )
 

@@ -16,10 +16,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgechat.android import on_android
 from edgechat.config import Paths
 from edgechat.errors import ModelFormatError, ModelNotFoundError
 from edgechat.models.catalog import QUANT_RE, CatalogEntry, CatalogFile, load_catalog
 from edgechat.models.ggufinfo import GGUF_MAGIC, split_part_names
+
+if on_android():
+    # huggingface_hub reads it once, at its import (always after this module's): hf-xet is a Rust
+    # build that does not install on Termux, so plain HTTP downloads are used
+    os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
 
 HUB_PREFIX = "hf:"
 DEFAULT_QUANT = "Q4_K_M"
