@@ -46,7 +46,7 @@ def test_draft_policy_drafts_when_it_pays_and_backs_off_when_it_misses():
     cost = StepCost()
     cost.observe(1, 0.010)
     cost.observe(9, 0.040)  # a wide batch is 4x a single token: only a good guess pays
-    policy = DraftPolicy(SpeculativeMode.AUTO)
+    policy = DraftPolicy()
     policy.rate = 0.95
     assert policy.length(cost, 1, 1, 8) >= 4
     policy.rate = 0.1
@@ -60,11 +60,11 @@ def test_draft_policy_drafts_when_it_pays_and_backs_off_when_it_misses():
     costs = StepCost()
     for n, seconds in ((1, 0.009), (2, 0.0095), (4, 0.024), (5, 0.028)):
         costs.observe(n, seconds)
-    fair = DraftPolicy(SpeculativeMode.AUTO)
+    fair = DraftPolicy()
     fair.rate = 0.6
     assert fair.length(costs, 4, 4, 8) == 0
     assert fair.length(costs, 1, 1, 1) == 1
-    assert DraftPolicy(SpeculativeMode.LOOKUP).length(cost, 1, 1, 5) == 5
+    assert DraftPolicy(forced=True).length(cost, 1, 1, 5) == 5
 
 
 # ---------------------------------------------------------------- on the real models
@@ -131,5 +131,5 @@ def test_rejected_drafts_leave_the_cache_consistent_through_eviction_sessions_an
 
 
 def test_a_bad_mode_is_one_clear_line(smol):
-    with pytest.raises(UsageError, match="auto, off or lookup"):
+    with pytest.raises(UsageError, match="auto, off, lookup or draft"):
         smol.submit(ChatRequest(messages=[{"role": "user", "content": "hi"}], speculative="fast"))

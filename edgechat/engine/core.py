@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgechat.config import Paths, get_paths, make_data_dir
-from edgechat.engine import planner
+from edgechat.config import Paths, get_paths, make_data_dir, model_settings
+from edgechat.engine import devices, planner
+from edgechat.engine.draft import DraftModel, DraftVocabError
 from edgechat.engine.kvcache import KVManager, Slot
 from edgechat.engine.llama import LlamaBackend
 from edgechat.engine.metrics import RequestClock
@@ -56,11 +57,16 @@ class EngineConfig:
     #: 2-core CPU "off" answers sooner deep into long chats (see docs/ARCHITECTURE.md)
     flash_attn: str = "auto"
     max_queue: int | None = None
-    n_gpu_layers: int | None = None
+    #: "auto" (as many layers as the GPUs' free memory holds), "all" or a count; None: the model's
+    #: gpu_layers in config.toml, else "auto". No effect on a CPU-only build.
+    n_gpu_layers: int | str | None = None
     snapshot_budget: int = 4 << 30
     paths: Paths | None = None
-    #: speculative decoding by default: "auto" (n-gram lookup where it pays), "off", "lookup"
+    #: speculative decoding by default: "auto" (n-gram lookup, and the draft model if any,
+    #: where they pay), "off", "lookup", "draft"
     speculative: str = "auto"
+    #: a smaller model of the same vocabulary that guesses tokens for the model to verify
+    draft_model: str | None = None
     #: called from the loading thread with the fraction of the model read (0..1)
     on_load_progress: Callable[[float], None] | None = None
 
@@ -94,18 +100,22 @@ class Engine:
         self.plan = plan
         self.n_ctx = plan.n_ctx
         self.n_threads = cfg.n_threads or planner.physical_cores()
+        self.model_name = display_name(cfg.model, self.model_path)
+        gpu_layers = cfg.n_gpu_layers
+        if gpu_layers is None:
+            gpu_layers = model_settings(self.paths, cfg.model, self.model_name).get("gpu_layers")
+        self.gpu = planner.gpu_split(info, plan, gpu_layers, devices.gpu_devices())
         self.backend = LlamaBackend(
             self.model_path,
             n_ctx_total=self.n_ctx * self.n_slots,
             n_seq_max=self.n_slots,
             n_threads=self.n_threads,
             kv_type=cfg.kv_type,
-            n_gpu_layers=cfg.n_gpu_layers,
+            n_gpu_layers=self.gpu.n_gpu_layers,
             flash_attn=cfg.flash_attn,
             on_progress=cfg.on_load_progress,
         )
         be = self.backend
-        self.model_name = display_name(cfg.model, self.model_path)
         self.format = choose_format(
             be.meta("tokenizer.chat_template"),
             info.architecture,
@@ -120,7 +130,10 @@ class Engine:
         self.states = ConversationStates()
         self._snapshots: SnapshotStore | None = None
         self.kv = KVManager(be, self.n_slots, self._snapshot_store, self._saved_state, self._restored_state)
-        self.scheduler = Scheduler(be, self.kv, self.states, self.n_ctx, cfg.n_parallel, self._policy, self._speculative)
+        self.draft, self.draft_warning = self._load_draft()
+        self.scheduler = Scheduler(
+            be, self.kv, self.states, self.n_ctx, cfg.n_parallel, self._policy, self._speculative, self.draft
+        )
         self.prompts = PromptBuilder(
             self.format,
             lambda text: be.tokenize(text, add_bos=False, special=True),
@@ -144,7 +157,7 @@ class Engine:
         """Queue a request. `prepared` is what prepare() built for it (its max_tokens may have
         been lowered since): the prompt is then not built twice."""
         self._check_running()
-        _speculative_mode(request.speculative)
+        self._check_draft(_speculative_mode(request.speculative))
         clock = RequestClock()
         if prepared is None:
             prep = self.prompts.prepare(request, self._policy(request))
@@ -229,6 +242,8 @@ class Engine:
             log.warning("the engine thread did not stop; leaving its model loaded")
             return
         self.scheduler.close()
+        if self.draft is not None:
+            self.draft.close()
         self.backend.close()
 
     def __enter__(self):
@@ -290,6 +305,29 @@ class Engine:
 
     def _saved_state(self, session: str) -> dict:
         return self.states.get(session) or {}
+
+    def _load_draft(self) -> tuple[DraftModel | None, str | None]:
+        """The draft model, if one is configured: a wrong vocabulary is refused (a choice to
+        correct), a file that does not load leaves the model serving without it, and says so."""
+        cfg = self.config
+        if cfg.draft_model is None:
+            self._check_draft(self.speculative_default)
+            return None, None
+        try:
+            path = resolve_model(cfg.draft_model, self.paths)
+            draft = DraftModel(path, self.backend, self.n_ctx, self.n_threads, cfg.flash_attn)
+        except DraftVocabError:
+            self.backend.close()
+            raise
+        except EdgechatError as exc:
+            warning = f"draft model not used: {exc}"
+            log.warning("%s", warning)
+            return None, warning
+        return draft, None
+
+    def _check_draft(self, mode: SpeculativeMode | None) -> None:
+        if mode is SpeculativeMode.DRAFT and self.config.draft_model is None:
+            raise UsageError("speculative decoding 'draft' needs a draft model (--draft-model)")
 
     def _speculative(self, req: ChatRequest) -> SpeculativeMode:
         return self.speculative_default if req.speculative is None else SpeculativeMode(req.speculative)
@@ -370,7 +408,7 @@ class Engine:
             if cmd.name == "positions":
                 cmd.result = self.kv.positions(slot) if slot is not None else None
             elif cmd.name == "check":
-                cmd.result = self.kv.check()
+                cmd.result = self.kv.check() + (self.draft.problems() if self.draft is not None else [])
             elif cmd.name == "continue":
                 cmd.result = self.scheduler.continuation(*cmd.arg)
             elif cmd.name == "top_logits":
@@ -415,4 +453,4 @@ def _speculative_mode(value: str | None) -> SpeculativeMode | None:
     try:
         return SpeculativeMode(value)
     except ValueError:
-        raise UsageError(f"speculative decoding must be auto, off or lookup (got {value!r})") from None
+        raise UsageError(f"speculative decoding must be auto, off, lookup or draft (got {value!r})") from None

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from edgechat.engine.draft import DraftModel
 from edgechat.engine.kvcache import KVManager, Slot
 from edgechat.engine.llama import Batch, LlamaBackend
 from edgechat.engine.metrics import RequestClock
@@ -30,6 +31,7 @@ from edgechat.engine.request import (
     RequestHandle,
     RequestStatus,
     TextDelta,
+    TokenLogprob,
 )
 from edgechat.engine.sampling import SamplerChain
 from edgechat.engine.sessions import ConversationStates
@@ -63,9 +65,13 @@ class Running:
     cached: int = 0
     tokens_out: list[int] = field(default_factory=list)
     drafter: NgramDrafter | None = None
-    policy: DraftPolicy | None = None
+    policy: DraftPolicy | None = None  # how much of the n-gram drafter's guesses to try
+    model_policy: DraftPolicy | None = None  # how many tokens the draft model guesses
+    drafted_by: DraftPolicy | None = None  # the policy of this step's draft
     draft: list[int] = field(default_factory=list)  # drafted tokens in this step's batch
     draft_indices: list[int] = field(default_factory=list)  # batch indices of the logits to verify them
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per sampled token, when asked
+    logprobs_sent: int = 0  # of which delivered with a TextDelta
 
 
 class Scheduler:
@@ -78,6 +84,7 @@ class Scheduler:
         n_parallel: int,
         policy: Callable[[ChatRequest], ContextPolicy],
         speculative: Callable[[ChatRequest], SpeculativeMode],
+        draft: DraftModel | None = None,
     ):
         self.backend = backend
         self.kv = kv
@@ -86,6 +93,7 @@ class Scheduler:
         self.n_parallel = n_parallel
         self.policy = policy
         self.speculative = speculative
+        self.draft = draft
         #: what a wider batch costs on this machine, measured on every step
         self.cost = StepCost()
         self.waiting: deque[Running] = deque()
@@ -126,7 +134,7 @@ class Scheduler:
                     self.finish(run, RequestStatus.FINISHED_CANCELLED)
                     continue
                 slot = None
-                if len(self.active) < self.n_parallel:
+                if len(self.active) < self.n_parallel and not self._awaits_shared_prompt(run):
                     slot = self.kv.pick(run.request.session, run.prep.tokens, self.n_ctx)
                 if slot is None:
                     still.append(run)
@@ -137,6 +145,14 @@ class Scheduler:
                 log.exception("could not start a request")
                 self.finish(run, RequestStatus.FINISHED_ERROR, error=str(exc) or type(exc).__name__)
         self.waiting = still
+
+    def _awaits_shared_prompt(self, run: Running) -> bool:
+        """n > 1: a request waits while the one it shares the prompt with is still prefilling it,
+        then takes those cells from it (KVManager.pick) instead of computing them again."""
+        other = run.request.prompt_shared_with
+        if other is None or other.status.finished:
+            return False
+        return other.status is RequestStatus.WAITING or any(r.handle is other and r.pending for r in self.active)
 
     def _start(self, run: Running, slot: Slot) -> None:
         req, prompt = run.request, run.prep.tokens
@@ -154,13 +170,15 @@ class Scheduler:
         realign = req.session is not None and self.policy(req) is ContextPolicy.SHIFT
         run.cached = self.kv.reuse(slot, prompt, realign)
         run.pending = prompt[run.cached :]
-        run.sampler = SamplerChain(req.sampling, self.backend.n_vocab)
+        run.sampler = SamplerChain(req.sampling, self.backend.n_vocab, self.backend.vocab, req.grammar)
         run.sampler.accept_prompt(prompt)
         run.proc = OutputProcessor(req.stop)
         mode = self.speculative(req)
-        if mode is not SpeculativeMode.OFF:
+        if mode in (SpeculativeMode.AUTO, SpeculativeMode.LOOKUP):
             run.drafter = NgramDrafter(prompt)
-            run.policy = DraftPolicy(mode)
+            run.policy = DraftPolicy(forced=mode is SpeculativeMode.LOOKUP)
+        if self.draft is not None and mode in (SpeculativeMode.AUTO, SpeculativeMode.DRAFT):
+            run.model_policy = DraftPolicy(forced=mode is SpeculativeMode.DRAFT)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
@@ -212,14 +230,34 @@ class Scheduler:
 
     def _sample(self, run: Running, index: int) -> int:
         smp = run.sampler
-        return self.backend.argmax(index) if smp.plain_greedy else self.backend.sample(smp.chain, index)
+        token = self.backend.argmax(index) if smp.plain_greedy else self.backend.sample(smp.chain, index)
+        if run.request.logprobs is not None:
+            self._record_logprob(run, index, token)
+        return token
+
+    def _record_logprob(self, run: Running, index: int, token: int) -> None:
+        """Only for requests that ask: the others never read their logits in Python."""
+        be = self.backend
+        logprob, top = be.logprobs(index, token, run.request.logprobs)
+        run.logprobs.append(TokenLogprob(be.piece(token), logprob, [(be.piece(t), lp) for t, lp in top]))
+
+    def _emit_text(self, run: Running, text: str) -> None:
+        """Text to the client, with the log probabilities of the tokens emitted since the last
+        text (the end-of-generation token has none to report)."""
+        if not text:
+            return
+        logprobs = None
+        if run.request.logprobs is not None:
+            logprobs = run.logprobs[run.logprobs_sent : run.n_out]
+            run.logprobs_sent = run.n_out
+        run.handle.emit(TextDelta(text, logprobs))
 
     def _add_drafts(self, decoding: list[Running]) -> None:
         """Put drafted tokens after each decoding sequence's next token, with logits at each."""
         batch = self._batch
         width = len(decoding) + sum(min(len(r.pending), PREFILL_CHUNK_BUSY) for r in self.active if r.pending)
         for run in decoding:
-            if run.drafter is None or not self.kv.can_rewind:
+            if (run.policy is None and run.model_policy is None) or not self.kv.can_rewind:
                 continue
             slot = run.slot
             room = min(self.n_ctx - len(slot.tokens), batch.free, MAX_DRAFT)
@@ -228,15 +266,42 @@ class Scheduler:
                 room = min(room, run.request.max_tokens - run.n_out - 1)
             if room <= 0:
                 continue
-            guess = run.drafter.propose(room)
-            k = run.policy.length(self.cost, width, len(decoding), len(guess))
-            if k <= 0:
+            run.draft = self._guess(run, room, width, len(decoding))
+            if not run.draft:
                 continue
-            run.draft = guess[:k]
             base = len(slot.tokens)
             run.draft_indices = [run.out_index] + [batch.add(tok, base + i, slot.seq, True) for i, tok in enumerate(run.draft)]
             self.kv.extend(slot, run.draft)
-            width += k
+            width += len(run.draft)
+
+    def _guess(self, run: Running, room: int, width: int, sequences: int) -> list[int]:
+        """This step's draft for one sequence: the n-gram lookup's when it has one worth
+        trying (it costs nothing to make), else the draft model's when that pays."""
+        if run.policy is not None:
+            guess = run.drafter.propose(room)
+            k = run.policy.length(self.cost, width, sequences, len(guess))
+            if k > 0:
+                run.drafted_by = run.policy
+                return guess[:k]
+        if run.model_policy is not None:
+            k = run.model_policy.length(self.cost, width, sequences, room, self._draft_cost(width))
+            if k > 0:
+                try:
+                    guess = self.draft.propose(run.slot.seq, run.slot.tokens, k)
+                except Exception:  # the draft is an aid: its failure costs a guess, never the answer
+                    log.exception("the draft model failed to guess")
+                    return []
+                run.drafted_by = run.model_policy
+                return guess
+        return []
+
+    def _draft_cost(self, width: int) -> float:
+        """What the draft model takes to guess one token, in steps of `width` tokens: measured
+        once both have run, until then a guess that it is a third of the model's step."""
+        step, guess = self.cost.seconds(width), self.draft.seconds_per_token
+        if step is None or guess is None:
+            return 1 / 3
+        return guess / step
 
     def _verify(self, run: Running) -> None:
         """Sample at each drafted position, in order, with the sequence's own sampler: drafted
@@ -257,8 +322,8 @@ class Scheduler:
         kept = self.kv.truncate(slot, len(valid))
         if kept < len(valid):  # memory that cannot drop part of a sequence: recompute what it lost
             self.prefill_now(slot, valid[kept:])
-        run.policy.update(len(draft), accepted)
-        run.draft, run.draft_indices = [], []
+        run.drafted_by.update(len(draft), accepted)
+        run.draft, run.draft_indices, run.drafted_by = [], [], None
         if status is not None:
             self.finish(run, status)
 
@@ -271,9 +336,7 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         run.n_out += 1
         run.tokens_out.append(token)
-        text = run.proc.feed(be.piece(token))
-        if text:
-            run.handle.emit(TextDelta(text))
+        self._emit_text(run, run.proc.feed(be.piece(token)))
         if run.proc.stopped:
             return RequestStatus.FINISHED_STOPPED
         if req.max_tokens is not None and run.n_out >= req.max_tokens:
@@ -298,17 +361,19 @@ class Scheduler:
         tail = ""
         if run.proc is not None and status is not RequestStatus.FINISHED_ERROR:
             tail = run.proc.finish()
-        if tail:
-            run.handle.emit(TextDelta(tail))
+        self._emit_text(run, tail)
         run.handle.status = status
         metrics = run.clock.build(
             len(run.prep.tokens), run.cached, run.n_out, len(slot.tokens) if slot else 0, self.n_ctx
         )
-        if run.policy is not None:
-            metrics.drafted_tokens, metrics.accepted_tokens = run.policy.drafted, run.policy.accepted
+        policies = [p for p in (run.policy, run.model_policy) if p is not None]
+        if policies:
+            metrics.drafted_tokens = sum(p.drafted for p in policies)
+            metrics.accepted_tokens = sum(p.accepted for p in policies)
         run.handle.emit(Metrics(metrics))
         text = run.proc.text if run.proc is not None else ""
-        run.handle.emit(Finished(FINISH_REASONS[status], text, metrics, error, run.tokens_out))
+        logprobs = run.logprobs[: run.n_out] if run.request.logprobs is not None else None
+        run.handle.emit(Finished(FINISH_REASONS[status], text, metrics, error, run.tokens_out, logprobs))
 
     def fail_running(self, exc: Exception) -> None:
         """A step failed (a bug, a llama.cpp error): its requests end with the error."""
@@ -355,6 +420,8 @@ class Scheduler:
             # recompute what follows the cut at its new positions
             kept = self.kv.truncate(slot, a)
             self.prefill_now(slot, tokens[kept:a] + tokens[b:])
+        elif self.draft is not None:
+            self.draft.drop(slot.seq, a, b)
         if dropped_msgs:
             note = f"{dropped_msgs} oldest message{'s' if dropped_msgs > 1 else ''} left the context"
             if run.request.session is not None:

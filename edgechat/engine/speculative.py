@@ -21,9 +21,10 @@ NGRAM_SIZES = (4, 3, 2)
 
 
 class SpeculativeMode(str, enum.Enum):
-    AUTO = "auto"  # n-gram lookup, adaptive
+    AUTO = "auto"  # n-gram lookup, and the draft model when one is loaded, each where it pays
     OFF = "off"
-    LOOKUP = "lookup"  # n-gram lookup, even where the cost model would not draft
+    LOOKUP = "lookup"  # n-gram lookup only, even where the cost model would not draft
+    DRAFT = "draft"  # the draft model only, even where the cost model would not draft
 
 
 class NgramDrafter:
@@ -92,6 +93,10 @@ class StepCost:
             return 1.0 + self.PRIOR * extra
         return max(w / b, 1.0)
 
+    def seconds(self, n: int) -> float | None:
+        """The estimated time of a step of n tokens, None before any step was measured."""
+        return self._estimate(n)
+
     def _estimate(self, n: int) -> float | None:
         known = self._seconds
         if n in known:
@@ -118,8 +123,9 @@ class DraftPolicy:
     PROBE = 2
     MAX_PROBE_INTERVAL = 64
 
-    def __init__(self, mode: SpeculativeMode):
-        self.mode = mode
+    def __init__(self, forced: bool = False):
+        #: draft as much as is offered, whatever it costs (a mode the user chose)
+        self.forced = forced
         self.rate = 0.5  # per drafted token, a moving average; starts undecided
         self.cooldown = 0  # steps to skip drafting after misses
         self._backoff = 1
@@ -128,9 +134,10 @@ class DraftPolicy:
         self.drafted = 0
         self.accepted = 0
 
-    def length(self, cost: StepCost, batch: int, sequences: int, available: int) -> int:
+    def length(self, cost: StepCost, batch: int, sequences: int, available: int, draft_cost: float = 0.0) -> int:
         """Tokens to draft now, 0 for none. `batch` is the step's width so far, `sequences` how
-        many sequences it decodes (each emits a token), `available` what the drafter offers.
+        many sequences it decodes (each emits a token), `available` what the drafter offers,
+        `draft_cost` what guessing one token costs the drafter, in steps of `batch` tokens.
 
         Every sequence in the step waits for the wider batch, so a draft is scored over the
         whole step: (sequences + expected kept) / sequences per unit of step cost. Alone, that
@@ -139,14 +146,14 @@ class DraftPolicy:
             self.cooldown -= 1
             return 0
         limit = min(available, MAX_DRAFT)
-        if self.mode is SpeculativeMode.LOOKUP:
+        if self.forced:
             return limit
         best_k, best_gain = 0, 1.0
         p = self.rate
         expected = 0.0
         for k in range(1, limit + 1):
             expected += p**k  # the k-th drafted token is kept only if all before it were
-            gain = (sequences + expected) / sequences / cost.ratio(batch, k)
+            gain = (sequences + expected) / sequences / (cost.ratio(batch, k) + draft_cost * k)
             if gain > best_gain * 1.02:
                 best_k, best_gain = k, gain
         if best_k:

@@ -1,0 +1,116 @@
+"""Speculative decoding with a draft model: the embedded Q4 models draft for their own Q8_0
+(requantized here by llama.cpp), as a small quantization drafts for a big one. The text is the
+model's own (greedy and seeded), the draft's cache follows the model's through rejections,
+eviction, sessions and cancels, and a draft that does not fit is refused or left out in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
+from edgechat.errors import UsageError
+from neartie import assert_same_or_near_tie
+from quantize.requantize import requantize
+
+GREEDY = SamplingParams(temperature=0)
+PASSAGE = (
+    "The lighthouse keeper climbed the stairs every evening at six. He polished the great lens, "
+    "trimmed the wick and wrote the weather in a blue notebook."
+)
+PROMPTS = [
+    f"Repeat this text exactly:\n\n{PASSAGE}",
+    "Tell me a short story about a fox.",
+    "用三句话介绍一下长城。",
+]
+
+
+@pytest.fixture(scope="module")
+def q8(smollm2_path, gemma3_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("q8")
+    return {
+        name: requantize(src, out / f"{name}-Q8_0.gguf", "Q8_0", threads=2)
+        for name, src in (("smol", smollm2_path), ("gemma", gemma3_path))
+    }
+
+
+@pytest.fixture(scope="module")
+def drafted(q8, smollm2_path, gemma3_path, models_root):
+    engines = {}
+    for name, draft in (("smol", smollm2_path), ("gemma", gemma3_path)):
+        engines[name] = Engine(EngineConfig(model=str(q8[name]), draft_model=str(draft), n_ctx=1024, n_threads=2, paths=models_root))
+    yield engines
+    for engine in engines.values():
+        engine.close()
+
+
+def answer(engine, text, mode, **kw):
+    kw.setdefault("sampling", GREEDY)
+    kw.setdefault("max_tokens", 60)
+    before = engine.stats()["decode_calls"]
+    done = engine.submit(ChatRequest(messages=[{"role": "user", "content": text}], speculative=mode, **kw)).result()
+    return done, engine.stats()["decode_calls"] - before
+
+
+@pytest.mark.parametrize("name", ["smol", "gemma"])
+@pytest.mark.parametrize("text", PROMPTS)
+def test_greedy_text_is_the_same_with_a_draft_model(drafted, name, text):
+    engine = drafted[name]
+    plain, plain_calls = answer(engine, text, "off")
+    for mode in ("draft", "auto"):
+        fast, calls = answer(engine, text, mode)
+        assert_same_or_near_tie(engine, [{"role": "user", "content": text}], plain.token_ids, fast.token_ids)
+        assert fast.metrics.accepted_tokens <= fast.metrics.drafted_tokens
+        if mode == "draft":
+            # a Q4 of the same weights guesses most of its Q8's tokens: far fewer passes
+            assert fast.metrics.drafted_tokens > 0 and calls < plain_calls, (calls, plain_calls, fast.metrics)
+        assert engine.kv_problems() == []
+
+
+def test_seeded_sampling_is_the_same_with_a_draft_model(drafted):
+    hot = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=5, repeat_penalty=1.1)
+    engine = drafted["smol"]
+    plain, _ = answer(engine, PROMPTS[1], "off", sampling=hot)
+    fast, _ = answer(engine, PROMPTS[1], "draft", sampling=hot)
+    assert fast.metrics.accepted_tokens > 0
+    assert_same_or_near_tie(engine, [{"role": "user", "content": PROMPTS[1]}], plain.token_ids, fast.token_ids)
+
+
+def test_the_drafts_cache_follows_through_eviction_sessions_and_cancel(q8, smollm2_path, isolated_dirs):
+    cfg = EngineConfig(model=str(q8["smol"]), draft_model=str(smollm2_path), n_ctx=256, n_threads=2, paths=isolated_dirs, speculative="draft")
+    with Engine(cfg) as engine:
+        first = [{"role": "user", "content": PROMPTS[0]}]
+        long = engine.submit(ChatRequest(messages=first, sampling=GREEDY, max_tokens=400, ignore_eos=True, session="s")).result()
+        # the answer outgrew the 256-token context: older tokens were shifted out of both caches
+        assert long.reason == "length" and long.metrics.accepted_tokens > 0
+        assert engine.kv_problems() == []
+        again = first + [{"role": "assistant", "content": long.text}, {"role": "user", "content": "Say it again."}]
+        engine.submit(ChatRequest(messages=again, sampling=GREEDY, max_tokens=40, session="s")).result()
+        assert engine.kv_problems() == []
+        handle = engine.submit(ChatRequest(messages=first, sampling=GREEDY, max_tokens=200, ignore_eos=True))
+        for _ in handle.events():
+            handle.cancel()
+        assert handle.finished.reason == "cancelled"
+        assert engine.kv_problems() == []
+        # the next request on that sequence starts from what the draft held: still the model's text
+        plain = engine.submit(ChatRequest(messages=first, sampling=GREEDY, max_tokens=40, speculative="off")).result()
+        fast = engine.submit(ChatRequest(messages=first, sampling=GREEDY, max_tokens=40)).result()
+        assert_same_or_near_tie(engine, first, plain.token_ids, fast.token_ids)
+        assert engine.kv_problems() == []
+
+
+def test_a_draft_of_another_vocabulary_is_refused_in_one_line(smollm2_path, gemma3_path, models_root):
+    with pytest.raises(UsageError, match=r"draft model .*gguf.*same family") as err:
+        Engine(EngineConfig(model=str(smollm2_path), draft_model=str(gemma3_path), n_ctx=256, n_threads=2, paths=models_root))
+    assert "\n" not in str(err.value)
+
+
+def test_a_draft_that_does_not_load_leaves_the_model_serving(smollm2_path, tmp_path, models_root):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    with Engine(EngineConfig(model=str(smollm2_path), draft_model=str(broken), n_ctx=256, n_threads=2, paths=models_root)) as engine:
+        assert engine.draft is None and "draft model not used" in engine.draft_warning
+        done, _ = answer(engine, PROMPTS[0], "auto")
+        assert done.reason in ("stop", "length") and done.text
+    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=256, n_threads=2, paths=models_root)) as engine:
+        with pytest.raises(UsageError, match="needs a draft model"):
+            engine.submit(ChatRequest(messages=[{"role": "user", "content": "hi"}], speculative="draft"))
