@@ -73,3 +73,13 @@ def load_settings(paths: Paths) -> dict:
         return {}
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"{paths.config_file} is not valid TOML ({exc}); fix or delete it") from None
+
+
+def model_settings(paths: Paths, *names: str | None) -> dict:
+    """A model's own settings, `[models."NAME"]` in config.toml (e.g. gpu_layers = 20), under the
+    first of `names` (as typed, as displayed) that has a table; {} when none has."""
+    models = load_settings(paths).get("models") or {}
+    for name in names:
+        if name and isinstance(models.get(name), dict):
+            return models[name]
+    return {}

@@ -5,11 +5,12 @@ from __future__ import annotations
 from edgechat.config import get_paths
 
 
-def open_app(model: str | None, url: str | None, api_key: str | None, data_dir: str | None) -> None:
+def open_app(model: str | None, url: str | None, api_key: str | None, data_dir: str | None,
+             gpu_layers: str | int | None = None) -> None:
     # Textual is imported here so that every other command starts without paying for it.
     from edgechat.tui.app import EdgechatApp
 
-    app = EdgechatApp(get_paths(data_dir), model=model, url=url, api_key=api_key)
+    app = EdgechatApp(get_paths(data_dir), model=model, url=url, api_key=api_key, gpu_layers=gpu_layers)
     try:
         app.run()
     finally:

@@ -32,8 +32,40 @@ speculative_option = click.option(
 )
 
 
+def _gpu_layers(ctx, param, value):
+    if value is None:
+        return None
+    from edgechat.engine.planner import parse_gpu_layers
+    from edgechat.errors import UsageError
+
+    try:
+        return parse_gpu_layers(value)
+    except UsageError:
+        raise click.BadParameter(f"use auto, all or a number of layers, not '{value}'") from None
+
+
+gpu_layers_option = click.option(
+    "--gpu-layers",
+    default=None,
+    metavar="auto|N|all",
+    callback=_gpu_layers,
+    help="Layers on the GPU: auto (as many as its free memory holds with the context's KV cache), all, or N "
+    "(default: the model's gpu_layers in config.toml, else auto). No effect on a CPU-only build.",
+)
+
+
+def gpu_layers_note(value) -> None:
+    """One line, never a failure, when --gpu-layers is given to a llama.cpp that cannot offload."""
+    from edgechat.engine import devices
+
+    if value is not None and not devices.gpu_devices():
+        click.echo("edgechat: note: this llama.cpp is a CPU-only build, so --gpu-layers has no effect "
+                   "(GPU builds: packaging/GPU.md)", err=True)
+
+
 def model_options(func):
-    """-m/--model, --ctx, --threads: how a command loads its model."""
+    """-m/--model, --ctx, --threads, --gpu-layers: how a command loads its model."""
+    func = gpu_layers_option(func)
     func = click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: physical cores).")(func)
     func = click.option("--ctx", type=click.IntRange(min=64), default=None, help="Context size in tokens (default: largest that fits, capped).")(func)
     func = click.option("-m", "--model", default=None, help="Model: short name, path to a .gguf, or Hub reference.")(func)

@@ -17,6 +17,10 @@ from edgechat.models.hub import is_downloaded
 
 
 def _model_rows(paths, kv_type: str = "f16") -> list[dict]:
+    from edgechat.config import model_settings
+    from edgechat.engine import devices
+
+    gpus = devices.gpu_devices()
     rows = []
     for name in known_model_names(paths):
         try:
@@ -25,6 +29,10 @@ def _model_rows(paths, kv_type: str = "f16") -> list[dict]:
             rows.append({"name": name, "error": str(exc)})
             continue
         fits = planner.max_context_that_fits(info, kv_type)
+        # the split `edgechat run -m NAME` would use: the model's gpu_layers setting (else auto)
+        # at the default context
+        plan = planner.plan_for(info, min(max(info.context_length, planner.MIN_CTX), planner.DEFAULT_CTX_CAP), 1, kv_type)
+        split = planner.gpu_split(info, plan, model_settings(paths, name).get("gpu_layers"), gpus)
         rows.append(
             {
                 "name": name,
@@ -36,6 +44,7 @@ def _model_rows(paths, kv_type: str = "f16") -> list[dict]:
                 "kv_per_token": info.kv_cache_bytes(1, planner.KV_BYTES[kv_type], swa_full=True),
                 "kv_per_token_q8": info.kv_cache_bytes(1, planner.KV_BYTES["q8_0"], swa_full=True),
                 "fits_ctx": fits,
+                "device": split.describe(),
             }
         )
     return rows
@@ -69,16 +78,16 @@ def models_cmd(show_catalog, data_dir):
     rows = []
     for r in _model_rows(paths):
         if "error" in r:
-            rows.append([r["name"], "-", "-", "-", "-", r["error"]])
+            rows.append([r["name"], "-", "-", "-", "-", r["error"], "-"])
         else:
             fit = f"yes, up to {r['fits_ctx']} ctx" if r["fits_ctx"] else "no"
-            rows.append([r["name"], r["size"], r["quant"], r["arch"], str(r["trained_ctx"]), fit])
+            rows.append([r["name"], r["size"], r["quant"], r["arch"], str(r["trained_ctx"]), fit, r["device"]])
     listed = {row[0] for row in rows}
     for e in load_catalog().values():
         if e.name not in listed:
             row = catalog_row(e)
-            rows.append([row.name, row.size, row.quant, row.architecture, str(row.context), row.fit_text])
-    click.echo(_table(["NAME", "SIZE", "QUANT", "ARCH", "TRAINED CTX", "FITS HERE"], rows))
+            rows.append([row.name, row.size, row.quant, row.architecture, str(row.context), row.fit_text, "-"])
+    click.echo(_table(["NAME", "SIZE", "QUANT", "ARCH", "TRAINED CTX", "FITS HERE", "LAYERS ON"], rows))
     if len(rows) > len(listed):
         click.echo("\nnot downloaded: `edgechat pull NAME` once (or first use online fetches it); details: edgechat models --catalog")
 
@@ -119,11 +128,11 @@ def doctor_cmd(expect, data_dir):
     rows = []
     for r in _model_rows(paths):
         if "error" in r:
-            rows.append([r["name"], "-", "-", "-", "-", "-", r["error"]])
+            rows.append([r["name"], "-", "-", "-", "-", "-", r["error"], "-"])
             continue
         rows.append([
             r["name"], r["size"], r["quant"], r["arch"], str(r["trained_ctx"]),
             f"{r['kv_per_token'] / 1024:.1f} KiB (q8_0: {r['kv_per_token_q8'] / 1024:.1f})",
-            str(r["fits_ctx"]) if r["fits_ctx"] else "does not fit",
+            str(r["fits_ctx"]) if r["fits_ctx"] else "does not fit", r["device"],
         ])
-    click.echo(_table(["MODEL", "SIZE", "QUANT", "ARCH", "TRAINED CTX", "KV/TOKEN (f16)", "CTX THAT FITS"], rows))
+    click.echo(_table(["MODEL", "SIZE", "QUANT", "ARCH", "TRAINED CTX", "KV/TOKEN (f16)", "CTX THAT FITS", "LAYERS ON"], rows))

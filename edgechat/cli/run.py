@@ -11,7 +11,14 @@ import sys
 
 import click
 
-from edgechat.cli.common import data_dir_option, flash_attn_option, model_options, sampling_options, speculative_option
+from edgechat.cli.common import (
+    data_dir_option,
+    flash_attn_option,
+    gpu_layers_note,
+    model_options,
+    sampling_options,
+    speculative_option,
+)
 from edgechat.config import get_paths
 from edgechat.engine.request import ChatRequest, ContextPolicy, Evicted, SamplingParams, TextDelta
 from edgechat.errors import UsageError
@@ -60,7 +67,7 @@ def read_prompt(prompt: str | None) -> str | None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.argument("prompt", required=False)
 @data_dir_option
-def run_cmd(model, ctx, threads, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
+def run_cmd(model, ctx, threads, gpu_layers, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
             system, session, raw, context_policy, kv_type, flash_attn, speculative, as_json, prompt, data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
     from edgechat.engine import Engine, EngineConfig
@@ -80,8 +87,9 @@ def run_cmd(model, ctx, threads, temperature, top_p, top_k, min_p, repeat_penalt
     params = dict(sampling=build_sampling(temperature, top_p, top_k, min_p, repeat_penalty, seed),
                   max_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos)
     paths = get_paths(data_dir)
-    cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, kv_type=kv_type, flash_attn=flash_attn,
-                       speculative=speculative, paths=paths)
+    gpu_layers_note(gpu_layers)
+    cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers, kv_type=kv_type,
+                       flash_attn=flash_attn, speculative=speculative, paths=paths)
     if session is not None:
         finished = _session_turn(cfg, session, text, system, context_policy, params, as_json)
     else:

@@ -7,7 +7,7 @@ import logging
 
 import click
 
-from edgechat.cli.common import data_dir_option, flash_attn_option, model_options, speculative_option
+from edgechat.cli.common import data_dir_option, flash_attn_option, gpu_layers_note, model_options, speculative_option
 from edgechat.server.settings import ServerSettings
 
 
@@ -41,6 +41,7 @@ def serve_cmd(
     model: str | None,
     ctx: int | None,
     threads: int | None,
+    gpu_layers: str | int | None,
     host: str,
     port: int,
     parallel: int,
@@ -65,6 +66,7 @@ def serve_cmd(
     from edgechat.models import DEFAULT_MODEL
     from edgechat.server import create_app
 
+    gpu_layers_note(gpu_layers)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     log = logging.getLogger("edgechat.server")
     if not _is_loopback(host):
@@ -76,6 +78,7 @@ def serve_cmd(
                 model=name,
                 n_ctx=ctx,
                 n_threads=threads,
+                n_gpu_layers=gpu_layers,
                 n_parallel=parallel,
                 kv_type=kv_type,
                 flash_attn=flash_attn,

@@ -159,6 +159,71 @@ def max_context_that_fits(info: ModelInfo, kv_type: str = "f16", available: int 
     return best
 
 
+#: of a GPU's free memory, what `--gpu-layers auto` leaves to the driver and other programs
+GPU_HEADROOM = 0.90
+
+
+@dataclass(frozen=True)
+class GpuSplit:
+    """Where the model's layers go: llama.cpp offloads the last `gpu_layers` of `n_layer` to
+    `devices` (split between them by free memory) and keeps the first ones on the CPU."""
+
+    gpu_layers: int
+    n_layer: int
+    devices: tuple[str, ...] = ()
+
+    @property
+    def cpu_layers(self) -> int:
+        return self.n_layer - self.gpu_layers
+
+    @property
+    def n_gpu_layers(self) -> int:
+        """llama.cpp's n_gpu_layers, which counts the output layer as one more (offloaded first):
+        -1 is every layer and the output."""
+        if not self.devices or not self.gpu_layers:
+            return 0
+        return -1 if self.gpu_layers >= self.n_layer else self.gpu_layers + 1
+
+    def describe(self) -> str:
+        if not self.gpu_layers:
+            return "CPU"
+        where = "+".join(self.devices)
+        if not self.cpu_layers:
+            return f"{where} (all {self.n_layer} layers)"
+        return f"{where} {self.gpu_layers}/{self.n_layer} layers, CPU {self.cpu_layers}"
+
+
+def parse_gpu_layers(value: str | int | None) -> str | int:
+    """`auto`, `all` or a layer count, as the CLI and config.toml write it; UsageError otherwise."""
+    if value is None:
+        return "auto"
+    if isinstance(value, int) or str(value).strip().isdigit():
+        return int(value)
+    text = str(value).strip().lower()
+    if text not in ("auto", "all"):
+        raise UsageError(f"GPU layers are auto, all or a number, not '{value}' (--gpu-layers, or gpu_layers in config.toml)")
+    return text
+
+
+def gpu_split(info: ModelInfo, plan: Plan, request: str | int | None, gpus) -> GpuSplit:
+    """How many layers go to `gpus` (devices.Device list with free memory, from llama.cpp's own
+    device queries). `auto`: as many as their free memory holds next to those layers' share of the
+    KV cache and the compute buffers of `plan`; none without a GPU."""
+    n_layer = max(info.n_layer, 1)
+    wanted = parse_gpu_layers(request)
+    names = tuple(d.name for d in gpus)
+    if not gpus or wanted == 0:
+        return GpuSplit(0, n_layer)
+    if wanted == "all":
+        return GpuSplit(n_layer, n_layer, names)
+    if isinstance(wanted, int):
+        return GpuSplit(min(wanted, n_layer), n_layer, names)
+    # the file's bytes spread over the layers plus one layer's worth for embeddings and output
+    per_layer = info.size_bytes / (n_layer + 1) + plan.kv_cache / n_layer
+    budget = sum(d.free for d in gpus) * GPU_HEADROOM - plan.compute - info.size_bytes / (n_layer + 1)
+    return GpuSplit(max(0, min(n_layer, int(budget // per_layer))), n_layer, names)
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB"
 

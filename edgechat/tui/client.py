@@ -59,7 +59,7 @@ class LocalClient:
     """The in-process engine. Construction loads the model: call it from a worker thread."""
 
     def __init__(self, model: str | None, paths: Paths, n_ctx: int | None = None, kv_type: str = "f16",
-                 on_progress: Callable[[float], None] | None = None):
+                 on_progress: Callable[[float], None] | None = None, gpu_layers: str | int | None = None):
         # Imported here: loading llama.cpp's shared library is not needed to draw the first frame.
         from edgechat.engine import Engine, EngineConfig
         from edgechat.models import DEFAULT_MODEL
@@ -67,14 +67,14 @@ class LocalClient:
         # One extra sequence keeps the previous conversation hot, so switching back is instant.
         self.engine = Engine(
             EngineConfig(model=model or DEFAULT_MODEL, n_ctx=n_ctx, kv_type=kv_type, hot_sessions=1, paths=paths,
-                         on_load_progress=on_progress)
+                         on_load_progress=on_progress, n_gpu_layers=gpu_layers)
         )
         self.model_name = self.engine.model_name
         self.n_ctx = self.engine.n_ctx
         self.template_mode = self.engine.template_mode
         self.template_warning = self.engine.template_warning
-        gpu = self.engine.config.n_gpu_layers
-        self.backend = f"GPU {gpu} layers" if gpu else "CPU"
+        # where the layers went: "CPU", "CUDA0 (all 30 layers)", "CUDA0 20/30 layers, CPU 10"
+        self.backend = self.engine.gpu.describe()
 
     def submit(self, request: ChatRequest) -> Handle:
         return self.engine.submit(request)

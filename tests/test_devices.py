@@ -1,0 +1,91 @@
+"""Devices: how many layers go to a GPU (--gpu-layers auto|N|all, per-model setting), what a
+CPU-only build says about it, and, where a GPU build is installed, that offloading changes no answer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from edgechat.engine import Engine, EngineConfig, devices, planner
+from edgechat.engine.devices import Device
+from edgechat.engine.request import ChatRequest, SamplingParams
+from edgechat.errors import UsageError
+from edgechat.models import read_model_info
+
+
+def gpu(free: int) -> Device:
+    return Device("CUDA0", "test GPU", "gpu", free, free)
+
+
+def test_auto_offloads_what_free_gpu_memory_holds_with_the_kv_cache(smollm2_path):
+    info = read_model_info(smollm2_path)
+    plan = planner.plan_for(info, 4096, available=64 << 30)
+    per_layer = info.size_bytes / (info.n_layer + 1) + plan.kv_cache / info.n_layer
+    base = plan.compute + info.size_bytes / (info.n_layer + 1)  # compute buffers and the output layer
+
+    def split(free, request="auto"):
+        return planner.gpu_split(info, plan, request, [gpu(free)])
+
+    everything = split(int((base + per_layer * info.n_layer) / planner.GPU_HEADROOM) + 1)
+    assert everything.gpu_layers == info.n_layer and everything.n_gpu_layers == -1
+    assert everything.describe() == f"CUDA0 (all {info.n_layer} layers)"
+    half = split(int((base + per_layer * 12.5) / planner.GPU_HEADROOM))
+    assert (half.gpu_layers, half.cpu_layers) == (12, info.n_layer - 12)
+    # llama.cpp counts the output layer as one more and offloads it first
+    assert half.n_gpu_layers == 13 and half.describe() == f"CUDA0 12/{info.n_layer} layers, CPU {info.n_layer - 12}"
+    assert split(int(base * 0.5)).describe() == "CPU" and split(int(base * 0.5)).n_gpu_layers == 0
+    # asked for: taken as given (capped at the model's layers); no GPU, no offload
+    assert split(1, "all").gpu_layers == info.n_layer and split(1, 7).n_gpu_layers == 8 and split(1, 99).n_gpu_layers == -1
+    assert planner.gpu_split(info, plan, "all", []).describe() == "CPU"
+    with pytest.raises(UsageError, match="auto, all or a number"):
+        planner.parse_gpu_layers("lots")
+
+
+def edgechat(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "edgechat", *args], capture_output=True, text=True, timeout=300,
+                          check=False, env=env)
+
+
+@pytest.mark.skipif(bool(devices.gpu_devices()), reason="checks what a CPU-only llama.cpp says")
+def test_a_cpu_only_build_says_in_one_line_that_gpu_layers_does_nothing(isolated_dirs):
+    args = ["run", "--temperature", "0", "--max-tokens", "8", "Name a colour."]
+    plain = edgechat(*args)
+    proc = edgechat("run", "--gpu-layers", "all", *args[1:])
+    assert proc.returncode == 0 and proc.stdout == plain.stdout
+    assert proc.stderr.strip().splitlines() == [
+        "edgechat: note: this llama.cpp is a CPU-only build, so --gpu-layers has no effect (GPU builds: packaging/GPU.md)"
+    ]
+    bad = edgechat("run", "--gpu-layers", "lots", "Hi")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip() == ("edgechat: error: Invalid value for '--gpu-layers': use auto, all or a number of "
+                                  "layers, not 'lots' (see: edgechat run --help)")
+    # the models listing shows where layers go
+    assert "LAYERS ON" in edgechat("models").stdout
+
+
+def test_a_models_gpu_layers_setting_is_read_from_config(isolated_dirs, smollm2_path):
+    isolated_dirs.config_file.parent.mkdir(parents=True, exist_ok=True)
+    isolated_dirs.config_file.write_text('[models."smollm2-135m-instruct"]\ngpu_layers = "several"\n')
+    with pytest.raises(UsageError, match=r"not 'several' \(--gpu-layers, or gpu_layers in config.toml\)"):
+        Engine(EngineConfig(model="smollm2-135m-instruct", n_ctx=512, paths=isolated_dirs))
+    # an explicit value wins over the setting
+    with Engine(EngineConfig(model="smollm2-135m-instruct", n_ctx=512, n_gpu_layers=0, paths=isolated_dirs)) as engine:
+        assert engine.gpu.describe() == "CPU"
+
+
+@pytest.mark.skipif(not devices.gpu_devices(), reason="needs a GPU build of llama-cpp-python (packaging/GPU.md)")
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_auto_puts_every_layer_on_the_gpu_and_answers_as_the_cpu(model, isolated_dirs):
+    request = dict(messages=[{"role": "user", "content": "Write one sentence about the sea."}],
+                   sampling=SamplingParams(temperature=0.0), max_tokens=32, speculative="off")
+    answers = {}
+    for layers in (0, "auto"):
+        with Engine(EngineConfig(model=model, n_ctx=1024, n_gpu_layers=layers, paths=isolated_dirs)) as engine:
+            if layers == "auto":
+                assert engine.gpu.cpu_layers == 0 and engine.gpu.n_gpu_layers == -1, engine.gpu
+            answers[layers] = engine.submit(ChatRequest(**request)).result().text
+    assert answers["auto"] == answers[0]
+    print(f"{model} on {os.environ.get('CUDA_VISIBLE_DEVICES', 'GPU')}: {answers['auto']!r}")
