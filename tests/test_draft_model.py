@@ -5,12 +5,16 @@ eviction, sessions and cancels, and a draft that does not fit is refused or left
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
 from edgechat.errors import UsageError
+from edgechat.models import catalog
 from neartie import assert_same_or_near_tie
 from quantize.requantize import requantize
+from test_hub import CATALOG_NAME, edgechat, hub_cache, one_line_error  # noqa: F401 (hub_cache is a fixture)
 
 GREEDY = SamplingParams(temperature=0)
 PASSAGE = (
@@ -114,3 +118,27 @@ def test_a_draft_that_does_not_load_leaves_the_model_serving(smollm2_path, tmp_p
     with Engine(EngineConfig(model=str(smollm2_path), n_ctx=256, n_threads=2, paths=models_root)) as engine:
         with pytest.raises(UsageError, match="needs a draft model"):
             engine.submit(ChatRequest(messages=[{"role": "user", "content": "hi"}], speculative="draft"))
+
+
+def test_the_catalog_names_a_draft_used_when_it_is_here(hub_cache, isolated_dirs):
+    # the catalog's SmolLM2 360M (faked by the 135M's file) names the embedded 135M as its draft
+    with Engine(EngineConfig(model=CATALOG_NAME, n_ctx=256, n_threads=2, paths=isolated_dirs)) as engine:
+        assert engine.draft_ref == "smollm2-135m-instruct" and engine.draft is not None
+        done, _ = answer(engine, PROMPTS[0], "draft")
+        assert done.metrics.accepted_tokens > 0
+    with Engine(EngineConfig(model=CATALOG_NAME, n_ctx=256, n_threads=2, paths=isolated_dirs, speculative="off")) as engine:
+        assert engine.draft is None
+    bad = {"schema": 1, "model": [{"name": "a", "repo": "o/r", "architecture": "llama", "licence": "mit", "context": 4096,
+                                   "description": "x", "draft": "nope", "files": {"Q4_K_M": {"file": "a-Q4_K_M.gguf", "size": 10}}}]}
+    with pytest.raises(ValueError, match="draft 'nope' is not a catalog or embedded model"):
+        catalog.parse_catalog(bad)
+
+
+def test_run_takes_a_draft_model_and_reports_acceptance(q8, smollm2_path, gemma3_path):
+    common = ["run", "-m", str(q8["smol"]), "--draft-model", str(smollm2_path), "--ctx", "512", "--threads", "2", "--temperature", "0"]
+    proc = edgechat(*common, "--speculative", "draft", "--max-tokens", "30", "--json", PROMPTS[0])
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["drafted_tokens"] >= out["accepted_tokens"] > 0
+    proc = edgechat("run", "-m", str(smollm2_path), "--draft-model", str(gemma3_path), "--ctx", "256", "hi")
+    assert proc.returncode != 0 and one_line_error(proc).startswith("edgechat: error: draft model"), proc.stderr

@@ -23,13 +23,23 @@ flash_attn_option = click.option(
     help="llama.cpp flash attention (off can be faster deep into long chats on CPUs).",
 )
 
-speculative_option = click.option(
-    "--speculative",
-    type=click.Choice(["auto", "off", "lookup"]),
-    default="auto",
-    help="Speculative decoding: auto guesses tokens from the text so far where that pays (same output, "
-    "fewer model passes); lookup always guesses; off never.",
-)
+def speculative_option(command):
+    """--speculative and --draft-model: the two go together."""
+    command = click.option(
+        "--draft-model",
+        default=None,
+        metavar="MODEL",
+        help="A smaller model of the same family (same tokenizer) that guesses tokens for the model to check, "
+        "e.g. a Q4 of the same model drafting for its Q8_0 or F16 (default: the catalog entry's draft, if any).",
+    )(command)
+    return click.option(
+        "--speculative",
+        type=click.Choice(["auto", "off", "lookup", "draft"]),
+        default="auto",
+        help="Speculative decoding (same output, fewer model passes): auto guesses from the text so far and with "
+        "the draft model, where that pays; lookup always guesses from the text; draft always asks the draft "
+        "model; off never guesses.",
+    )(command)
 
 
 def _gpu_layers(ctx, param, value):

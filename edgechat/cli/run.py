@@ -68,7 +68,7 @@ def read_prompt(prompt: str | None) -> str | None:
 @click.argument("prompt", required=False)
 @data_dir_option
 def run_cmd(model, ctx, threads, gpu_layers, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
-            system, session, raw, context_policy, kv_type, flash_attn, speculative, as_json, prompt, data_dir):
+            system, session, raw, context_policy, kv_type, flash_attn, speculative, draft_model, as_json, prompt, data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
     from edgechat.engine import Engine, EngineConfig
 
@@ -89,13 +89,15 @@ def run_cmd(model, ctx, threads, gpu_layers, temperature, top_p, top_k, min_p, r
     paths = get_paths(data_dir)
     gpu_layers_note(gpu_layers)
     cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers, kv_type=kv_type,
-                       flash_attn=flash_attn, speculative=speculative, paths=paths)
+                       flash_attn=flash_attn, speculative=speculative, draft_model=draft_model, paths=paths)
     if session is not None:
         finished = _session_turn(cfg, session, text, system, context_policy, params, as_json)
     else:
         with Engine(cfg) as engine:
             if engine.template_warning and not raw:
                 click.echo(f"edgechat: warning: {engine.template_warning}", err=True)
+            if engine.draft_warning:
+                click.echo(f"edgechat: warning: {engine.draft_warning}", err=True)
             history: list[dict] = [{"role": "system", "content": system}] if system else []
             if text is None:
                 _interactive(engine, history, params)

@@ -48,6 +48,7 @@ def serve_cmd(
     kv_type: str,
     flash_attn: str,
     speculative: str,
+    draft_model: str | None,
     api_key: str | None,
     max_queue: int,
     max_input_tokens: int | None,
@@ -72,7 +73,7 @@ def serve_cmd(
     if not _is_loopback(host):
         log.warning("listening on %s: other machines can reach this server%s", host, "" if api_key else " and it has no --api-key")
 
-    def load(name: str) -> Engine:
+    def load(name: str, draft: str | None = None) -> Engine:
         return Engine(
             EngineConfig(
                 model=name,
@@ -83,12 +84,13 @@ def serve_cmd(
                 kv_type=kv_type,
                 flash_attn=flash_attn,
                 speculative=speculative,
+                draft_model=draft,
                 max_queue=max_queue,
                 paths=get_paths(data_dir),
             )
         )
 
-    engine = load(model or DEFAULT_MODEL)
+    engine = load(model or DEFAULT_MODEL, draft_model)
     fallback = None
     try:
         if fallback_model:

@@ -33,7 +33,7 @@ from edgechat.engine.snapshots import SnapshotStore, model_fingerprint, state_ve
 from edgechat.engine.speculative import SpeculativeMode
 from edgechat.engine.templates import choose_format
 from edgechat.errors import EdgechatError, EngineStoppedError, UsageError
-from edgechat.models import display_name, read_model_info, resolve_model
+from edgechat.models import catalog_draft, display_name, read_model_info, resolve_model
 
 log = logging.getLogger("edgechat.engine")
 
@@ -93,6 +93,11 @@ class Engine:
         if cfg.flash_attn not in ("auto", "on", "off"):
             raise UsageError(f"flash attention must be auto, on or off (got {cfg.flash_attn!r})")
         self.speculative_default = _speculative_mode(cfg.speculative)
+        #: the draft model asked for, or the one the catalog names for this model if it is here
+        self.draft_ref = cfg.draft_model
+        if self.draft_ref is None and self.speculative_default is not SpeculativeMode.OFF:
+            self.draft_ref = catalog_draft(cfg.model, self.paths)
+        self._check_draft(self.speculative_default)
         self.model_path: Path = resolve_model(cfg.model, self.paths)
         self.model_info = info = read_model_info(self.model_path)
         self.n_slots = cfg.n_parallel + cfg.hot_sessions
@@ -310,11 +315,10 @@ class Engine:
         """The draft model, if one is configured: a wrong vocabulary is refused (a choice to
         correct), a file that does not load leaves the model serving without it, and says so."""
         cfg = self.config
-        if cfg.draft_model is None:
-            self._check_draft(self.speculative_default)
+        if self.draft_ref is None:
             return None, None
         try:
-            path = resolve_model(cfg.draft_model, self.paths)
+            path = resolve_model(self.draft_ref, self.paths)
             draft = DraftModel(path, self.backend, self.n_ctx, self.n_threads, cfg.flash_attn)
         except DraftVocabError:
             self.backend.close()
@@ -326,7 +330,7 @@ class Engine:
         return draft, None
 
     def _check_draft(self, mode: SpeculativeMode | None) -> None:
-        if mode is SpeculativeMode.DRAFT and self.config.draft_model is None:
+        if mode is SpeculativeMode.DRAFT and self.draft_ref is None:
             raise UsageError("speculative decoding 'draft' needs a draft model (--draft-model)")
 
     def _speculative(self, req: ChatRequest) -> SpeculativeMode:

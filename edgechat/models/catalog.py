@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from edgechat.errors import ModelNotFoundError
+from edgechat.models.embedded import EMBEDDED
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,6 +42,8 @@ class CatalogEntry:
     description: str
     #: quant -> file, in catalog order; the first is the default
     files: dict[str, CatalogFile]
+    #: a smaller model of the same tokenizer that drafts for this one (speculative decoding)
+    draft: str | None = None
 
     @property
     def default(self) -> CatalogFile:
@@ -73,7 +76,7 @@ def parse_catalog(data: dict) -> dict[str, CatalogEntry]:
         for field, kind in _FIELDS.items():
             if not isinstance(raw.get(field), kind) or raw.get(field) in ("", 0):
                 problems.append(f"{where}: {field} missing or not a {kind.__name__}")
-        unknown = set(raw) - set(_FIELDS) - {"files"}
+        unknown = set(raw) - set(_FIELDS) - {"files", "draft"}
         if unknown:
             problems.append(f"{where}: unknown fields {sorted(unknown)}")
         name, repo = str(raw.get("name", "")), str(raw.get("repo", ""))
@@ -83,6 +86,9 @@ def parse_catalog(data: dict) -> dict[str, CatalogEntry]:
             problems.append(f"{where}: duplicate name")
         if repo and not _REPO_RE.match(repo):
             problems.append(f"{where}: repo must be OWNER/NAME")
+        draft = raw.get("draft")
+        if draft is not None and (not isinstance(draft, str) or draft == name):
+            problems.append(f"{where}: draft must name another model")
         files: dict[str, CatalogFile] = {}
         raw_files = raw.get("files")
         if not isinstance(raw_files, dict) or not raw_files:
@@ -108,7 +114,11 @@ def parse_catalog(data: dict) -> dict[str, CatalogEntry]:
                 context=int(raw.get("context", 0) or 0),
                 description=str(raw.get("description", "")),
                 files=files,
+                draft=draft if isinstance(draft, str) else None,
             )
+    for entry in entries.values():
+        if entry.draft is not None and entry.draft not in entries and entry.draft not in EMBEDDED:
+            problems.append(f"{entry.name}: draft {entry.draft!r} is not a catalog or embedded model")
     if problems:
         raise ValueError("model catalog: " + "; ".join(problems))
     return entries

@@ -68,3 +68,16 @@ def resolve_model(ref: str | None, paths: Paths) -> Path:
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.4)
     hint = f"did you mean {', '.join(close)}?" if close else "see: edgechat models"
     raise ModelNotFoundError(f"unknown model '{ref}'; {hint}")
+
+
+def catalog_draft(ref: str | None, paths: Paths) -> str | None:
+    """The draft model the catalog names for `ref`, when it is here already (embedded or pulled):
+    a draft is an aid, never a reason to download."""
+    found = catalog.lookup((ref or DEFAULT_MODEL).strip())
+    draft = found[0].draft if found else None
+    if draft is None:
+        return None
+    if draft in EMBEDDED:
+        return draft
+    entry = catalog.load_catalog()[draft]
+    return draft if hub.is_downloaded(entry, entry.default, paths) else None
