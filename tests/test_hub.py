@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from edgechat.cli import cli
-from edgechat.errors import ModelNotFoundError
+from edgechat.errors import ModelNotFoundError, UsageError
 from edgechat.models import catalog, hub, known_model_names, read_model_info, resolve_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -254,16 +254,28 @@ def test_cli_errors_are_one_line(hub_cache):
 
 
 class FakeHub:
-    """Serves the Hub's file listing and resolve endpoints for a few repos, from local files."""
+    """Serves the Hub's file listing and resolve endpoints for a few repos, from local files.
+    The listing gives each .gguf file's size and sha256 as the Hub does for LFS files; `listed`
+    makes it describe a file as another one (what a tampered or truncated download looks like)."""
 
-    def __init__(self, files: dict[tuple[str, str], Path]):
+    def __init__(self, files: dict[tuple[str, str], Path], listed: dict[tuple[str, str], Path] | None = None):
         import hashlib
         import http.server
         import json
         import threading
 
+        from edgechat.models.embedded import sha256_file
+
         self.files, self.requests = files, []
         hub = self
+
+        def entry(key, path):
+            described = (listed or {}).get(key, path)
+            size = described.stat().st_size
+            item = {"type": "file", "path": key[1], "size": size, "oid": "0" * 40}
+            if key[1].endswith(".gguf"):
+                item["lfs"] = {"oid": sha256_file(described), "size": size, "pointerSize": 134}
+            return item
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args):  # keep pytest output clean
@@ -305,8 +317,7 @@ class FakeHub:
                 hub.requests.append(("GET", self.path))
                 if self.path.startswith("/api/models/"):
                     repo = "/".join(self.path.split("?")[0].split("/")[3:5])
-                    listing = [{"type": "file", "path": f, "size": p.stat().st_size, "oid": "0" * 40}
-                               for (r, f), p in hub.files.items() if r == repo]
+                    listing = [entry((r, f), p) for (r, f), p in hub.files.items() if r == repo]
                     if not listing:
                         return self._missing(repo)
                     body = json.dumps(listing).encode()
@@ -417,3 +428,50 @@ def test_a_split_model_is_pulled_whole_and_runs_offline(smollm2_split, isolated_
     assert read_model_info(path).size_bytes == sum(p.stat().st_size for p in smollm2_split)
     proc = edgechat("run", "-m", f"{repo}:Q4_1", "--temperature", "0", "--max-tokens", "4", "Hi")
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.slow
+def test_pull_refuses_a_tampered_or_truncated_download(smollm2_path, isolated_dirs, tmp_path):
+    """The Hub lists each file's size and sha256: a download that differs is not kept."""
+    tampered = tmp_path / "tampered.gguf"
+    data = bytearray(smollm2_path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte inside the tensors: still a GGUF, same size
+    tampered.write_bytes(bytes(data))
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(bytes(data[: len(data) // 2]))
+    repo = "edgetest/tampered-GGUF"
+    server = FakeHub({(repo, "ok-Q4_1.gguf"): smollm2_path, (repo, "bad-Q4_0.gguf"): tampered,
+                      (repo, "short-Q8_0.gguf"): truncated},
+                     listed={(repo, "bad-Q4_0.gguf"): smollm2_path, (repo, "short-Q8_0.gguf"): smollm2_path})
+    try:
+        env = online(server, tmp_path)
+        pull = lambda ref: subprocess.run([sys.executable, "-m", "edgechat", "pull", ref],  # noqa: E731
+                                          capture_output=True, text=True, timeout=300, env=env, check=False)
+        for ref, needle in ((f"{repo}:Q4_0", "bad-Q4_0.gguf's sha256 is "),
+                            (f"{repo}:Q8_0", f"short-Q8_0.gguf arrived with {len(data) // 2:,} bytes, the Hub lists {len(data):,}")):
+            proc = pull(ref)
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            assert proc.returncode != 0 and needle in lines[-1] and "it was not kept" in lines[-1], proc.stderr
+            assert "Traceback" not in proc.stderr
+        assert pull(f"{repo}:Q4_1").returncode == 0  # the listed bytes, verified
+    finally:
+        server.close()
+    cached = {p.name for p in hub.hub_cache(isolated_dirs).rglob("*.gguf")}
+    assert cached == {"ok-Q4_1.gguf"}
+    blobs = [p for p in hub.hub_cache(isolated_dirs).rglob("blobs/*") if p.is_file()]
+    assert len(blobs) == 1  # the refused downloads left no blob behind
+
+
+def test_pull_asks_before_a_model_that_will_not_fit(isolated_dirs, monkeypatch):
+    from edgechat.engine import planner
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: no download may start
+    monkeypatch.setattr(planner, "available_memory", lambda: 256 << 20)
+    result = CliRunner().invoke(cli, ["pull", "qwen3-4b"], standalone_mode=False)
+    assert isinstance(result.exception, UsageError)
+    assert str(result.exception) == ("qwen3-4b (2.3 GiB) will not fit in the memory free here (218 MiB); "
+                                     "pass --yes to download it anyway")
+    # --yes skips the question: the download is attempted (and fails here, with no Hub to reach)
+    result = CliRunner().invoke(cli, ["pull", "--yes", "qwen3-4b"], standalone_mode=False)
+    assert isinstance(result.exception, ModelNotFoundError) and "will not fit" not in str(result.exception)

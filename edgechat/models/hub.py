@@ -215,22 +215,60 @@ def _progress_on_tty():
             enable_progress_bars()
 
 
+@dataclass(frozen=True)
+class ListedFile:
+    size: int
+    #: the LFS object's sha256 (how the Hub stores GGUF files); None for a file kept in git itself
+    sha256: str | None
+
+
+def listed_file(repo: str, file: str, text: str) -> ListedFile | None:
+    """What the Hub's file listing says of repo/file; None when it does not list it."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
+    folder = file.rsplit("/", 1)[0] if "/" in file else None
+    with _hub_errors(text, repo, file):
+        for entry in HfApi(endpoint=_endpoint()).list_repo_tree(repo, path_in_repo=folder):
+            if isinstance(entry, RepoFile) and entry.path == file:
+                return ListedFile(entry.size, entry.lfs.sha256 if entry.lfs else None)
+    return None
+
+
+def _drop(path: Path) -> None:
+    """Remove a cached download: its snapshot link and the blob it points to."""
+    blob = path.resolve()
+    path.unlink()
+    blob.unlink(missing_ok=True)
+
+
 def _download(repo: str, file: str, text: str, paths: Paths) -> Path:
     from huggingface_hub import hf_hub_download
 
+    from edgechat.models.embedded import sha256_file
+
     cache = hub_cache(paths)
     cache.mkdir(parents=True, exist_ok=True)
+    listed = listed_file(repo, file, text)
     # hf_hub_download writes to an .incomplete file, resumes it after an interruption, and
     # renames it into place only when complete, so a half-downloaded model is never loaded.
     with _hub_errors(text, repo, file), _progress_on_tty():
         path = Path(hf_hub_download(repo, file, cache_dir=cache, endpoint=_endpoint(), library_name="edgechat"))
+    # checked against the listing, not the transfer: a proxy or a broken mirror can serve other bytes
+    size = path.stat().st_size
+    if listed is not None and size != listed.size:
+        _drop(path)
+        raise ModelFormatError(f"{text}: {file} arrived with {size:,} bytes, the Hub lists {listed.size:,}; "
+                               "it was not kept, pull it again")
+    if listed is not None and listed.sha256 and (got := sha256_file(path)) != listed.sha256:
+        _drop(path)
+        raise ModelFormatError(f"{text}: {file}'s sha256 is {got[:12]}…, the Hub's is {listed.sha256[:12]}…; "
+                               "it was not kept, pull it again")
     with open(path, "rb") as fh:
         is_gguf = fh.read(4) == GGUF_MAGIC
     if not is_gguf:
         # a file named .gguf that is not one would fail every later run from the cache: drop it
-        blob = path.resolve()
-        path.unlink()
-        blob.unlink(missing_ok=True)
+        _drop(path)
         raise ModelFormatError(f"{text}: the Hub's {file} is not a GGUF file; it was not kept")
     return path
 
