@@ -93,11 +93,15 @@ def test_completion_defaults_to_sixteen_tokens_like_openai():
         ({"messages": USER, "stop": [""]}, "stop"),
         ({"messages": USER, "stream": "yes"}, "stream"),
         ({"messages": USER, "stream_options": []}, "stream_options"),
-        ({"messages": USER, "n": 2}, "n"),
+        ({"messages": USER, "n": 0}, "n"),
+        ({"messages": USER, "n": 17}, "n"),
+        ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"messages": USER, "model": 7}, "model"),
-        ({"messages": USER, "logprobs": True}, "logprobs"),
-        ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
-        ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format"),
+        ({"messages": USER, "logprobs": "yes"}, "logprobs"),
+        ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": USER, "tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ],
 )
 def test_bad_chat_bodies_name_the_field(body, param):
@@ -116,13 +120,8 @@ def test_bad_completion_bodies_name_the_field(body, param):
     "field, value",
     [
         ("logit_bias", {"50256": -100}),
-        ("logprobs", True),
-        ("top_logprobs", 2),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "required"),
         ("functions", [{"name": "f"}]),
         ("function_call", {"name": "f"}),
-        ("response_format", {"type": "json_object"}),
         ("modalities", ["text", "audio"]),
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("reasoning_effort", "low"),
@@ -144,7 +143,7 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(field, valu
 
 @pytest.mark.parametrize(
     "field, value",
-    [("logit_bias", {"15": 5}), ("logprobs", 0), ("suffix", "end"), ("best_of", 3), ("echo", True), ("n", 2)],
+    [("logit_bias", {"15": 5}), ("logprobs", 6), ("suffix", "end"), ("best_of", 3), ("echo", True), ("tools", [])],
 )
 def test_completion_fields_that_would_change_the_answer_are_refused(field, value):
     assert _error(parse_completion, {"prompt": "x", field: value}).param == field

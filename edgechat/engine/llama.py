@@ -261,6 +261,16 @@ class LlamaBackend:
         logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, index), (self.n_vocab,))
         return int(logits.argmax())
 
+    def logprobs(self, index: int, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+        """The log probability of `token` at a batch index under the model's own distribution,
+        and the n most likely tokens there with theirs, most likely first."""
+        logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, index), (self.n_vocab,))
+        top = logits.max()
+        log_z = float(top + np.log(np.exp(logits - top, dtype=np.float64).sum()))
+        best = np.argpartition(logits, -n)[-n:] if n else []
+        alts = sorted(((int(t), float(logits[t]) - log_z) for t in best), key=lambda x: -x[1])
+        return float(logits[token]) - log_z, alts
+
     def top_logits(self, index: int, n: int) -> list[tuple[int, float]]:
         """The n highest logits at a batch index, highest first (for checking near-ties)."""
         logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, index), (self.n_vocab,))

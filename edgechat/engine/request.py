@@ -32,6 +32,20 @@ class SamplingParams:
     seed: int | None = None
 
 
+@dataclass(frozen=True)
+class Grammar:
+    """A GBNF grammar the answer must follow (llama.cpp's grammar sampler).
+
+    With `triggers` (regular expressions over the text so far) it is lazy: nothing is
+    constrained until one matches, then the text from the match's first group (or the whole
+    match) on must follow the grammar, as a tool call after its opener does.
+    """
+
+    gbnf: str
+    root: str = "root"
+    triggers: tuple[str, ...] = ()
+
+
 class ContextPolicy(str, enum.Enum):
     """What to do when a conversation outgrows the context window (see engine.kvcache)."""
 
@@ -58,6 +72,12 @@ class ChatRequest:
     pinned: frozenset[int] = frozenset()
     #: speculative decoding: "auto", "off" or "lookup"; None takes the engine's setting
     speculative: str | None = None
+    grammar: Grammar | None = None
+    #: None: no log probabilities; n >= 0: each token's, with the n most likely alternatives
+    logprobs: int | None = None
+    #: another request with the same prompt (n > 1): this one starts once that one's prompt is
+    #: in the cache, so it shares those cells instead of prefilling them again
+    prompt_shared_with: "RequestHandle | None" = None
 
 
 class RequestStatus(enum.Enum):
@@ -120,8 +140,21 @@ class RequestMetrics:
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token's log probability under the model (before any sampler or grammar
+    changed the distribution), with the most likely alternatives when asked."""
+
+    token: bytes
+    logprob: float
+    top: list[tuple[bytes, float]] = field(default_factory=list)
+
+
+@dataclass
 class TextDelta:
     text: str
+    #: with ChatRequest.logprobs: the tokens whose text this delta releases (text held back
+    #: for a stop string or an unfinished character comes with a later delta)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -147,6 +180,8 @@ class Finished:
     error: str | None = None
     #: the generated token ids (end-of-generation token excluded)
     token_ids: list[int] = field(default_factory=list)
+    #: with ChatRequest.logprobs: one entry per generated token
+    logprobs: list[TokenLogprob] | None = None
 
 
 Event = Union[TextDelta, Evicted, Metrics, Finished]

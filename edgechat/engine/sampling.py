@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import random
 
 import llama_cpp as L
 
-from edgechat.engine.request import SamplingParams
+from edgechat.engine.request import Grammar, SamplingParams
 from edgechat.errors import UsageError
 
 
@@ -31,22 +32,27 @@ def uses_penalties(params: SamplingParams) -> bool:
 class SamplerChain:
     """An owned llama_sampler chain; free() must run on the engine thread when the request ends."""
 
-    def __init__(self, params: SamplingParams, n_vocab: int):
+    def __init__(self, params: SamplingParams, n_vocab: int, vocab=None, grammar: Grammar | None = None):
         self.seed = params.seed if params.seed is not None else random.randrange(1 << 31)
+        # made first: a grammar llama.cpp refuses must not leave a half-built chain behind
+        constrain = _grammar_sampler(vocab, grammar) if grammar is not None else None
         cparams = L.llama_sampler_chain_default_params()
         cparams.no_perf = True
         chain = L.llama_sampler_chain_init(cparams)
         add = lambda smpl: L.llama_sampler_chain_add(chain, smpl)  # noqa: E731
+        self._penalties = None
         if uses_penalties(params):
-            add(
-                L.llama_sampler_init_penalties(
-                    n_vocab,
-                    params.penalty_last_n,
-                    params.repeat_penalty,
-                    params.frequency_penalty,
-                    params.presence_penalty,
-                )
+            self._penalties = L.llama_sampler_init_penalties(
+                n_vocab,
+                params.penalty_last_n,
+                params.repeat_penalty,
+                params.frequency_penalty,
+                params.presence_penalty,
             )
+            add(self._penalties)
+        if constrain is not None:
+            # before any truncation: top-k of the raw distribution may hold no allowed token
+            add(constrain)
         if params.temperature == 0:
             add(L.llama_sampler_init_greedy())
         else:
@@ -62,16 +68,30 @@ class SamplerChain:
         self.chain = chain
         self.penalised = uses_penalties(params)
         #: plain greedy needs no chain at all: the engine takes the argmax of the logits
-        self.plain_greedy = params.temperature == 0 and not self.penalised
+        self.plain_greedy = params.temperature == 0 and not self.penalised and grammar is None
         self.penalty_last_n = params.penalty_last_n
 
     def accept_prompt(self, tokens: list[int]) -> None:
-        """Penalties count the recent prompt tokens too, as llama.cpp's own tools do."""
-        if self.penalised:
+        """Penalties count the recent prompt tokens too, as llama.cpp's own tools do (only the
+        penalties: a grammar must see the answer alone)."""
+        if self._penalties is not None:
             for tok in tokens[-self.penalty_last_n :]:
-                L.llama_sampler_accept(self.chain, tok)
+                L.llama_sampler_accept(self._penalties, tok)
 
     def free(self) -> None:
         if self.chain is not None:
             L.llama_sampler_free(self.chain)
             self.chain = None
+
+
+def _grammar_sampler(vocab, grammar: Grammar):
+    gbnf, root = grammar.gbnf.encode(), grammar.root.encode()
+    if grammar.triggers:
+        patterns = (ctypes.c_char_p * len(grammar.triggers))(*(p.encode() for p in grammar.triggers))
+        smpl = L.llama_sampler_init_grammar_lazy_patterns(vocab, gbnf, root, patterns, len(grammar.triggers), None, 0)
+    else:
+        smpl = L.llama_sampler_init_grammar(vocab, gbnf, root)
+    if not smpl:
+        # the grammars come from our own converter: one llama.cpp refuses is our bug
+        raise ValueError("llama.cpp could not parse the grammar")
+    return smpl

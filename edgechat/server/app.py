@@ -10,6 +10,7 @@ counts. Response bodies are built in responses.py, the API key is checked in aut
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -29,11 +30,12 @@ from edgechat.server import responses
 from edgechat.server.auth import BearerAuth
 from edgechat.server.bridge import Generation
 from edgechat.server.degrade import DegradeSwitch
-from edgechat.server.errors import ApiError, from_engine_error, prompt_too_long
+from edgechat.server.errors import ApiError, bad_request, from_engine_error, prompt_too_long
 from edgechat.server.metrics import ServerMetrics
 from edgechat.server.responses import ResponseIds, sse
 from edgechat.server.schemas import ParsedRequest, decode_body, parse_chat, parse_completion
 from edgechat.server.settings import ServerSettings
+from edgechat.server.tools import ToolCallParser
 
 log = logging.getLogger("edgechat.server")
 
@@ -197,45 +199,73 @@ class _Server:
         waiting = sum(m.engine.stats()["waiting"] for m in self.served())
         self.degrade.on_admit(waiting, self.oldest_queued_wait())
         served = self.route(served)
-        gen = Generation(asyncio.get_running_loop(), arrival + self.settings.request_timeout, self.on_finished)
+        parallel = served.engine.config.n_parallel
+        if parsed.n > parallel:
+            raise self.reject(
+                bad_request(f"'n' is {parsed.n}, more than the {parallel} answers this server generates at once", param="n", code="invalid_value")
+            )
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        gens: list[Generation] = []
         try:
             prepared = await self.admit(served.engine, req)
-            handle = served.engine.submit(req, gen.on_event, prepared)
+            for i in range(parsed.n):
+                gen = Generation(loop, arrival + self.settings.request_timeout, self.on_finished, i, events)
+                # each choice its own Prepared: eviction mid-answer edits its message spans
+                prep = prepared if i == 0 else dataclasses.replace(prepared, spans=[list(s) for s in prepared.spans])
+                gen.handle = served.engine.submit(_choice_request(req, i, gens), gen.on_event, prep)
+                gens.append(gen)
+                if not gen.finished.done():
+                    self.in_flight.add(gen)
         except EdgechatError as exc:
+            for gen in gens:  # the choices already queued go too: the answer is all n or none
+                gen.handle.cancel()
             raise self.reject(from_engine_error(exc, self.retry_after())) from None
-        gen.handle = handle
-        if not gen.finished.done():
-            self.in_flight.add(gen)
+        if parsed.tools is not None:
+            self.metrics.tool_requests.inc()
+        if req.grammar is not None:
+            self.metrics.grammar_requests.inc()
         ids = ResponseIds.new(kind, served.id)
         if parsed.stream:
             return StreamingResponse(
-                self.stream(gen, parsed, kind, ids), media_type="text/event-stream", headers=responses.SSE_HEADERS
+                self.stream(gens, parsed, kind, ids), media_type="text/event-stream", headers=responses.SSE_HEADERS
             )
-        finished = await self.wait(request, gen)
+        finished = await self.wait(request, gens)
         if finished is None:
             # the client left; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(responses.completion_body(finished, kind, ids))
+        choices = [self.choice(f, parsed) for f in finished]
+        return JSONResponse(responses.completion_body(choices, kind, ids))
 
-    async def wait(self, request: Request, gen: Generation) -> Finished | None:
-        """The Finished event, or None if the client disconnected first (its sequence is cancelled)."""
+    def choice(self, finished: Finished, parsed: ParsedRequest) -> responses.Choice:
+        if parsed.tools is None:
+            return responses.Choice(finished, finished.text)
+        parser = ToolCallParser()
+        parser.feed(finished.text)
+        parser.finish()
+        self.metrics.tool_calls.inc(len(parser.calls))
+        return responses.Choice(finished, parser.text, parser.calls)
+
+    async def wait(self, request: Request, gens: list[Generation]) -> list[Finished] | None:
+        """Every choice's Finished event, or None if the client disconnected first (their
+        sequences are cancelled)."""
         disconnect = asyncio.ensure_future(_disconnected(request))
+        all_done = asyncio.gather(*(g.finished for g in gens))
         try:
-            done, _ = await asyncio.wait(
-                {gen.finished, disconnect}, timeout=gen.remaining(), return_when=asyncio.FIRST_COMPLETED
-            )
+            done, _ = await asyncio.wait({all_done, disconnect}, timeout=gens[0].remaining(), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            # the server is shutting down under us: free the sequence
-            gen.handle.cancel()
+            # the server is shutting down under us: free the sequences
+            _cancel(gens)
             raise
         finally:
             disconnect.cancel()
-        if gen.finished.done():
-            return _check_failed(gen.finished.result())
+        if all_done.done():
+            return [_check_failed(f) for f in all_done.result()]
+        all_done.cancel()
         if disconnect in done:
-            gen.handle.cancel()
+            _cancel(gens)
             return None
-        gen.time_out()
+        for gen in gens:
+            gen.time_out()
         raise ApiError(
             504,
             f"the request did not finish within {self.settings.request_timeout:g} s and was cancelled",
@@ -243,43 +273,99 @@ class _Server:
             code="timeout",
         )
 
-    async def stream(self, gen: Generation, parsed: ParsedRequest, kind: str, ids: ResponseIds) -> AsyncIterator[str]:
-        finished: Finished | None = None
+    async def stream(self, gens: list[Generation], parsed: ParsedRequest, kind: str, ids: ResponseIds) -> AsyncIterator[str]:
+        events = gens[0].events
+        choices = [_StreamedChoice(ToolCallParser() if parsed.tools is not None else None) for _ in gens]
         try:
             if kind == "chat":
-                yield sse(responses.chunk(kind, ids, None, None, role=True))
-            while finished is None:
+                for i in range(len(gens)):
+                    yield sse(responses.chunk(kind, ids, None, None, role=True, index=i))
+            while not all(c.finished for c in choices):
                 try:
-                    event = await asyncio.wait_for(gen.events.get(), gen.remaining())
+                    event = await asyncio.wait_for(events.get(), gens[0].remaining())
                 except asyncio.TimeoutError:
-                    gen.time_out()
+                    for gen in gens:
+                        gen.time_out()
                     yield sse(ApiError(504, "the request timed out and was cancelled", type="timeout", code="timeout").body())
                     return
                 # under load several tokens queue up between two writes: send them as one chunk
-                text = []
+                texts: dict[int, list[TextDelta]] = {}
                 while True:
-                    if isinstance(event, TextDelta):
-                        text.append(event.text)
-                    elif isinstance(event, Finished):
-                        finished = event
+                    i, ev = event
+                    if isinstance(ev, TextDelta):
+                        texts.setdefault(i, []).append(ev)
+                    elif isinstance(ev, Finished):
+                        choices[i].finished = ev
+                    if events.empty():
                         break
-                    if gen.events.empty():
-                        break
-                    event = gen.events.get_nowait()
-                if any(text):
-                    yield sse(responses.chunk(kind, ids, "".join(text), None))
-            if finished.reason not in ("stop", "length"):
-                message = finished.error or f"the generation ended: {finished.reason}"
-                yield sse(ApiError(500, message, type="server_error", code=finished.reason).body())
-                return
-            yield sse(responses.chunk(kind, ids, None, finished.reason))
+                    event = events.get_nowait()
+                for i, deltas in texts.items():
+                    for out in self.stream_text(kind, ids, i, choices[i], deltas):
+                        yield out
+                for i, c in enumerate(choices):
+                    if c.finished is None or c.done:
+                        continue
+                    c.done = True
+                    if c.finished.reason not in ("stop", "length"):
+                        message = c.finished.error or f"the generation ended: {c.finished.reason}"
+                        yield sse(ApiError(500, message, type="server_error", code=c.finished.reason).body())
+                        return
+                    for out in self.stream_end(kind, ids, i, c):
+                        yield out
             if parsed.include_usage:
-                yield sse(responses.usage_chunk(kind, ids, finished))
+                yield sse(responses.usage_chunk(kind, ids, [c.finished for c in choices]))
             yield sse("[DONE]")
         finally:
-            if finished is None:
-                # client disconnected (the task was cancelled) or timed out: free the sequence now
-                gen.handle.cancel()
+            # client disconnected (the task was cancelled), timed out or one choice failed: free the sequences now
+            _cancel([g for g, c in zip(gens, choices) if c.finished is None])
+
+    def stream_text(self, kind: str, ids: ResponseIds, index: int, c: _StreamedChoice, deltas: list[TextDelta]):
+        text = "".join(d.text for d in deltas)
+        entries = [e for d in deltas for e in d.logprobs or ()] if deltas[0].logprobs is not None else None
+        logprobs = responses.logprobs_body(kind, entries, c.offset)
+        c.offset += len(text)
+        calls = []
+        if c.parser is not None:
+            text, calls = c.parser.feed(text)
+        if text or logprobs is not None and entries:
+            yield sse(responses.chunk(kind, ids, text if text else None, None, index=index, logprobs=logprobs))
+        for call in calls:
+            self.metrics.tool_calls.inc()
+            for part in responses.tool_call_deltas(len(c.calls), call):
+                yield sse(responses.chunk(kind, ids, None, None, index=index, tool_calls=part))
+            c.calls.append(call)
+
+    def stream_end(self, kind: str, ids: ResponseIds, index: int, c: _StreamedChoice):
+        if c.parser is not None:
+            tail = c.parser.finish()
+            if tail:
+                yield sse(responses.chunk(kind, ids, tail, None, index=index))
+        reason = responses.Choice(c.finished, "", c.calls).finish_reason
+        yield sse(responses.chunk(kind, ids, None, reason, index=index))
+
+
+@dataclasses.dataclass
+class _StreamedChoice:
+    parser: ToolCallParser | None
+    finished: Finished | None = None
+    done: bool = False  # its last chunk is sent
+    offset: int = 0  # text sent so far (the legacy logprobs' text_offset)
+    calls: list = dataclasses.field(default_factory=list)
+
+
+def _choice_request(req: ChatRequest, index: int, gens: list[Generation]) -> ChatRequest:
+    """Choice `index` of n: the first as asked; the others share its prompt's cells and, with a
+    seed, take the next seeds (the same seed would give the same answer n times)."""
+    if index == 0:
+        return req
+    seed = req.sampling.seed
+    sampling = dataclasses.replace(req.sampling, seed=None if seed is None else (seed + index) & 0xFFFFFFFF)
+    return dataclasses.replace(req, sampling=sampling, prompt_shared_with=gens[0].handle)
+
+
+def _cancel(gens: list[Generation]) -> None:
+    for gen in gens:
+        gen.handle.cancel()
 
 
 def _check_failed(finished: Finished) -> Finished:

@@ -19,18 +19,22 @@ STREAM_FLUSH_S = 0.025
 
 class Generation:
     """One request's events on the event loop; `on_finished` runs there exactly once, with the
-    Finished event."""
+    Finished event. `events` holds (index, event): the n choices of one HTTP request share a
+    queue, each Generation tagging its events with its choice's index."""
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
         deadline: float,
         on_finished: Callable[[Generation, Finished], None],
+        index: int = 0,
+        events: asyncio.Queue[tuple[int, Event]] | None = None,
     ):
         self._loop = loop
         self._on_finished = on_finished
         self.deadline = deadline
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.index = index
+        self.events: asyncio.Queue[tuple[int, Event]] = events if events is not None else asyncio.Queue()
         self._lock = threading.Lock()
         self._buffer: list[Event] = []
         self._last_signal = 0.0
@@ -62,7 +66,7 @@ class Generation:
             self._deliver(event)
 
     def _deliver(self, event: Event) -> None:
-        self.events.put_nowait(event)
+        self.events.put_nowait((self.index, event))
         if isinstance(event, Finished) and not self.finished.done():
             self.finished.set_result(event)
             self._on_finished(self, event)

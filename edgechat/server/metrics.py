@@ -46,6 +46,9 @@ class ServerMetrics:
         self.degraded = Gauge("edgechat_degraded", "1 while the degrade switch caps max_tokens, else 0.", registry=r)
         self.degrade_switches = Counter("edgechat_degrade_switches", "Times the degrade switch turned on.", registry=r)
         self.fallback_requests = Counter("edgechat_fallback_requests", "Requests routed to the fallback model while degraded.", registry=r)
+        self.tool_requests = Counter("edgechat_tool_requests", "Chat requests that offered tools the model may call.", registry=r)
+        self.tool_calls = Counter("edgechat_tool_calls", "Tool calls returned to clients.", registry=r)
+        self.grammar_requests = Counter("edgechat_grammar_requests", "Requests held to a grammar (response_format or tool calls).", registry=r)
 
     def observe_finished(self, m: RequestMetrics, outcome: str) -> None:
         self.requests.labels(outcome).inc()

@@ -15,23 +15,26 @@ from dataclasses import dataclass
 from edgechat.engine.request import ChatRequest, SamplingParams
 from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.settings import ServerSettings
+from edgechat.server.structured import response_format_grammar
+from edgechat.server.tools import Tools, parse_tools, render_messages, tool_grammar
 
-#: roles the chat templates understand; OpenAI's newer "developer" role is a system prompt
-_ROLES = {"system", "user", "assistant", "developer"}
-_MAX_STOPS = 16
+#: roles a request may send; OpenAI's newer "developer" role is a system prompt, "tool" carries
+#: a tool's result back (rendered as the documented format, see tools.py)
+_ROLES = {"system", "user", "assistant", "developer", "tool"}
+#: OpenAI's limit
+_MAX_STOPS = 4
+#: OpenAI's limits on alternatives per token: chat's top_logprobs, the legacy endpoint's logprobs
+MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5
+#: choices per request; the server also holds n to its engine's parallel sequences
+MAX_N = 16
 
 #: Fields OpenAI defines (and common llama-server / vLLM extensions) that would change what is
 #: generated or returned, with the values that leave them off; any other value is refused.
 #: tool_choice / function_call "auto" means "none" when no tools are given, and tools are refused.
 _UNSUPPORTED: dict[str, tuple] = {
     "logit_bias": ({},),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
     "functions": ([],),
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "reasoning_effort": (),
@@ -66,6 +69,9 @@ class ParsedRequest:
     model: str | None
     stream: bool
     include_usage: bool
+    n: int = 1
+    #: the tools offered and how they may be called (chat only)
+    tools: Tools | None = None
 
 
 def decode_body(raw: bytes) -> dict:
@@ -166,8 +172,8 @@ def _speculative(body: dict) -> str | None:
     value = body.get("speculative")
     if value is None:
         return None
-    if value not in ("auto", "off", "lookup"):
-        raise bad_request("'speculative' must be one of auto, off, lookup", param="speculative", code="invalid_value")
+    if value not in ("auto", "off", "lookup", "draft"):
+        raise bad_request("'speculative' must be one of auto, off, lookup, draft", param="speculative", code="invalid_value")
     return value
 
 
@@ -218,6 +224,7 @@ def _messages(body: dict, max_messages: int) -> list[dict]:
             code="too_many_messages",
         )
     out = []
+    calls: set[str] = set()  # ids of the tool calls earlier messages made
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise _type_error(f"messages[{i}]", "an object", message)
@@ -226,7 +233,43 @@ def _messages(body: dict, max_messages: int) -> list[dict]:
             raise bad_request(
                 f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got {_describe(role)}", param=f"messages[{i}].role"
             )
-        out.append({"role": "system" if role == "developer" else role, "content": _content(i, message.get("content"))})
+        parsed = {"role": "system" if role == "developer" else role, "content": _content(i, message.get("content"))}
+        if role == "assistant" and message.get("tool_calls"):
+            parsed["tool_calls"] = _tool_calls(i, message["tool_calls"])
+            calls.update(c["id"] for c in parsed["tool_calls"])
+        elif role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or call_id not in calls:
+                raise bad_request(
+                    f"messages[{i}].tool_call_id must be the id of a tool call an earlier assistant message made, got {_describe(call_id)}",
+                    param=f"messages[{i}].tool_call_id",
+                    code="invalid_value",
+                )
+        out.append(parsed)
+    return out
+
+
+def _tool_calls(index: int, value: object) -> list[dict]:
+    """An assistant message's earlier calls: [{id, name, arguments (JSON object text)}]."""
+    name = f"messages[{index}].tool_calls"
+    if not isinstance(value, list):
+        raise _type_error(name, "a list", value)
+    out = []
+    for j, call in enumerate(value):
+        where = f"{name}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(call.get("id"), str) or call.get("type", "function") != "function":
+            raise bad_request(f"{where} must be {{id, type: function, function: {{name, arguments}}}}", param=where)
+        if not isinstance(fn.get("name"), str):
+            raise _type_error(f"{where}.function.name", "a string", fn.get("name"))
+        args = fn.get("arguments", "{}")
+        try:
+            parsed = json.loads(_text(f"{where}.function.arguments", args))
+        except json.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise bad_request(f"{where}.function.arguments must be a JSON object in a string", param=f"{where}.function.arguments")
+        out.append({"id": call["id"], "name": fn["name"], "arguments": json.dumps(parsed, ensure_ascii=False)})
     return out
 
 
@@ -256,21 +299,29 @@ def _sampling(body: dict) -> SamplingParams:
     return params
 
 
-def _common(body: dict) -> tuple[str | None, bool, bool]:
-    """model, stream, include_usage, and the features we refuse rather than silently ignore."""
+def _common(body: dict) -> tuple[str | None, bool, bool, int]:
+    """model, stream, include_usage, n, and the features we refuse rather than silently ignore."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _type_error("model", "a string", model)
-    n = _opt_int(body, "n", lo=1)
-    if n not in (None, 1):
-        raise bad_request("only n=1 is supported", param="n", code="unsupported_parameter")
+    n = _opt_int(body, "n", lo=1, hi=MAX_N) or 1
     _refuse_unsupported(body)
     stream = _opt_bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _type_error("stream_options", "an object", options)
     include_usage = _opt_bool(options or {}, "include_usage")
-    return model, stream, include_usage
+    return model, stream, include_usage, n
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's `logprobs` (a boolean) and `top_logprobs` (alternatives per token)."""
+    top = _opt_int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    if not _opt_bool(body, "logprobs"):
+        if top:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+        return None
+    return top or 0
 
 
 def _max_tokens(body: dict, default: int | None) -> int | None:
@@ -281,20 +332,35 @@ def _max_tokens(body: dict, default: int | None) -> int | None:
 
 
 def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages) -> ParsedRequest:
-    model, stream, include_usage = _common(body)
+    model, stream, include_usage, n = _common(body)
+    tools = parse_tools(body)
+    grammar = response_format_grammar(body.get("response_format"))
+    if tools is not None and tools.active:
+        if grammar is not None:
+            raise bad_request(
+                "'response_format' cannot be combined with tools here; set tool_choice to 'none' or leave response_format out",
+                param="response_format",
+                code="unsupported_parameter",
+            )
+        grammar = tool_grammar(tools)
     request = ChatRequest(
-        messages=_messages(body, max_messages),
+        messages=render_messages(_messages(body, max_messages), tools),
         sampling=_sampling(body),
         max_tokens=_max_tokens(body, None),
         stop=_stop(body),
         ignore_eos=_opt_bool(body, "ignore_eos"),
         speculative=_speculative(body),
+        grammar=grammar,
+        logprobs=_chat_logprobs(body),
     )
-    return ParsedRequest(request, model, stream, include_usage)
+    return ParsedRequest(request, model, stream, include_usage, n, tools if tools is not None and tools.active else None)
 
 
 def parse_completion(body: dict) -> ParsedRequest:
-    model, stream, include_usage = _common(body)
+    model, stream, include_usage, n = _common(body)
+    for name in ("tools", "tool_choice", "response_format", "top_logprobs"):
+        if body.get(name) is not None:
+            raise bad_request(f"'{name}' is for /v1/chat/completions", param=name, code="unsupported_parameter")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -312,5 +378,6 @@ def parse_completion(body: dict) -> ParsedRequest:
         stop=_stop(body),
         ignore_eos=_opt_bool(body, "ignore_eos"),
         speculative=_speculative(body),
+        logprobs=_opt_int(body, "logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS),
     )
-    return ParsedRequest(request, model, stream, include_usage)
+    return ParsedRequest(request, model, stream, include_usage, n)
