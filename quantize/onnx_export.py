@@ -210,10 +210,11 @@ class _Graph:
         n, k = weight.shape
         if self.bits == 32:
             return self.op("MatMul", [x, self.init(f"{name}.weight", weight.T)])[0]
-        packed, scales, _zeros = self.quantizer.qbits_block_quant(np.ascontiguousarray(weight.T, dtype=np.float32))
+        packed, scales, zeros = self.quantizer.qbits_block_quant(np.ascontiguousarray(weight.T, dtype=np.float32))
         return self.op(
             "MatMulNBits", [x, self.init(f"{name}.weight_Q{self.bits}", packed.reshape(n, -1, packed.shape[-1])),
-                            self.init(f"{name}.weight_scales", scales.reshape(n, -1))],
+                            self.init(f"{name}.weight_scales", scales.reshape(n, -1)),
+                            self.init(f"{name}.weight_zp", zeros.reshape(n, -1))],
             domain="com.microsoft", K=k, N=n, bits=self.bits, block_size=self.block_size,
             accuracy_level=self.accuracy_level,
         )[0]
@@ -221,12 +222,13 @@ class _Graph:
     def embedding(self, ids: str, weight: np.ndarray) -> str:
         if self.bits == 32:
             return self.op("Gather", [self.init("model.embed_tokens.weight", weight), ids])[0]
-        # the same symmetric block quantization as MatMulNBits, quantized along the hidden axis
-        packed, scales, _zeros = self.quantizer.qbits_block_quant(np.ascontiguousarray(weight.T, dtype=np.float32))
+        # the same block quantization as MatMulNBits, along the hidden axis
+        packed, scales, zeros = self.quantizer.qbits_block_quant(np.ascontiguousarray(weight.T, dtype=np.float32))
         v = weight.shape[0]
         return self.op(
             "GatherBlockQuantized", [self.init(f"model.embed_tokens.weight_Q{self.bits}", packed.reshape(v, -1)),
-                                     ids, self.init("model.embed_tokens.weight_scales", scales.reshape(v, -1))],
+                                     ids, self.init("model.embed_tokens.weight_scales", scales.reshape(v, -1)),
+                                     self.init("model.embed_tokens.weight_zp", zeros.reshape(v, -1))],
             domain="com.microsoft", bits=self.bits, block_size=self.block_size, gather_axis=0, quantize_axis=1,
         )[0]
 
@@ -477,7 +479,7 @@ def export(
     parent = out_dir.absolute().parent
     if not parent.is_dir():
         raise QuantizeError(f"output folder {parent} does not exist")
-    quantizer = Quantizer(Config(block_size=block_size, is_symmetric=True, bits=8 if bits == 8 else 4,
+    quantizer = Quantizer(Config(block_size=block_size, is_symmetric=False, bits=8 if bits == 8 else 4,
                                  accuracy_level=accuracy_level))
     with Checkpoint(folder) as checkpoint:
         if not checkpoint.tensors:
@@ -514,3 +516,57 @@ def export(
         progress("done", family.n_layer, family.n_layer)
     nbytes = sum(f.stat().st_size for f in out_dir.iterdir())
     return Result(out_dir, family.arch_name, bits, nbytes, family.n_layer)
+
+
+class OnnxModel:
+    """An exported folder loaded for evaluation: `tokenize` and `logits` batch by batch, as
+    quantize.llm.Model gives them for a GGUF (the quality report compares the two ways)."""
+
+    def __init__(self, folder: str | os.PathLike, n_batch: int = 64, threads: int | None = None):
+        import onnxruntime as ort
+
+        from quantize.llm import Model
+
+        self.folder = Path(folder)
+        dec = json.loads((self.folder / "genai_config.json").read_text(encoding="utf-8"))["model"]["decoder"]
+        self.n_layer, self.n_kv, self.head = dec["num_hidden_layers"], dec["num_key_value_heads"], dec["head_size"]
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads or os.cpu_count() or 1
+        opts.log_severity_level = 3  # the overridable num_logits_to_keep default draws a warning
+        self.session = ort.InferenceSession(str(self.folder / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+        self.vocab = Model(self.folder / "tokenizer.gguf", vocab_only=True)
+        self.n_vocab = self.vocab.n_vocab
+        self.n_batch = n_batch
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.vocab.tokenize(text, add_special=add_special)
+
+    def logits(self, tokens: list[int]):
+        """Yield (start, logits) for consecutive batches: logits[i] predicts tokens[start + i + 1]."""
+        past = [np.zeros((1, self.n_kv, 0, self.head), np.float32)] * (2 * self.n_layer)
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            feed = {"input_ids": np.array([chunk], np.int64),
+                    "attention_mask": np.ones((1, start + len(chunk)), np.int64)}
+            for i in range(self.n_layer):
+                feed[f"past_key_values.{i}.key"], feed[f"past_key_values.{i}.value"] = past[2 * i], past[2 * i + 1]
+            logits, *past = self.session.run(None, feed)
+            yield start, logits[0]
+
+    def close(self) -> None:
+        self.vocab.close()
+
+    def __enter__(self) -> OnnxModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def compare(quantized: str | os.PathLike, reference: str | os.PathLike, threads: int | None = None):
+    """The quality report (quantize.report) of an exported folder against its float32 export."""
+    from quantize.report import N_CTX, SAMPLE_TEXT, compare_logits
+
+    with OnnxModel(reference, threads=threads) as ref, OnnxModel(quantized, threads=threads) as quant:
+        tokens = ref.tokenize(SAMPLE_TEXT)[:N_CTX]
+        return compare_logits(ref.logits(tokens), quant.logits(tokens), tokens)

@@ -99,16 +99,22 @@ def compare(quantized: str | os.PathLike, reference: str | os.PathLike, text: st
         if ref.n_vocab != quant.n_vocab:
             raise QuantizeError("the two models have different vocabularies; compare a model with its own F16")
         tokens = ref.tokenize(text, add_special=True)[:N_CTX]
-        nll_ref = nll_q = kld = 0.0
-        agree = n = 0
-        for (start, lr), (_, lq) in zip(ref.logits(tokens), quant.logits(tokens)):
-            targets = np.array(tokens[start + 1 : start + 1 + len(lr)])
-            m = len(targets)  # the last position has nothing to predict
-            pr, pq = _log_softmax(lr[:m]), _log_softmax(lq[:m])
-            idx = np.arange(m)
-            nll_ref -= pr[idx, targets].sum()
-            nll_q -= pq[idx, targets].sum()
-            kld += (np.exp(pr) * (pr - pq)).sum()
-            agree += int((lr[:m].argmax(-1) == lq[:m].argmax(-1)).sum())
-            n += m
+        return compare_logits(ref.logits(tokens), quant.logits(tokens), tokens)
+
+
+def compare_logits(reference, quantized, tokens: list[int]) -> Quality:
+    """The report's figures from two models' logits over `tokens`, given as lockstep iterators
+    of (start, logits) batches (logits[i] predicts tokens[start + i + 1])."""
+    nll_ref = nll_q = kld = 0.0
+    agree = n = 0
+    for (start, lr), (_, lq) in zip(reference, quantized):
+        targets = np.array(tokens[start + 1 : start + 1 + len(lr)])
+        m = len(targets)  # the last position has nothing to predict
+        pr, pq = _log_softmax(lr[:m]), _log_softmax(lq[:m])
+        idx = np.arange(m)
+        nll_ref -= pr[idx, targets].sum()
+        nll_q -= pq[idx, targets].sum()
+        kld += (np.exp(pr) * (pr - pq)).sum()
+        agree += int((lr[:m].argmax(-1) == lq[:m].argmax(-1)).sum())
+        n += m
     return Quality(n, float(np.exp(nll_ref / n)), float(np.exp(nll_q / n)), float(kld / n), agree / n)

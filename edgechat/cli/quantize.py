@@ -23,7 +23,15 @@ def parse_size(text: str) -> int:
 
 @click.command("quantize")
 @click.argument("src", required=False)
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output .gguf (default: <folder>-<TYPE>.gguf here).")
+@click.option("-o", "--output", type=click.Path(), help="Output .gguf, or folder for --format onnx (default: named after SRC, here).")
+@click.option("--format", "fmt", type=click.Choice(["gguf", "onnx"]), default="gguf", show_default=True,
+              help="gguf for llama.cpp, or an ONNX folder for onnxruntime (and onnxruntime-genai).")
+@click.option("--bits", type=click.Choice(["4", "8", "32"]), default="4", show_default=True,
+              help="--format onnx: weight bits (32: unquantized float32).")
+@click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default="32", show_default=True,
+              help="--format onnx: weights per quantization block.")
+@click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
+              help="--format onnx: MatMulNBits compute type (4: int8 activations, fastest on CPUs; 0: as the input).")
 @click.option("--type", "type_name", default=None, metavar="TYPE",
               help="Q4_K_M (default), Q4_K_S, Q5_K_M, Q6_K, Q8_0, Q4_0, F16 or BF16.")
 @click.option("--outtype", type=click.Choice(["f16", "bf16", "f32"], case_sensitive=False), default="f16",
@@ -37,8 +45,8 @@ def parse_size(text: str) -> int:
               help="Only report the quality of QUANT.gguf against --reference.")
 @click.option("--reference", type=click.Path(dir_okay=False), default=None, metavar="F16.gguf",
               help="The F16 GGUF that --report compares with.")
-def quantize_cmd(src, output, type_name, outtype, target_size, threads, force, no_report, allow_requantize,
-                 report_of, reference) -> None:
+def quantize_cmd(src, output, fmt, bits, block_size, accuracy_level, type_name, outtype, target_size, threads, force,
+                 no_report, allow_requantize, report_of, reference) -> None:
     """Convert a Hugging Face model (folder or repo id) to GGUF, without PyTorch.
 
     Uses llama.cpp's own quantization kernels and type mixtures, so a Q4_K_M made here is the
@@ -54,6 +62,11 @@ def quantize_cmd(src, output, type_name, outtype, target_size, threads, force, n
             return
         if src is None:
             raise UsageError("missing SRC: a Hugging Face model folder or repo id (see: edgechat quantize --help)")
+        if fmt == "onnx":
+            from edgechat.cli.quantize_onnx import export_onnx
+
+            export_onnx(src, output, int(bits), int(block_size), accuracy_level, force, no_report, _progress)
+            return
         if type_name and target_size:
             raise UsageError("give --type or --target-size, not both")
         if Path(src).suffix == ".gguf" and Path(src).is_file():

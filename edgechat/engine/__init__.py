@@ -38,7 +38,23 @@ __all__ = [
     "RequestStatus",
     "SamplingParams",
     "TextDelta",
+    "open_engine",
 ]
+
+
+def open_engine(config):
+    """The engine for config.model: onnxruntime's for an ONNX folder, llama.cpp's otherwise."""
+    from pathlib import Path
+
+    from edgechat.models.onnxinfo import is_onnx_folder
+
+    if config.model and is_onnx_folder(Path(config.model).expanduser()):
+        from edgechat.engine.onnxrt import OnnxEngine
+
+        return OnnxEngine(config)
+    from edgechat.engine.core import Engine
+
+    return Engine(config)
 
 
 def __getattr__(name: str):

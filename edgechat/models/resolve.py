@@ -11,6 +11,7 @@ from edgechat.errors import ModelNotFoundError
 from edgechat.models import catalog, hub
 from edgechat.models.embedded import ALIASES, EMBEDDED, GEMMA3_FILE
 from edgechat.models.ggufinfo import model_stem, split_part_names
+from edgechat.models.onnxinfo import is_onnx_folder
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -48,6 +49,8 @@ def resolve_model(ref: str | None, paths: Paths) -> Path:
         return EMBEDDED[name].locate(paths)
     path = Path(ref).expanduser()
     looks_like_path = ref.endswith(".gguf") or "/" in ref or ref.startswith(".")
+    if is_onnx_folder(path):
+        return path.absolute()
     if path.is_dir():
         raise ModelNotFoundError(f"{ref} is a directory, not a model file; pass the .gguf file inside it")
     if path.is_file():

@@ -1,0 +1,449 @@
+"""The onnxruntime backend: an engine for ONNX model folders with the same public API as
+engine.core.Engine, so the TUI, `run` and `serve` take a folder wherever they take a GGUF.
+
+Compute is one onnxruntime session (the graph `edgechat quantize --format onnx` writes, or
+onnxruntime-genai's). The KV cache is one buffer per layer of the whole context, bound as both
+the past input and the present output (GroupQueryAttention writes the new cells in place), so a
+token costs no copy; rewinding to a shared prefix is a shorter attention mask. Text goes through
+llama.cpp's tokenizer from the folder's vocabulary GGUF, and sampling through the same native
+sampler chain as the llama.cpp backend, applied to onnxruntime's logits: the same parameters
+give the same choices, and the same seed the same tokens for the same logits.
+
+One sequence: requests are served one after another, each reusing the longest prefix it shares
+with what the cache holds. A full context drops the older half after the pinned prefix and
+recomputes (the `truncate` policy; rotated keys cannot be shifted).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+import llama_cpp as L
+import numpy as np
+
+from edgechat.config import get_paths
+from edgechat.engine import planner
+from edgechat.engine.llama import LlamaBackend, _ensure_backend
+from edgechat.engine.metrics import RequestClock
+from edgechat.engine.prompt import Prepared, PromptBuilder
+from edgechat.engine.request import (
+    FINISH_REASONS,
+    ChatRequest,
+    ContextPolicy,
+    Evicted,
+    Finished,
+    Metrics,
+    RequestHandle,
+    RequestStatus,
+    TextDelta,
+)
+from edgechat.engine.sampling import SamplerChain
+from edgechat.engine.stream import OutputProcessor
+from edgechat.engine.templates import choose_format
+from edgechat.errors import EngineBusyError, EngineStoppedError, ModelFormatError, UsageError
+from edgechat.models import display_name, resolve_model
+from edgechat.models.onnxinfo import read_onnx_info
+
+log = logging.getLogger("edgechat.engine")
+
+#: prompt tokens per onnxruntime run: bounds attention's scratch memory; cancellation is checked between
+PREFILL_CHUNK = 512
+#: the optional graph input that limits the output layer to the last positions (see quantize/onnx_export.py)
+LOGITS_TO_KEEP = "num_logits_to_keep"
+
+
+class Vocabulary(LlamaBackend):
+    """llama.cpp's tokenizer alone (a vocabulary-only GGUF): the text half of LlamaBackend."""
+
+    def __init__(self, path: Path):  # noqa: super().__init__ would load weights and a context
+        _ensure_backend()
+        self.path = path
+        self.ctx = None
+        params = L.llama_model_default_params()
+        params.vocab_only = True
+        self.model = L.llama_model_load_from_file(os.fsencode(path), params)
+        if not self.model:
+            raise ModelFormatError(f"cannot read the vocabulary {path}; export the model again")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
+        self.bos = L.llama_vocab_bos(self.vocab)
+        self.eos = L.llama_vocab_eos(self.vocab)
+        self._pieces: dict[int, bytes] = {}
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+
+def providers(ep: str | None) -> list[str]:
+    """onnxruntime's execution providers for a name like "cpu", "xnnpack" or "CUDAExecutionProvider"."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if not ep or ep.lower() in ("cpu", "cpuexecutionprovider"):
+        return ["CPUExecutionProvider"]
+    wanted = ep if ep.endswith("ExecutionProvider") else None
+    for name in available:
+        if name == wanted or name.lower() == f"{ep.lower()}executionprovider":
+            return [name, "CPUExecutionProvider"]
+    names = ", ".join(n.removesuffix("ExecutionProvider").lower() for n in available)
+    raise UsageError(f"execution provider {ep!r} is not in this onnxruntime; available: {names}")
+
+
+class OnnxRunner:
+    """One onnxruntime session and its KV buffers (one sequence of n_ctx tokens)."""
+
+    def __init__(self, folder: Path, n_ctx: int, n_threads: int, ep: str | None = None):
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise ModelFormatError("ONNX models need onnxruntime (pip install onnxruntime; on Termux: "
+                                   "pkg install python-onnxruntime)") from None
+        dec = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))["model"]["decoder"]
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = n_threads
+        opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3  # onnxruntime warns about the overridable num_logits_to_keep default
+        try:
+            self.session = ort.InferenceSession(str(folder / dec.get("filename", "model.onnx")), opts,
+                                                providers=providers(ep))
+        except UsageError:
+            raise
+        except Exception as exc:  # onnxruntime raises its own exception types for bad files
+            raise ModelFormatError(f"onnxruntime cannot load {folder}: {str(exc).splitlines()[0]}") from None
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        names_in, names_out = dec["inputs"], dec["outputs"]
+        n_layer, n_kv, head = int(dec["num_hidden_layers"]), int(dec["num_key_value_heads"]), int(dec["head_size"])
+        kv_dtype = np.float16 if inputs[names_in["past_key_names"] % 0].type == "tensor(float16)" else np.float32
+        self.n_ctx = n_ctx
+        self.io = io = self.session.io_binding()
+        self._ids_name, self._mask_name = names_in["input_ids"], names_in["attention_mask"]
+        self._logits_name = names_out["logits"]
+        self._mask = np.ones((1, n_ctx), np.int64)
+        io.bind_output(self._logits_name)  # first: get_outputs() lists them in binding order
+        # one buffer per key and value, bound once as both past and present: written in place
+        self._kv = []
+        for i in range(n_layer):
+            for past, present in ((names_in["past_key_names"], names_out["present_key_names"]),
+                                  (names_in["past_value_names"], names_out["present_value_names"])):
+                buf = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, n_kv, n_ctx, head), kv_dtype))
+                io.bind_ortvalue_input(past % i, buf)
+                io.bind_ortvalue_output(present % i, buf)
+                self._kv.append(buf)
+        # IOBinding keeps pointers, not the arrays: they live as long as the runner
+        self._keep = np.array(1, np.int64)
+        if LOGITS_TO_KEEP in inputs:
+            io.bind_cpu_input(LOGITS_TO_KEEP, self._keep)
+        self._ids = np.zeros((1, 0), np.int64)
+
+    def forward(self, tokens: list[int], start: int) -> np.ndarray:
+        """Run `tokens` at positions start.. (the cache holds 0..start-1); the last token's logits."""
+        total = start + len(tokens)
+        assert total <= self.n_ctx
+        self._ids = np.asarray([tokens], np.int64)
+        self.io.bind_cpu_input(self._ids_name, self._ids)
+        self.io.bind_cpu_input(self._mask_name, self._mask[:, :total])
+        # unallocated each time: onnxruntime sizes it for this run (its place in the binding stays first)
+        self.io.bind_output(self._logits_name)
+        self.session.run_with_iobinding(self.io)
+        return self.io.get_outputs()[0].numpy()[0, -1]
+
+
+class _Cpu:
+    """Where the layers run, as the TUI's status line shows it (engine.gpu.describe())."""
+
+    def __init__(self, providers: list[str]):
+        self._providers = providers
+
+    def describe(self) -> str:
+        return f"onnxruntime {self._providers[0].removesuffix('ExecutionProvider')}"
+
+
+class _Run:
+    def __init__(self, handle: RequestHandle, request: ChatRequest, prep: Prepared, clock: RequestClock):
+        self.handle, self.request, self.prep, self.clock = handle, request, prep, clock
+
+
+class OnnxEngine:
+    """engine.core.Engine's public API over an ONNX folder (see the module docstring)."""
+
+    def __init__(self, config, ep: str | None = None):
+        self.config = cfg = config
+        self.paths = cfg.paths or get_paths()
+        self.model_path: Path = resolve_model(cfg.model, self.paths)
+        self.model_info = info = read_onnx_info(self.model_path)
+        self.plan = planner.choose_context(info, cfg.n_ctx, 1, "f16")
+        self.n_ctx = self.plan.n_ctx
+        self.n_threads = cfg.n_threads or planner.physical_cores()
+        self.model_name = display_name(cfg.model, self.model_path)
+        self.vocab = voc = Vocabulary(self.model_path / "tokenizer.gguf")
+        try:
+            self.runner = OnnxRunner(self.model_path, self.n_ctx, self.n_threads, ep)
+        except BaseException:
+            voc.close()
+            raise
+        self.gpu = _Cpu(self.runner.session.get_providers())
+        self.format = choose_format(
+            voc.meta("tokenizer.chat_template"), voc.meta("general.architecture") or info.architecture,
+            voc.token_text(voc.bos) if voc.bos >= 0 else "", voc.token_text(voc.eos) if voc.eos >= 0 else "",
+            self._is_special_token,
+        )
+        self.template_mode, self.template_warning = self.format.mode, self.format.warning
+        self.prompts = PromptBuilder(self.format, lambda text: voc.tokenize(text, add_bos=False, special=True),
+                                     voc.bos if voc.add_bos else None, self.n_ctx)
+        #: tokens whose keys and values the cache holds, at positions 0..n-1
+        self.cached: list[int] = []
+        self._cand = np.zeros(voc.n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+        self._ids = np.arange(voc.n_vocab, dtype=np.int32)
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting = 0
+        self._running = 0
+        self._decode_calls = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="edgechat-onnx", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- public API (any thread)
+    def submit(self, request: ChatRequest, on_event=None, prepared: Prepared | None = None) -> RequestHandle:
+        self._check_running()
+        if request.logprobs is not None:
+            raise UsageError("log probabilities are not available with ONNX models")
+        if request.speculative not in (None, "auto", "off"):
+            raise UsageError("speculative decoding is not available with ONNX models")
+        clock = RequestClock()
+        prep = prepared if prepared is not None else self.prompts.prepare(request, self._policy(request))
+        if prepared is not None:
+            self.prompts.check(request, prep)
+        clock.tokenize = time.perf_counter() - clock.submitted
+        handle = RequestHandle(request, on_event)
+        with self._lock:
+            self._check_running()
+            if self.config.max_queue is not None and self._waiting >= self.config.max_queue:
+                raise EngineBusyError("the engine's queue is full; try again shortly")
+            self._waiting += 1
+            self._inbox.put(_Run(handle, request, prep, clock))
+        return handle
+
+    def prepare(self, request: ChatRequest) -> Prepared:
+        return self.prompts.prepare(request, self._policy(request), check_limit=False)
+
+    def prompt_tokens(self, request: ChatRequest) -> list[int]:
+        return list(self.prepare(request).tokens)
+
+    def count_tokens(self, request: ChatRequest) -> int:
+        return len(self.prompt_tokens(request))
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.vocab.tokenize(text, add_bos=False, special=False)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.vocab.detokenize(tokens)
+
+    def stats(self) -> dict:
+        return {
+            "running": self._running,
+            "waiting": self._waiting,
+            "kv_used": len(self.cached) if self._running else 0,
+            "kv_cached": 0 if self._running else len(self.cached),
+            "kv_total": self.n_ctx,
+            "n_parallel": 1,
+            "decode_calls": self._decode_calls,
+        }
+
+    def release_session(self, session: str, wait: bool = True) -> None:
+        """Nothing to write: the one cache is reused by prefix, whoever's it was."""
+
+    def forget_session(self, session: str) -> None:
+        """Nothing is kept per conversation."""
+
+    def greedy_continuation(self, n: int, tokens: list[int]) -> list[int]:
+        """For checks: the n tokens greedy decoding appends to `tokens` (sent as a raw request)."""
+        done: queue.Queue = queue.Queue()
+        self._inbox.put(("continue", (n, list(tokens)), done))
+        result = done.get(timeout=600)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(None)
+        self._thread.join(timeout=60)
+        if self._thread.is_alive():
+            log.warning("the ONNX engine thread did not stop; leaving its model loaded")
+            return
+        self.vocab.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---------------------------------------------------------------- helpers
+    def _check_running(self) -> None:
+        if self._closed or not self._thread.is_alive():
+            raise EngineStoppedError("the engine is closed; load the model again")
+
+    def _is_special_token(self, text: str) -> bool:
+        toks = self.vocab.tokenize(text, add_bos=False, special=True)
+        return len(toks) == 1 and self.vocab.is_control(toks[0])
+
+    def _policy(self, request: ChatRequest) -> ContextPolicy:
+        # rotated keys cannot move to new positions, and nothing here writes summaries
+        return ContextPolicy.TRUNCATE
+
+    # ---------------------------------------------------------------- the engine thread
+    def _loop(self) -> None:
+        while True:
+            item = self._inbox.get()
+            if item is None:
+                break
+            if isinstance(item, tuple):
+                _name, (n, tokens), done = item
+                try:
+                    done.put(self._continuation(n, tokens))
+                except Exception as exc:
+                    done.put(exc)
+                continue
+            with self._lock:
+                self._waiting -= 1
+                self._running = 1
+            try:
+                self._serve(item)
+            except Exception as exc:  # a bug or an onnxruntime failure: this request fails, the next runs
+                log.exception("ONNX generation failed")
+                self.cached = []
+                if item.handle.finished is None:
+                    self._finish(item, RequestStatus.FINISHED_ERROR, None, [], 0, str(exc) or type(exc).__name__)
+            finally:
+                self._running = 0
+        # closing: whatever is still queued ends as cancelled
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Run):
+                self._finish(item, RequestStatus.FINISHED_CANCELLED, None, [], 0)
+
+    def _prefill(self, tokens: list[int], handle: RequestHandle | None = None) -> np.ndarray | None:
+        """Extend the cache with `tokens` after the reused prefix; the last one's logits (None if
+        cancelled first)."""
+        keep = _common_prefix(self.cached, tokens)
+        if keep == len(tokens):
+            keep -= 1  # its logits are not kept: run the last token again
+        self.cached = self.cached[:keep]
+        logits = None
+        for start in range(keep, len(tokens), PREFILL_CHUNK):
+            if handle is not None and handle.cancelled:
+                return None
+            chunk = tokens[start : start + PREFILL_CHUNK]
+            logits = self.runner.forward(chunk, start)
+            self._decode_calls += 1
+            self.cached = tokens[: start + len(chunk)]
+        return logits
+
+    def _step(self, token: int) -> np.ndarray:
+        logits = self.runner.forward([token], len(self.cached))
+        self._decode_calls += 1
+        self.cached.append(token)
+        return logits
+
+    def _sample(self, sampler: SamplerChain, logits: np.ndarray) -> int:
+        if sampler.plain_greedy:
+            return int(logits.argmax())
+        # llama.cpp's own chain over these logits, as llama_sampler_sample runs it over its own
+        cand = self._cand
+        cand["id"] = self._ids
+        cand["logit"] = logits
+        cand["p"] = 0.0
+        arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), len(cand), -1, False)
+        L.llama_sampler_apply(sampler.chain, ctypes.byref(arr))
+        token = int(cand["id"][arr.selected])
+        L.llama_sampler_accept(sampler.chain, token)
+        return token
+
+    def _make_room(self, run: _Run) -> None:
+        """Context full mid-answer: drop the older half after the pinned prefix, recompute the rest."""
+        keep = min(run.prep.keep, len(self.cached) - 2)
+        drop = max((len(self.cached) - keep) // 2, 1)
+        rest = self.cached[keep + drop :]
+        self.cached = self.cached[:keep]
+        self._prefill(self.cached + rest)
+        run.handle.emit(Evicted(0, drop, ContextPolicy.TRUNCATE.value, f"{drop} older tokens left the context"))
+
+    def _serve(self, run: _Run) -> None:
+        handle, req, prep, clock = run.handle, run.request, run.prep, run.clock
+        if handle.cancelled:
+            self._finish(run, RequestStatus.FINISHED_CANCELLED, None, [], 0)
+            return
+        clock.admitted = time.perf_counter()
+        handle.status = RequestStatus.RUNNING
+        if prep.evicted_now:
+            n = prep.evicted_now
+            handle.emit(Evicted(n, 0, ContextPolicy.TRUNCATE.value, f"{n} oldest message{'s' if n > 1 else ''} left the context"))
+        cached = min(_common_prefix(self.cached, prep.tokens), len(prep.tokens) - 1)
+        sampler = SamplerChain(req.sampling, self.vocab.n_vocab, self.vocab.vocab, req.grammar)
+        proc = OutputProcessor(req.stop)
+        out: list[int] = []
+        try:
+            sampler.accept_prompt(prep.tokens)
+            logits = self._prefill(prep.tokens, handle)
+            status = RequestStatus.FINISHED_CANCELLED
+            while logits is not None and not handle.cancelled:
+                token = self._sample(sampler, logits)
+                clock.token()
+                if self.vocab.is_eog(token) and not req.ignore_eos:
+                    status = RequestStatus.FINISHED_STOPPED
+                    break
+                out.append(token)
+                text = proc.feed(self.vocab.piece(token))
+                if text:
+                    handle.emit(TextDelta(text))
+                if proc.stopped:
+                    status = RequestStatus.FINISHED_STOPPED
+                    break
+                if req.max_tokens is not None and len(out) >= req.max_tokens:
+                    status = RequestStatus.FINISHED_LENGTH
+                    break
+                if len(self.cached) >= self.n_ctx:
+                    self._make_room(run)
+                logits = self._step(token)
+        finally:
+            sampler.free()
+        self._finish(run, status, proc, out, cached)
+
+    def _finish(self, run: _Run, status: RequestStatus, proc: OutputProcessor | None, out: list[int], cached: int,
+                error: str | None = None) -> None:
+        tail = proc.finish() if proc is not None and status is not RequestStatus.FINISHED_ERROR else ""
+        if tail:
+            run.handle.emit(TextDelta(tail))
+        run.handle.status = status
+        metrics = run.clock.build(len(run.prep.tokens), cached, len(out), len(self.cached), self.n_ctx)
+        run.handle.emit(Metrics(metrics))
+        run.handle.emit(Finished(FINISH_REASONS[status], proc.text if proc else "", metrics, error, out))
+
+    def _continuation(self, n: int, tokens: list[int]) -> list[int]:
+        logits = self._prefill(tokens)
+        out = []
+        for _ in range(n):
+            out.append(int(logits.argmax()))
+            logits = self._step(out[-1])
+        return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
