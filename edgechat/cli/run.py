@@ -70,7 +70,7 @@ def read_prompt(prompt: str | None) -> str | None:
 def run_cmd(model, ctx, threads, gpu_layers, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
             system, session, raw, context_policy, kv_type, flash_attn, speculative, draft_model, as_json, prompt, data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
-    from edgechat.engine import Engine, EngineConfig
+    from edgechat.engine import EngineConfig, open_engine
 
     text = read_prompt(prompt)
     if text is not None and not text.strip():
@@ -93,7 +93,7 @@ def run_cmd(model, ctx, threads, gpu_layers, temperature, top_p, top_k, min_p, r
     if session is not None:
         finished = _session_turn(cfg, session, text, system, context_policy, params, as_json)
     else:
-        with Engine(cfg) as engine:
+        with open_engine(cfg) as engine:
             if engine.template_warning and not raw:
                 click.echo(f"edgechat: warning: {engine.template_warning}", err=True)
             if engine.draft_warning:
@@ -116,7 +116,7 @@ def run_cmd(model, ctx, threads, gpu_layers, temperature, top_p, top_k, min_p, r
 def _session_turn(cfg, name: str, text: str, system, context_policy, params: dict, as_json: bool):
     """One turn of the stored conversation NAME: the question is stored when sent, the answer
     (partial if interrupted) when it ends. Returns the Finished event."""
-    from edgechat.engine import Engine
+    from edgechat.engine import open_engine
 
     store = open_store(cfg.paths)
     try:
@@ -129,7 +129,7 @@ def _session_turn(cfg, name: str, text: str, system, context_policy, params: dic
         if settings != (conv.settings or {}):
             store.update_conversation(conv.id, settings=settings)
         policy = ContextPolicy(settings.get("context_policy", ContextPolicy.SHIFT.value))
-        with Engine(cfg) as engine:
+        with open_engine(cfg) as engine:
             if engine.template_warning:
                 click.echo(f"edgechat: warning: {engine.template_warning}", err=True)
             history = with_system_prompt(settings, model_messages(store, conv.id))

@@ -63,7 +63,7 @@ def serve_cmd(
     import uvicorn
 
     from edgechat.config import get_paths
-    from edgechat.engine import Engine, EngineConfig
+    from edgechat.engine import EngineConfig, open_engine
     from edgechat.models import DEFAULT_MODEL
     from edgechat.server import create_app
 
@@ -73,8 +73,8 @@ def serve_cmd(
     if not _is_loopback(host):
         log.warning("listening on %s: other machines can reach this server%s", host, "" if api_key else " and it has no --api-key")
 
-    def load(name: str, draft: str | None = None) -> Engine:
-        return Engine(
+    def load(name: str, draft: str | None = None):
+        return open_engine(
             EngineConfig(
                 model=name,
                 n_ctx=ctx,

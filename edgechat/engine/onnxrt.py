@@ -194,6 +194,7 @@ class OnnxEngine:
             self._is_special_token,
         )
         self.template_mode, self.template_warning = self.format.mode, self.format.warning
+        self.draft, self.draft_warning = None, None  # no speculative decoding here
         self.prompts = PromptBuilder(self.format, lambda text: voc.tokenize(text, add_bos=False, special=True),
                                      voc.bos if voc.add_bos else None, self.n_ctx)
         #: tokens whose keys and values the cache holds, at positions 0..n-1

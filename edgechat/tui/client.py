@@ -61,11 +61,11 @@ class LocalClient:
     def __init__(self, model: str | None, paths: Paths, n_ctx: int | None = None, kv_type: str = "f16",
                  on_progress: Callable[[float], None] | None = None, gpu_layers: str | int | None = None):
         # Imported here: loading llama.cpp's shared library is not needed to draw the first frame.
-        from edgechat.engine import Engine, EngineConfig
+        from edgechat.engine import EngineConfig, open_engine
         from edgechat.models import DEFAULT_MODEL
 
         # One extra sequence keeps the previous conversation hot, so switching back is instant.
-        self.engine = Engine(
+        self.engine = open_engine(
             EngineConfig(model=model or DEFAULT_MODEL, n_ctx=n_ctx, kv_type=kv_type, hot_sessions=1, paths=paths,
                          on_load_progress=on_progress, n_gpu_layers=gpu_layers)
         )
