@@ -40,3 +40,41 @@ def test_a_model_that_cannot_fit_is_refused_before_loading(smollm2_path, monkeyp
 def test_context_beyond_training_is_a_usage_error(smollm2_path):
     with pytest.raises(UsageError, match="trained for \\(8192 tokens\\)"):
         planner.choose_context(read_model_info(smollm2_path), requested=16384)
+
+
+def test_the_small_swa_cache_is_counted_and_chosen_only_where_the_full_one_does_not_fit(gemma3_path, smollm2_path):
+    gemma = read_model_info(gemma3_path)
+    full = planner.plan_for(gemma, 8192, available=64 << 30)
+    small = planner.plan_for(gemma, 8192, available=64 << 30, swa_full=False)
+    # 3 global layers keep 8192 cells, 15 sliding ones a 512-token window + one 512-token ubatch
+    assert small.kv_cache == gemma.kv_cache_bytes(8192) == 2 * 256 * 2 * (3 * 8192 + 15 * 1024)
+    assert 3 < full.kv_cache / small.kv_cache < 5
+    # four sequences: a window each, one ubatch, in multiples of 256 cells
+    assert gemma.kv_cache_bytes(4 * 4096, n_seq=4) == 2 * 256 * 2 * (3 * 4 * 4096 + 15 * 2560)
+    between = int((small.total + full.total) / 2 / planner.HEADROOM)
+    assert planner.choose_context(gemma, 8192, available=64 << 30).swa_full
+    assert not planner.choose_context(gemma, 8192, available=between).swa_full
+    assert not planner.choose_context(gemma, 8192, available=64 << 30, swa="small").swa_full
+    with pytest.raises(ModelTooLargeError):
+        planner.choose_context(gemma, 8192, available=between, swa="full")
+    # a model without sliding layers has one cache only
+    smol = read_model_info(smollm2_path)
+    assert planner.plan_for(smol, 4096, swa_full=False).swa_full
+
+
+def test_a_small_swa_cache_answers_as_the_full_one_and_recomputes_a_rewind_past_its_window(gemma3_path, isolated_dirs):
+    from edgechat.engine.request import ChatRequest, SamplingParams
+
+    words = "the tide comes in and the gulls call over the harbour wall while boats rock at anchor".split()
+    long_text = " ".join(words[i % len(words)] + (f" {i}" if i % 7 == 0 else "") for i in range(1100))
+    prompts = [long_text, long_text[:600] + " and then, far from the sea, the town"]
+    answers = {}
+    for swa in ("full", "small"):
+        with Engine(EngineConfig(model=str(gemma3_path), n_ctx=2048, swa_cache=swa, paths=isolated_dirs)) as engine:
+            assert engine.plan.swa_full is (swa == "full") and engine.backend.can_shift is (swa == "full")
+            # the second prompt shares ~150 tokens with the first: reusing them needs the window
+            # before them, which the small cache has overwritten, so it recomputes
+            answers[swa] = [engine.submit(ChatRequest(prompt=p, sampling=SamplingParams(temperature=0), max_tokens=12)).result()
+                            for p in prompts]
+    assert [a.text for a in answers["small"]] == [a.text for a in answers["full"]]
+    assert answers["full"][1].metrics.cached_tokens > 100 and answers["small"][1].metrics.cached_tokens == 0

@@ -23,6 +23,15 @@ flash_attn_option = click.option(
     help="llama.cpp flash attention (off can be faster deep into long chats on CPUs).",
 )
 
+swa_cache_option = click.option(
+    "--swa-cache",
+    type=click.Choice(["auto", "full", "small"]),
+    default="auto",
+    help="Sliding-window models (Gemma 3): small keeps only the window of the sliding layers (3-5x less KV "
+    "memory; conversations then truncate instead of shifting); auto uses it where the full cache does not fit.",
+)
+
+
 def speculative_option(command):
     """--speculative and --draft-model: the two go together."""
     command = click.option(

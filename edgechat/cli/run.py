@@ -18,6 +18,7 @@ from edgechat.cli.common import (
     model_options,
     sampling_options,
     speculative_option,
+    swa_cache_option,
 )
 from edgechat.config import get_paths
 from edgechat.engine.request import ChatRequest, ContextPolicy, Evicted, SamplingParams, TextDelta
@@ -63,12 +64,13 @@ def read_prompt(prompt: str | None) -> str | None:
 )
 @click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", help="KV cache element type.")
 @flash_attn_option
+@swa_cache_option
 @speculative_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.argument("prompt", required=False)
 @data_dir_option
 def run_cmd(model, ctx, threads, gpu_layers, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
-            system, session, raw, context_policy, kv_type, flash_attn, speculative, draft_model, as_json, prompt, data_dir):
+            system, session, raw, context_policy, kv_type, flash_attn, swa_cache, speculative, draft_model, as_json, prompt, data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
     from edgechat.engine import EngineConfig, open_engine
 
@@ -89,7 +91,7 @@ def run_cmd(model, ctx, threads, gpu_layers, temperature, top_p, top_k, min_p, r
     paths = get_paths(data_dir)
     gpu_layers_note(gpu_layers)
     cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers, kv_type=kv_type,
-                       flash_attn=flash_attn, speculative=speculative, draft_model=draft_model, paths=paths)
+                       flash_attn=flash_attn, swa_cache=swa_cache, speculative=speculative, draft_model=draft_model, paths=paths)
     if session is not None:
         finished = _session_turn(cfg, session, text, system, context_policy, params, as_json)
     else:

@@ -7,7 +7,14 @@ import logging
 
 import click
 
-from edgechat.cli.common import data_dir_option, flash_attn_option, gpu_layers_note, model_options, speculative_option
+from edgechat.cli.common import (
+    data_dir_option,
+    flash_attn_option,
+    gpu_layers_note,
+    model_options,
+    speculative_option,
+    swa_cache_option,
+)
 from edgechat.server.settings import ServerSettings
 
 
@@ -27,6 +34,7 @@ def _is_loopback(host: str) -> bool:
 @click.option("--parallel", type=click.IntRange(1, 256), default=4, show_default=True, help="Sequences generated at once (continuous batching).")
 @click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True, help="KV cache element type.")
 @flash_attn_option
+@swa_cache_option
 @speculative_option
 @click.option("--api-key", default=None, envvar="EDGECHAT_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health (env: EDGECHAT_API_KEY).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True, help="Requests that may wait for a sequence; more get 429.")
@@ -47,6 +55,7 @@ def serve_cmd(
     parallel: int,
     kv_type: str,
     flash_attn: str,
+    swa_cache: str,
     speculative: str,
     draft_model: str | None,
     api_key: str | None,
@@ -83,6 +92,7 @@ def serve_cmd(
                 n_parallel=parallel,
                 kv_type=kv_type,
                 flash_attn=flash_attn,
+                swa_cache=swa_cache,
                 speculative=speculative,
                 draft_model=draft,
                 max_queue=max_queue,

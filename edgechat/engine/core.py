@@ -56,6 +56,9 @@ class EngineConfig:
     #: llama.cpp's flash attention: "auto" (on for CPU) is fastest for short contexts; on this
     #: 2-core CPU "off" answers sooner deep into long chats (see docs/ARCHITECTURE.md)
     flash_attn: str = "auto"
+    #: sliding-window models (Gemma 3): "full" cache, "small" (the window only: less memory, no
+    #: shifting, so conversations truncate), or "auto" (small only where full does not fit)
+    swa_cache: str = "auto"
     max_queue: int | None = None
     #: "auto" (as many layers as the GPUs' free memory holds), "all" or a count; None: the model's
     #: gpu_layers in config.toml, else "auto". No effect on a CPU-only build.
@@ -101,7 +104,7 @@ class Engine:
         self.model_path: Path = resolve_model(cfg.model, self.paths)
         self.model_info = info = read_model_info(self.model_path)
         self.n_slots = cfg.n_parallel + cfg.hot_sessions
-        plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, cfg.kv_type)
+        plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, cfg.kv_type, swa=cfg.swa_cache)
         self.plan = plan
         self.n_ctx = plan.n_ctx
         self.n_threads = cfg.n_threads or planner.physical_cores()
@@ -118,6 +121,7 @@ class Engine:
             kv_type=cfg.kv_type,
             n_gpu_layers=self.gpu.n_gpu_layers,
             flash_attn=cfg.flash_attn,
+            swa_full=plan.swa_full,
             on_progress=cfg.on_load_progress,
         )
         be = self.backend

@@ -142,6 +142,7 @@ class LlamaBackend:
         n_gpu_layers: int | None = None,
         flash_attn: str = "auto",
         on_progress: Callable[[float], None] | None = None,
+        swa_full: bool = True,
     ):
         _ensure_backend()
         self.path = Path(path)
@@ -168,8 +169,9 @@ class LlamaBackend:
         cparams.n_threads_batch = n_threads
         cparams.kv_unified = True
         # full-size sliding-window cache (llama.cpp's default): rewinding a sequence for prefix
-        # reuse, shifting it and restoring snapshots need the tokens a pruned window drops
-        cparams.swa_full = True
+        # reuse, shifting it and restoring snapshots need the tokens a pruned window drops. The
+        # small one (planner: where the full one does not fit) keeps a window and cannot shift.
+        cparams.swa_full = swa_full
         cparams.no_perf = True
         cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
         # llama.cpp needs flash attention for a quantized V cache
@@ -184,6 +186,8 @@ class LlamaBackend:
         self.n_batch = L.llama_n_batch(ctx)
         self.n_seq_max = n_seq_max
         self.can_shift = bool(L.llama_memory_can_shift(self.mem))
+        #: sliding window of a small SWA cache (0: every layer keeps every token)
+        self.small_swa = 0 if swa_full else max(L.llama_model_n_swa(model), 0)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self.bos = L.llama_vocab_bos(self.vocab)
         self.eos = L.llama_vocab_eos(self.vocab)
@@ -279,6 +283,10 @@ class LlamaBackend:
 
     # --- KV memory ------------------------------------------------------------------------------
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        if self.small_swa and p0 > 0 and p1 < 0 and L.llama_memory_seq_pos_min(self.mem, seq) > max(0, p0 - self.small_swa):
+            # a small SWA cache may have overwritten cells the window of position p0 needs: a
+            # rewind this deep is refused, as memory that cannot drop part of a sequence does
+            return False
         return bool(L.llama_memory_seq_rm(self.mem, seq, p0, p1))
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:

@@ -80,6 +80,8 @@ class Plan:
     kv_cache: int
     compute: int
     available: int
+    #: llama.cpp's full-size sliding-window cache (False: the small one, for SWA models only)
+    swa_full: bool = True
 
     @property
     def total(self) -> int:
@@ -97,11 +99,27 @@ def _compute_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int = 512) -> int:
     return 4 * n_ubatch * (16 * info.n_embd + info.n_head * n_ctx) + 4 * n_vocab_guess * 8
 
 
-def plan_for(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: str = "f16", available: int | None = None) -> Plan:
+def plan_for(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: str = "f16", available: int | None = None,
+             swa_full: bool = True) -> Plan:
     avail = available_memory() if available is None else available
-    # edgechat keeps llama.cpp's full-size SWA cache: prefix reuse, shifts and snapshots need it
-    kv = int(info.kv_cache_bytes(n_ctx * n_seq, KV_BYTES[kv_type], swa_full=True))
-    return Plan(n_ctx, n_seq, info.size_bytes, kv, _compute_bytes(info, n_ctx * n_seq), avail)
+    swa_full = swa_full or not info.n_swa_layers
+    kv = int(info.kv_cache_bytes(n_ctx * n_seq, KV_BYTES[kv_type], swa_full=swa_full, n_seq=n_seq))
+    return Plan(n_ctx, n_seq, info.size_bytes, kv, _compute_bytes(info, n_ctx * n_seq), avail, swa_full)
+
+
+#: --swa-cache: llama.cpp's full-size sliding-window cache, its small one, or the small one only
+#: where the full one would not fit the context
+SWA_CACHES = ("auto", "full", "small")
+
+
+def _plans(info: ModelInfo, n_ctx: int, n_seq: int, kv_type: str, available: int | None, swa: str):
+    """The plans to try for one context, preferred first. The full cache can shift and rewind
+    anywhere; the small one (sliding layers keep only their window: Gemma 3 needs 3-5x less KV)
+    cannot shift, so its conversations truncate."""
+    if swa != "small":
+        yield plan_for(info, n_ctx, n_seq, kv_type, available, swa_full=True)
+    if swa != "full" and info.n_swa_layers:
+        yield plan_for(info, n_ctx, n_seq, kv_type, available, swa_full=False)
 
 
 def choose_context(
@@ -110,28 +128,32 @@ def choose_context(
     n_seq: int = 1,
     kv_type: str = "f16",
     available: int | None = None,
+    swa: str = "auto",
 ) -> Plan:
-    """The context to run with: the requested one if it fits, else the largest that fits, capped.
+    """The context to run with: the requested one if it fits, else the largest that fits, capped;
+    for sliding-window models with `swa` auto, the small SWA cache where the full one would not fit.
 
     Raises ModelTooLargeError (before llama.cpp loads anything) when not even MIN_CTX fits.
     """
     if kv_type not in KV_BYTES:
         raise UsageError(f"unknown KV cache type '{kv_type}'; use one of: {', '.join(KV_BYTES)}")
+    if swa not in SWA_CACHES:
+        raise UsageError(f"the SWA cache is one of {', '.join(SWA_CACHES)}, not '{swa}'")
     trained = max(info.context_length, MIN_CTX)
     if requested is not None:
         if requested > trained:
             raise UsageError(
                 f"--ctx {requested} is more than {info.name} was trained for ({trained} tokens); use --ctx {trained} or less"
             )
-        plan = plan_for(info, requested, n_seq, kv_type, available)
-        if not plan.fits:
-            raise ModelTooLargeError(_too_large(info, plan))
-        return plan
+        for plan in _plans(info, requested, n_seq, kv_type, available, swa):
+            if plan.fits:
+                return plan
+        raise ModelTooLargeError(_too_large(info, plan))
     n = min(trained, DEFAULT_CTX_CAP)
     while True:
-        plan = plan_for(info, n, n_seq, kv_type, available)
-        if plan.fits:
-            return plan
+        for plan in _plans(info, n, n_seq, kv_type, available, swa):
+            if plan.fits:
+                return plan
         if n <= MIN_CTX:
             raise ModelTooLargeError(_too_large(info, plan))
         n = max(MIN_CTX, n // 2)
@@ -153,7 +175,7 @@ def max_context_that_fits(info: ModelInfo, kv_type: str = "f16", available: int 
     """For `edgechat doctor`: the largest power-of-two context (up to the trained one) that fits; 0 if none."""
     best, n = 0, MIN_CTX
     while n <= info.context_length:
-        if not plan_for(info, n, 1, kv_type, available).fits:
+        if not any(p.fits for p in _plans(info, n, 1, kv_type, available, "auto")):
             break
         best, n = n, n * 2
     return best

@@ -62,16 +62,18 @@ class ModelInfo:
     def n_swa_layers(self) -> int:
         return sum(self.swa_layers)
 
-    def kv_cache_bytes(self, n_ctx: int, bytes_per_element: float = 2.0, swa_full: bool = False) -> float:
-        """KV memory for n_ctx tokens: full layers hold every token, sliding layers only their window
-        (unless swa_full: then they keep every token too, which prefix reuse and shifts need)."""
+    def kv_cache_bytes(self, n_ctx: int, bytes_per_element: float = 2.0, swa_full: bool = False, n_seq: int = 1) -> float:
+        """KV memory for n_ctx tokens (all `n_seq` sequences together): full layers hold every
+        token, sliding layers only their window (unless swa_full: then they keep every token too,
+        which shifting needs)."""
         per_layer = self.n_head_kv * (self.head_dim_k + self.head_dim_v) * bytes_per_element
         total = (self.n_layer - self.n_swa_layers) * per_layer * n_ctx
         if swa_full:
             total += self.n_swa_layers * per_layer * n_ctx
         elif self.sliding_window:
-            # llama.cpp keeps window + one ubatch of cells per SWA layer (llama-kv-cache-iswa).
-            swa_cells = min(n_ctx, self.sliding_window + 512)
+            # llama.cpp keeps a window per sequence + one ubatch of cells per SWA layer, in
+            # multiples of 256 (llama-kv-cache-iswa)
+            swa_cells = min(n_ctx, -(-(self.sliding_window * n_seq + 512) // 256) * 256)
             total += self.n_swa_layers * per_layer * swa_cells
         return total
 
