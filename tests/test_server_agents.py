@@ -12,8 +12,9 @@ import pytest
 from pydantic import BaseModel, Field
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
-from edgechat.engine.request import SamplingParams
+from edgechat.engine.request import Grammar, SamplingParams
 from edgechat.server import ServerSettings, create_app
+from edgechat.server.structured import schema_rules
 from edgechat.server.tools import ToolCallParser, parse_tools, render_messages
 from serving import serving
 
@@ -117,6 +118,21 @@ def test_schema_keywords_the_grammar_cannot_enforce_get_400_naming_them(client, 
         )
     assert keyword in info.value.message and info.value.param == "response_format.json_schema.schema"
     assert_idle(engine)
+
+
+def test_a_lazy_grammar_holds_the_text_from_its_trigger_on(engine):
+    """How `auto` tool calls are constrained, with a trigger this model does write ('{')."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"], "additionalProperties": False}
+    lazy = Grammar(schema_rules([("", schema)], "test"), "root", (r"[\s\S]*?(\{)[\s\S]*",))
+    # with the tools prompt this model answers in a ```json block rather than a call
+    messages = render_messages([{"role": "user", "content": "Call get_weather for Paris."}], parse_tools({"tools": [WEATHER]}))
+    greedy = SamplingParams(temperature=0)
+    free = engine.submit(ChatRequest(messages=messages, sampling=greedy, max_tokens=60, speculative="off")).result()
+    held = engine.submit(ChatRequest(messages=messages, sampling=greedy, max_tokens=60, speculative="off", grammar=lazy)).result()
+    start = free.text.index("{")
+    assert held.text[:start] == free.text[:start]  # free until the trigger
+    assert set(json.loads(held.text[start:])) == {"city"} and held.reason == "stop"
+    assert free.text[start:] != held.text[start:]
 
 
 # ---------------------------------------------------------------- tools
