@@ -6,17 +6,24 @@ Grounded tasks (rewrite a pasted text, fix a pasted code block, quote a pasted d
 where n-gram lookup pays (target >= 1.6x); open chat has nothing to look up (target >= 0.98x
 with auto).
 
+With --draft, a draft model: each embedded model's Hugging Face checkpoint (tests/hf_fixtures.py,
+torch needed once) converted by `edgechat quantize` to F16 (the model) and Q4_K_M (its draft);
+F16 decoding with speculation off, draft (the draft model only) and auto, acceptance and speedup
+(target: auto >= 0.98x of plain F16 decoding).
+
 With --llama-server, llama.cpp's own speculation (llama-server --spec-type ngram-simple and
 ngram-mod, built by bench/build_llama_bench.sh from the vendored sources) on the same grounded
 tasks and files, beside its plain decoding (target: edgechat auto >= 1.0x of the better).
 
-    python -m bench.bench_spec [--rounds 3] [--threads 2] [--llama-server] [--json]
+    python -m bench.bench_spec [--rounds 3] [--threads 2] [--llama-server] [--draft] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -86,6 +93,51 @@ def bench_model(name: str, threads: int, rounds: int, max_tokens: int) -> list[d
     return rows
 
 
+def draft_pair(name: str, threads: int) -> tuple[Path, Path]:
+    """The F16 and Q4_K_M GGUFs of a model's checkpoint, made by edgechat quantize (kept between runs)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from hf_fixtures import hf_checkpoint
+
+    checkpoint = hf_checkpoint(name)
+    out = Path.home() / ".cache" / "edgechat-bench" / "draft"
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for type_name in ("F16", "Q4_K_M"):
+        path = out / f"{name}-{type_name}.gguf"
+        if not path.exists():
+            subprocess.run([sys.executable, "-m", "edgechat", "quantize", str(checkpoint), "--type", type_name, "-o", str(path),
+                            "--no-report", "--threads", str(threads)], check=True)
+        files.append(path)
+    return files[0], files[1]
+
+
+def bench_draft(name: str, threads: int, rounds: int, max_tokens: int) -> list[dict]:
+    """F16 decoding with its own Q4_K_M drafting, beside plain F16 decoding, alternating modes."""
+    f16, q4 = draft_pair(name, threads)
+    modes = ["off", "draft", "auto"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = EngineConfig(model=str(f16), draft_model=str(q4), n_ctx=2048, n_threads=threads, paths=get_paths(tmp))
+        with Engine(cfg) as engine:
+            run_task(engine, "Hello", "draft", 8)  # warm-up, both models
+            for task, prompt in TASKS.items():
+                best = {mode: 0.0 for mode in modes}
+                outputs, rates = {}, {}
+                for _ in range(rounds):
+                    for mode in modes:
+                        tps, tokens, rate = run_task(engine, prompt, mode, max_tokens)
+                        best[mode] = max(best[mode], tps)
+                        outputs[mode], rates[mode] = tokens, rate
+                rows.append({
+                    "model": f"{name} F16", "task": task, "tokens": len(outputs["off"]),
+                    **{f"{mode}_tps": best[mode] for mode in modes},
+                    "draft_ratio": best["draft"] / best["off"], "auto_ratio": best["auto"] / best["off"],
+                    "draft_accept": rates["draft"], "auto_accept": rates["auto"],
+                    "same_text": outputs["draft"] == outputs["off"] and outputs["auto"] == outputs["off"],
+                })
+    return rows
+
+
 def llama_server_run(name: str, threads: int, spec_type: str, prompts: dict[str, str], max_tokens: int, log_dir) -> dict:
     """llama.cpp's own speculation on the same file and tasks: decode tok/s and acceptance per
     task, from the timings llama-server returns (one fresh server per spec type)."""
@@ -149,8 +201,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--llama-server", action="store_true", help="also measure llama-server's ngram-simple and ngram-mod")
+    ap.add_argument("--draft", action="store_true", help="only the draft-model benchmark (F16 drafted by its Q4_K_M)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.draft:
+        rows = [row for name in MODELS for row in bench_draft(name, args.threads, args.rounds, args.max_tokens)]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return
+        print(f"{'model':26} {'task':8} {'tokens':>6} {'off t/s':>8} {'draft':>7} {'ratio':>6} {'acc':>5} {'auto':>7} {'ratio':>6} {'acc':>5} same")
+        for r in rows:
+            print(f"{r['model']:26} {r['task']:8} {r['tokens']:>6} {r['off_tps']:>8.1f} {r['draft_tps']:>7.1f} {r['draft_ratio']:>6.2f} "
+                  f"{r['draft_accept']:>5.2f} {r['auto_tps']:>7.1f} {r['auto_ratio']:>6.2f} {r['auto_accept']:>5.2f} {r['same_text']}")
+        return
     if not args.llama_server:
         rows = [row for name in MODELS for row in bench_model(name, args.threads, args.rounds, args.max_tokens)]
     else:
