@@ -144,12 +144,13 @@ def _layer_attention(family: Family, layer: int) -> tuple[dict, int]:
         sliding = types[layer] == "sliding_attention" if types else (layer + 1) % pattern != 0
         if sliding:
             rope = params.get("sliding_attention") or {"rope_theta": c.get("rope_local_base_freq", 10000.0)}
-            # transformers lets a token see itself and the window - 1 before it
-            return rope, int(c["sliding_window"]) - 1
+            # GroupQueryAttention's window counts the tokens before the current one; measured
+            # against transformers past 512 tokens, Gemma 3's sliding_window maps to it unchanged
+            return rope, int(c["sliding_window"])
         return family.rope, -1
     window = c.get("sliding_window")
     if window and (family.arch_name == "phi3" or c.get("use_sliding_window")):
-        return family.rope, int(window) - 1
+        return family.rope, int(window)
     return family.rope, -1
 
 
