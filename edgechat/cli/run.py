@@ -69,7 +69,7 @@ def read_prompt(prompt: str | None) -> str | None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.argument("prompt", required=False)
 @data_dir_option
-def run_cmd(model, ctx, threads, gpu_layers, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
+def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
             system, session, raw, context_policy, kv_type, flash_attn, swa_cache, speculative, draft_model, as_json, prompt, data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
     from edgechat.engine import EngineConfig, open_engine
@@ -89,17 +89,14 @@ def run_cmd(model, ctx, threads, gpu_layers, temperature, top_p, top_k, min_p, r
     params = dict(sampling=build_sampling(temperature, top_p, top_k, min_p, repeat_penalty, seed),
                   max_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos)
     paths = get_paths(data_dir)
-    gpu_layers_note(gpu_layers)
-    cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers, kv_type=kv_type,
+    gpu_layers_note(gpu_layers, rpc)
+    cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers, rpc_servers=rpc, kv_type=kv_type,
                        flash_attn=flash_attn, swa_cache=swa_cache, speculative=speculative, draft_model=draft_model, paths=paths)
     if session is not None:
         finished = _session_turn(cfg, session, text, system, context_policy, params, as_json)
     else:
         with open_engine(cfg) as engine:
-            if engine.template_warning and not raw:
-                click.echo(f"edgechat: warning: {engine.template_warning}", err=True)
-            if engine.draft_warning:
-                click.echo(f"edgechat: warning: {engine.draft_warning}", err=True)
+            _warn(engine, raw)
             history: list[dict] = [{"role": "system", "content": system}] if system else []
             if text is None:
                 _interactive(engine, history, params)
@@ -113,6 +110,13 @@ def run_cmd(model, ctx, threads, gpu_layers, temperature, top_p, top_k, min_p, r
                 click.echo(json.dumps(result_json(engine, finished), ensure_ascii=False))
     if finished.reason == "cancelled":
         raise KeyboardInterrupt  # the partial answer is printed (and stored); now exit as interrupted
+
+
+def _warn(engine, raw: bool = False) -> None:
+    """What the user should know about the loaded engine (no chat template, no draft model)."""
+    for warning in (None if raw else engine.template_warning, engine.draft_warning):
+        if warning:
+            click.echo(f"edgechat: warning: {warning}", err=True)
 
 
 def _session_turn(cfg, name: str, text: str, system, context_policy, params: dict, as_json: bool):
@@ -132,8 +136,7 @@ def _session_turn(cfg, name: str, text: str, system, context_policy, params: dic
             store.update_conversation(conv.id, settings=settings)
         policy = ContextPolicy(settings.get("context_policy", ContextPolicy.SHIFT.value))
         with open_engine(cfg) as engine:
-            if engine.template_warning:
-                click.echo(f"edgechat: warning: {engine.template_warning}", err=True)
+            _warn(engine)
             history = with_system_prompt(settings, model_messages(store, conv.id))
             # stored the moment it is sent: a crash mid-answer still keeps the question
             store.add_message(conv.id, "user", text)
@@ -188,6 +191,7 @@ def result_json(engine, finished, **extra) -> dict:
     return {
         "text": finished.text,
         "model": engine.model_name,
+        "device": engine.gpu.describe(),
         "finish_reason": finished.reason,
         "prompt_tokens": m.prompt_tokens,
         "completion_tokens": m.completion_tokens,
