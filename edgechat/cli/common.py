@@ -73,17 +73,38 @@ gpu_layers_option = click.option(
 )
 
 
-def gpu_layers_note(value) -> None:
+def _rpc(ctx, param, value):
+    from edgechat.engine.devices import parse_rpc
+    from edgechat.errors import UsageError
+
+    try:
+        return parse_rpc(value)
+    except UsageError:
+        raise click.BadParameter(f"use host:port[,host:port...], not '{value}'") from None
+
+
+rpc_option = click.option(
+    "--rpc",
+    default=None,
+    metavar="HOST:PORT,...",
+    callback=_rpc,
+    help="llama.cpp RPC servers (ggml-rpc-server) whose CPUs or GPUs take layers like local GPUs; needs a "
+    "llama.cpp built with -DGGML_RPC=ON (packaging/GPU.md).",
+)
+
+
+def gpu_layers_note(value, rpc: list[str] | None = None) -> None:
     """One line, never a failure, when --gpu-layers is given to a llama.cpp that cannot offload."""
     from edgechat.engine import devices
 
-    if value is not None and not devices.gpu_devices():
+    if value is not None and not rpc and not devices.gpu_devices():
         click.echo("edgechat: note: this llama.cpp is a CPU-only build, so --gpu-layers has no effect "
                    "(GPU builds: packaging/GPU.md)", err=True)
 
 
 def model_options(func):
-    """-m/--model, --ctx, --threads, --gpu-layers: how a command loads its model."""
+    """-m/--model, --ctx, --threads, --gpu-layers, --rpc: how a command loads its model."""
+    func = rpc_option(func)
     func = gpu_layers_option(func)
     func = click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: physical cores).")(func)
     func = click.option("--ctx", type=click.IntRange(min=64), default=None, help="Context size in tokens (default: largest that fits, capped).")(func)

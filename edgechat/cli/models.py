@@ -7,7 +7,7 @@ import platform
 
 import click
 
-from edgechat.cli.common import data_dir_option
+from edgechat.cli.common import data_dir_option, rpc_option
 from edgechat.config import get_paths
 from edgechat.engine import planner
 from edgechat.errors import EdgechatError, UsageError
@@ -67,11 +67,16 @@ def _catalog_table(paths) -> str:
 
 @click.command("models")
 @click.option("--catalog", "show_catalog", is_flag=True, help="Show the curated catalog: quants, sizes, licences, Hub repos.")
+@rpc_option
 @data_dir_option
-def models_cmd(show_catalog, data_dir):
+def models_cmd(show_catalog, rpc, data_dir):
     """List the models available offline: size, quant, architecture, and whether they fit.
     Catalog models not downloaded yet are listed too; `edgechat pull NAME` fetches one."""
     paths = get_paths(data_dir)
+    if rpc:
+        from edgechat.engine import devices
+
+        devices.add_rpc_servers(rpc)  # their devices take layers: the split below counts them
     if show_catalog:
         click.echo(_catalog_table(paths))
         return
@@ -95,8 +100,9 @@ def models_cmd(show_catalog, data_dir):
 @click.command("doctor")
 @click.option("--expect", "expect", default=None, metavar="BACKEND",
               help="Fail unless this llama.cpp has BACKEND (CUDA, Metal, Vulkan, OpenCL, RPC...): checks a GPU install.")
+@rpc_option
 @data_dir_option
-def doctor_cmd(expect, data_dir):
+def doctor_cmd(expect, rpc, data_dir):
     """Report this machine, the llama.cpp build, edgechat's paths and which models fit."""
     from edgechat import __version__
     from edgechat.android import on_android
@@ -105,6 +111,8 @@ def doctor_cmd(expect, data_dir):
 
     paths = get_paths(data_dir)
     features = llama.system_info()
+    if rpc:
+        devices.add_rpc_servers(rpc)
     click.echo(f"edgechat {__version__} on {platform.system()} {platform.release()} ({platform.machine()}), Python {platform.python_version()}")
     if on_android():
         for line in android_report():

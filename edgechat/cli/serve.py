@@ -50,6 +50,7 @@ def serve_cmd(
     ctx: int | None,
     threads: int | None,
     gpu_layers: str | int | None,
+    rpc: list[str],
     host: str,
     port: int,
     parallel: int,
@@ -76,7 +77,7 @@ def serve_cmd(
     from edgechat.models import DEFAULT_MODEL
     from edgechat.server import create_app
 
-    gpu_layers_note(gpu_layers)
+    gpu_layers_note(gpu_layers, rpc)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     log = logging.getLogger("edgechat.server")
     if not _is_loopback(host):
@@ -89,6 +90,7 @@ def serve_cmd(
                 n_ctx=ctx,
                 n_threads=threads,
                 n_gpu_layers=gpu_layers,
+                rpc_servers=rpc,
                 n_parallel=parallel,
                 kv_type=kv_type,
                 flash_attn=flash_attn,

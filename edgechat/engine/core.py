@@ -63,6 +63,8 @@ class EngineConfig:
     #: "auto" (as many layers as the GPUs' free memory holds), "all" or a count; None: the model's
     #: gpu_layers in config.toml, else "auto". No effect on a CPU-only build.
     n_gpu_layers: int | str | None = None
+    #: llama.cpp RPC servers ("host:port") whose devices take layers like local GPUs
+    rpc_servers: list[str] = field(default_factory=list)
     snapshot_budget: int = 4 << 30
     paths: Paths | None = None
     #: speculative decoding by default: "auto" (n-gram lookup, and the draft model if any,
@@ -112,6 +114,8 @@ class Engine:
         gpu_layers = cfg.n_gpu_layers
         if gpu_layers is None:
             gpu_layers = model_settings(self.paths, cfg.model, self.model_name).get("gpu_layers")
+        if cfg.rpc_servers:
+            devices.add_rpc_servers(cfg.rpc_servers)
         self.gpu = planner.gpu_split(info, plan, gpu_layers, devices.gpu_devices())
         self.backend = LlamaBackend(
             self.model_path,

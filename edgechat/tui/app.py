@@ -35,7 +35,7 @@ class EdgechatApp(App):
         api_key: str | None = None,
         client_factory: ClientFactory | None = None,
         store: Store | None = None,
-        gpu_layers: str | int | None = None,
+        engine_options: dict | None = None,
     ):
         super().__init__()
         self.paths = paths
@@ -44,7 +44,8 @@ class EdgechatApp(App):
         self.url = url
         self.model_ref = model or self.config.model or (None if url else DEFAULT_MODEL)
         self.client: ChatClient | None = None
-        self.gpu_layers = gpu_layers
+        #: EngineConfig fields from the command line for local models (--gpu-layers, --rpc)
+        self.engine_options = engine_options or {}
         self._client_factory = client_factory or self._default_factory(url, api_key)
         #: clients from a caller's factory belong to the caller (tests share one engine between apps)
         self._owns_clients = client_factory is None
@@ -65,7 +66,7 @@ class EdgechatApp(App):
                 return RemoteClient(url, api_key, ref)
             from edgechat.tui.client import LocalClient
 
-            return LocalClient(ref, self.paths, on_progress=self._load_progress(ref), gpu_layers=self.gpu_layers)
+            return LocalClient(ref, self.paths, on_progress=self._load_progress(ref), engine_options=self.engine_options)
 
         return make
 

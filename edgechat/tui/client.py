@@ -59,7 +59,7 @@ class LocalClient:
     """The in-process engine. Construction loads the model: call it from a worker thread."""
 
     def __init__(self, model: str | None, paths: Paths, n_ctx: int | None = None, kv_type: str = "f16",
-                 on_progress: Callable[[float], None] | None = None, gpu_layers: str | int | None = None):
+                 on_progress: Callable[[float], None] | None = None, engine_options: dict | None = None):
         # Imported here: loading llama.cpp's shared library is not needed to draw the first frame.
         from edgechat.engine import EngineConfig, open_engine
         from edgechat.models import DEFAULT_MODEL
@@ -67,7 +67,7 @@ class LocalClient:
         # One extra sequence keeps the previous conversation hot, so switching back is instant.
         self.engine = open_engine(
             EngineConfig(model=model or DEFAULT_MODEL, n_ctx=n_ctx, kv_type=kv_type, hot_sessions=1, paths=paths,
-                         on_load_progress=on_progress, n_gpu_layers=gpu_layers)
+                         on_load_progress=on_progress, **(engine_options or {}))
         )
         self.model_name = self.engine.model_name
         self.n_ctx = self.engine.n_ctx
