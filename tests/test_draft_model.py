@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
 from edgechat.errors import UsageError
 from edgechat.models import catalog
+from edgechat.server import ServerSettings, create_app
 from neartie import assert_same_or_near_tie
 from quantize.requantize import requantize
+from serving import serving
 from test_hub import CATALOG_NAME, edgechat, hub_cache, one_line_error  # noqa: F401 (hub_cache is a fixture)
 
 GREEDY = SamplingParams(temperature=0)
@@ -142,3 +145,17 @@ def test_run_takes_a_draft_model_and_reports_acceptance(q8, smollm2_path, gemma3
     assert out["drafted_tokens"] >= out["accepted_tokens"] > 0
     proc = edgechat("run", "-m", str(smollm2_path), "--draft-model", str(gemma3_path), "--ctx", "256", "hi")
     assert proc.returncode != 0 and one_line_error(proc).startswith("edgechat: error: draft model"), proc.stderr
+
+
+def test_serve_drafts_per_request_and_counts_it(drafted):
+    engine = drafted["smol"]
+    body = {"model": "m", "messages": [{"role": "user", "content": PROMPTS[0]}], "temperature": 0, "max_tokens": 40}
+    with serving(create_app(ServerSettings(model_id="m", degrade_queue_wait=None), engine)) as url:
+        plain = httpx.post(f"{url}/v1/chat/completions", json={**body, "speculative": "off"}, timeout=120).json()
+        fast = httpx.post(f"{url}/v1/chat/completions", json={**body, "speculative": "draft"}, timeout=120).json()
+        assert fast["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+        metrics = httpx.get(f"{url}/metrics").text
+        accepted = [line for line in metrics.splitlines() if line.startswith("edgechat_draft_accepted_tokens_total")]
+        assert accepted and float(accepted[0].split()[-1]) > 0, accepted
+        bad = httpx.post(f"{url}/v1/chat/completions", json={**body, "speculative": "fast"}, timeout=30)
+        assert bad.status_code == 400 and "draft" in bad.json()["error"]["message"]
