@@ -65,6 +65,12 @@ def test_draft_policy_drafts_when_it_pays_and_backs_off_when_it_misses():
     assert fair.length(costs, 4, 4, 8) == 0
     assert fair.length(costs, 1, 1, 1) == 1
     assert DraftPolicy(forced=True).length(cost, 1, 1, 5) == 5
+    # steps where the drafter has nothing to offer do not use up (and so postpone) the probes
+    idle = DraftPolicy()
+    idle.rate = 0.1
+    for _ in range(20):
+        assert idle.length(cost, 1, 1, 0) == 0
+    assert [idle.length(cost, 1, 1, 8) for _ in range(4)] == [0, 0, 0, DraftPolicy.PROBE]
 
 
 # ---------------------------------------------------------------- on the real models

@@ -146,8 +146,8 @@ class DraftPolicy:
             self.cooldown -= 1
             return 0
         limit = min(available, MAX_DRAFT)
-        if self.forced:
-            return limit
+        if self.forced or limit == 0:
+            return limit  # nothing offered is no reason to count towards a probe
         best_k, best_gain = 0, 1.0
         p = self.rate
         expected = 0.0
