@@ -41,6 +41,8 @@ DATA_FILE = "model.onnx.data"
 #: position, as onnxruntime-genai expects; edgechat's backend passes 1 to prefill, so a long
 #: prompt on a 262k vocabulary does not run the output layer (and allocate logits) per token
 LOGITS_TO_KEEP = "num_logits_to_keep"
+#: rows quantized at a time: bounds the float32 copies of a large embedding (262k rows for Gemma)
+ROW_CHUNK = 16384
 # Room left free on the disk beyond the estimate.
 DISK_MARGIN = 64 * 1024 * 1024
 
@@ -206,32 +208,38 @@ class _Graph:
         self.nodes.append(self.h.make_node(op_type, inputs, outs, name=self.name(op_type), domain=domain, **attrs))
         return outs
 
-    def linear(self, x: str, name: str, weight: np.ndarray) -> str:
-        """x @ weight.T for an HF [out, in] weight: MatMulNBits, or MatMul in float32."""
-        n, k = weight.shape
+    def quantize(self, name: str, rows: Callable[[int, int], np.ndarray], n: int, k: int) -> tuple[str, str, str]:
+        """Block-quantize an HF [n, k] weight along k, ROW_CHUNK rows at a time (blocks never
+        cross rows, so chunks give the same bytes as the whole): (weights, scales, zero points)."""
+        parts = [self.quantizer.qbits_block_quant(np.ascontiguousarray(rows(a, min(a + ROW_CHUNK, n)).T))
+                 for a in range(0, n, ROW_CHUNK)]
+        packed = np.concatenate([p[0] for p in parts])
+        return (self.init(f"{name}.weight_Q{self.bits}", packed),
+                self.init(f"{name}.weight_scales", np.concatenate([p[1] for p in parts])),
+                self.init(f"{name}.weight_zp", np.concatenate([p[2] for p in parts])))
+
+    def linear(self, x: str, name: str, weight: np.ndarray | None = None, quantized: tuple | None = None,
+               shape: tuple[int, int] | None = None) -> str:
+        """x @ weight.T for an HF [out, in] weight: MatMulNBits (of `quantized` when given, a tied
+        embedding), or MatMul in float32."""
+        n, k = weight.shape if weight is not None else shape
         if self.bits == 32:
             return self.op("MatMul", [x, self.init(f"{name}.weight", weight.T)])[0]
-        packed, scales, zeros = self.quantizer.qbits_block_quant(np.ascontiguousarray(weight.T, dtype=np.float32))
-        return self.op(
-            "MatMulNBits", [x, self.init(f"{name}.weight_Q{self.bits}", packed.reshape(n, -1, packed.shape[-1])),
-                            self.init(f"{name}.weight_scales", scales.reshape(n, -1)),
-                            self.init(f"{name}.weight_zp", zeros.reshape(n, -1))],
-            domain="com.microsoft", K=k, N=n, bits=self.bits, block_size=self.block_size,
-            accuracy_level=self.accuracy_level,
-        )[0]
+        if quantized is None:
+            quantized = self.quantize(name, lambda a, b: weight[a:b], n, k)
+        return self.op("MatMulNBits", [x, *quantized], domain="com.microsoft", K=k, N=n, bits=self.bits,
+                       block_size=self.block_size, accuracy_level=self.accuracy_level)[0]
 
-    def embedding(self, ids: str, weight: np.ndarray) -> str:
+    def embedding(self, ids: str, rows: Callable[[int, int], np.ndarray], n: int, k: int) -> tuple[str, tuple | None]:
+        """The embedding lookup, and its quantized weights (for a tied output layer to share)."""
         if self.bits == 32:
-            return self.op("Gather", [self.init("model.embed_tokens.weight", weight), ids])[0]
-        # the same block quantization as MatMulNBits, along the hidden axis
-        packed, scales, zeros = self.quantizer.qbits_block_quant(np.ascontiguousarray(weight.T, dtype=np.float32))
-        v = weight.shape[0]
-        return self.op(
-            "GatherBlockQuantized", [self.init(f"model.embed_tokens.weight_Q{self.bits}", packed.reshape(v, -1)),
-                                     ids, self.init("model.embed_tokens.weight_scales", scales.reshape(v, -1)),
-                                     self.init("model.embed_tokens.weight_zp", zeros.reshape(v, -1))],
-            domain="com.microsoft", bits=self.bits, block_size=self.block_size, gather_axis=0, quantize_axis=1,
-        )[0]
+            return self.op("Gather", [self.init("model.embed_tokens.weight", rows(0, n)), ids])[0], None
+        quantized = self.quantize("model.embed_tokens", rows, n, k)
+        # the same bytes as MatMulNBits' [n, blocks, block bytes], seen as [n, k * bits / 8]
+        data = self.op("Reshape", [quantized[0], self.const("/const/embed_shape", np.array([n, -1], np.int64))])[0]
+        out = self.op("GatherBlockQuantized", [data, ids, quantized[1], quantized[2]], domain="com.microsoft",
+                      bits=self.bits, block_size=self.block_size, gather_axis=0, quantize_axis=1)[0]
+        return out, quantized
 
 
 def _weights(checkpoint: Checkpoint):
@@ -241,7 +249,9 @@ def _weights(checkpoint: Checkpoint):
             if required:
                 raise QuantizeError(f"the checkpoint has no tensor {name}; is it complete?")
             return None
-        return ref.rows_f32(slice(None))
+        data = ref.rows_f32(slice(None))
+        ref.release(0, ref.shape[0] if ref.shape else 1)  # mapped pages count as ours until dropped
+        return data
 
     return get
 
@@ -268,12 +278,17 @@ def _build(family: Family, checkpoint: Checkpoint, g: _Graph, progress: Progress
     total_len = g.op("Cast", [total], to=onnx.TensorProto.INT32)[0]
 
     norm_w = lambda name: w(name) + np.float32(s.norm_add)  # noqa: E731
-    embed = w("model.embed_tokens.weight")[: family.n_vocab]
-    x = g.embedding("input_ids", embed)
+    embed = checkpoint.tensors.get("model.embed_tokens.weight")
+    if embed is None:
+        raise QuantizeError("the checkpoint has no tensor model.embed_tokens.weight; is it complete?")
+    def embed_rows(a: int, b: int) -> np.ndarray:
+        data = embed.rows_f32(slice(a, b))
+        embed.release(a, b)
+        return data
+
+    x, embed_q = g.embedding("input_ids", embed_rows, family.n_vocab, s.hidden)
     if s.embed_scale is not None:
         x = g.op("Mul", [x, g.const("/const/embed_scale", np.array(s.embed_scale, np.float32))])[0]
-    lm_head = embed if family.tied else w("lm_head.weight")[: family.n_vocab]
-    del embed
 
     caches: dict[float, tuple[str, str]] = {}
 
@@ -373,7 +388,10 @@ def _build(family: Family, checkpoint: Checkpoint, g: _Graph, progress: Progress
     start = g.op("Unsqueeze", [start, g.const("/const/axes0", np.array([0], np.int64))])[0]
     big = g.const("/const/end", np.array([1 << 62], np.int64))
     normed = g.op("Slice", [normed, start, big, ones])[0]
-    logits = g.linear(normed, "lm_head", lm_head)
+    if family.tied and embed_q is not None:
+        logits = g.linear(normed, "lm_head", quantized=embed_q, shape=(family.n_vocab, s.hidden))
+    else:  # read again rather than held through the layers: memory stays one tensor's
+        logits = g.linear(normed, "lm_head", w("model.embed_tokens.weight" if family.tied else "lm_head.weight")[: family.n_vocab])
     if s.final_softcap:
         cap = g.const("/const/softcap", np.array(s.final_softcap, np.float32))
         logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, cap])[0]])[0], cap])[0]

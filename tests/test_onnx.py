@@ -153,3 +153,26 @@ def test_export_refuses_bad_inputs(tmp_path, exported):
     with pytest.raises(QuantizeError, match="architecture GPT2LMHeadModel is not supported"):
         export(pickled, tmp_path / "out")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out-*"))
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_onnxruntime_genai_runs_the_folder_as_we_do(model, exported):
+    """The folder follows onnxruntime-genai's layout: its own runtime loads it and decodes the
+    same greedy tokens as our engine (it reports the end-of-text token, ours does not)."""
+    og = pytest.importorskip("onnxruntime_genai")  # a test extra; Linux, macOS and Windows wheels only
+    folder = exported(model, 4)
+    request = ChatRequest(messages=FRANCE, sampling=SamplingParams(temperature=0), max_tokens=24)
+    with open_engine(EngineConfig(model=str(folder), n_ctx=1024)) as engine:
+        prompt = engine.prompt_tokens(request)
+        done = engine.submit(request).result()
+        eos = engine.vocab.eos
+    genai = og.Model(str(folder))
+    params = og.GeneratorParams(genai)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + 24)
+    generator = og.Generator(genai, params)
+    generator.append_tokens(prompt)
+    theirs = []
+    while not generator.is_done() and len(theirs) < 24:
+        generator.generate_next_token()
+        theirs.append(int(generator.get_next_tokens()[0]))
+    assert done.token_ids + ([eos] if done.reason == "stop" else []) == theirs
