@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own llama-bench and llama-server from the llama.cpp sources vendored in the
-# pinned llama-cpp-python sdist, so reference numbers come from exactly the code our engine runs.
+# Build llama.cpp's own llama-bench, llama-server, llama-quantize and llama-imatrix from the llama.cpp
+# sources vendored in the pinned llama-cpp-python sdist, so reference numbers come from exactly the code our engine runs.
 # Usage: bench/build_llama_bench.sh        (prints the llama-bench path on its last line)
 # Env:   EDGECHAT_BENCH_CACHE  cache root (default ~/.cache/edgechat-bench)
 set -euo pipefail
@@ -14,7 +14,12 @@ fi
 
 prefix="${EDGECHAT_BENCH_CACHE:-$HOME/.cache/edgechat-bench}/llama.cpp-$ver"
 bin="$prefix/bin"
-if [[ -x "$bin/llama-bench" && -x "$bin/llama-server" ]]; then
+tools=(llama-bench llama-server llama-quantize llama-imatrix)
+missing=0
+for tool in "${tools[@]}"; do
+    [[ -x "$bin/$tool" ]] || missing=1
+done
+if [[ $missing == 0 ]]; then
     echo "$bin/llama-bench"
     exit 0
 fi
@@ -53,13 +58,17 @@ cmake -S "$src/vendor/llama.cpp" -B "$work/build" "${generator[@]}" \
     -DLLAMA_USE_PREBUILT_UI=OFF \
     -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
     '-DCMAKE_INSTALL_RPATH=$ORIGIN' >&2
-cmake --build "$work/build" --target llama-bench llama-server -j"$(nproc)" >&2
+cmake --build "$work/build" --target "${tools[@]}" -j"$(nproc)" >&2
 
 # Install into a temp dir and rename, so a half-copied bin/ never passes the check above.
 rm -rf "$prefix/bin.tmp"
 mkdir -p "$prefix/bin.tmp"
-cp -a "$work/build/bin/llama-bench" "$work/build/bin/llama-server" "$work/build/bin/"*.so* "$prefix/bin.tmp/"
+for tool in "${tools[@]}"; do
+    cp -a "$work/build/bin/$tool" "$prefix/bin.tmp/"
+done
+cp -a "$work/build/bin/"*.so* "$prefix/bin.tmp/"
 rm -rf "$bin"
 mv "$prefix/bin.tmp" "$bin"
-rm -rf "$work"
+# The build tree stays, so adding a tool later rebuilds only what changed.
+rm -rf "$work/sdist"
 echo "$bin/llama-bench"

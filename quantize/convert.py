@@ -23,13 +23,17 @@ from gguf import GGMLQuantizationType as T
 from quantize.architecture import Family, PlannedTensor, family_for
 from quantize.errors import QuantizeError
 from quantize.ggml import quantize_rows
+from quantize.imatrix import Imatrix, check_against
 from quantize.mixture import (
     FILE_TYPES,
     FileType,
+    Model,
+    Overrides,
     TensorShape,
     choose_types,
     file_type,
     is_quantized,
+    needs_imatrix,
 )
 from quantize.safetensors import Checkpoint
 from quantize.source import read_config, resolve_source
@@ -97,7 +101,8 @@ def _encode(x: np.ndarray, qtype: T) -> np.ndarray:
     raise AssertionError(qtype)
 
 
-def _chunks(p: PlannedTensor, qtype: T, intermediate: T, pool: ThreadPoolExecutor, depth: int):
+def _chunks(p: PlannedTensor, qtype: T, intermediate: T, pool: ThreadPoolExecutor, depth: int,
+            weights: np.ndarray | None = None):
     """The tensor's bytes in row order, with up to `depth` blocks being worked on at once."""
     if len(p.shape) == 1:
         yield _encode(p.rows(0, 1).reshape(-1), qtype)
@@ -107,7 +112,7 @@ def _chunks(p: PlannedTensor, qtype: T, intermediate: T, pool: ThreadPoolExecuto
     def job(start: int) -> np.ndarray:
         rows = p.rows(start, min(start + BLOCK_ROWS, n_rows))
         if is_quantized(qtype):
-            return quantize_rows(qtype, _round_through(rows, intermediate))
+            return quantize_rows(qtype, _round_through(rows, intermediate), weights)
         return _encode(rows, qtype)
 
     pending: deque = deque()
@@ -119,11 +124,26 @@ def _chunks(p: PlannedTensor, qtype: T, intermediate: T, pool: ThreadPoolExecuto
         yield pending.popleft().result()
 
 
-def plan_types(family: Family, planned: list[PlannedTensor], ftype: FileType, outtype: T) -> dict[str, T]:
-    shapes = [TensorShape(p.name, p.shape, _stored_type(p, outtype)) for p in planned]
-    if not is_quantized(ftype.default):
-        return {s.name: _stored_type(p, ftype.default) for s, p in zip(shapes, planned)}
-    return choose_types(shapes, ftype, family.n_layer, is_70b=family.is_70b)
+def plan_types(family: Family, planned: list[PlannedTensor], ftype: FileType, outtype: T, *,
+               has_imatrix: bool = False, overrides: Overrides = Overrides()) -> dict[str, T]:
+    stored = ftype.default if not is_quantized(ftype.default) else outtype
+    shapes = [TensorShape(p.name, p.shape, _stored_type(p, stored)) for p in planned]
+    model = Model(family.n_layer, n_gqa=family.n_head // family.n_head_kv, is_70b=family.is_70b)
+    return choose_types(shapes, ftype, model, has_imatrix=has_imatrix, overrides=overrides)
+
+
+def check_imatrix_needs(types: dict[str, T], ftype: FileType, imatrix: Imatrix | None, source: str | None) -> None:
+    """Refuse, before writing anything, a mixture whose very low-bit tensors would have no imatrix data."""
+    for name, qtype in types.items():
+        if not needs_imatrix(name, qtype, ftype):
+            continue
+        if imatrix is None:
+            raise QuantizeError(
+                f"{ftype.name} needs an importance matrix ({name} becomes {qtype.name}); pass --imatrix "
+                "with a calibration text or an imatrix file"
+            )
+        if name not in imatrix.entries:
+            raise QuantizeError(f"{source} has no data for {name}, which {ftype.name} makes {qtype.name}")
 
 
 def output_size(planned: list[PlannedTensor], types: dict[str, T]) -> int:
@@ -148,6 +168,9 @@ def convert(
     threads: int | None = None,
     force: bool = False,
     progress: Progress | None = None,
+    imatrix: Imatrix | None = None,
+    imatrix_source: str = "the imatrix",
+    overrides: Overrides = Overrides(),
 ) -> Result:
     """Convert the checkpoint `src` (folder or Hub repo id) to a GGUF of `type_name` at `out`."""
     folder, model_name = resolve_source(str(src))
@@ -169,7 +192,10 @@ def convert(
             ftype = file_type(type_name or "Q4_K_M")
         except KeyError:
             raise QuantizeError(f"unknown type {type_name}; choose from {', '.join(FILE_TYPES)}") from None
-        types = plan_types(family, planned, ftype, intermediate)
+        types = plan_types(family, planned, ftype, intermediate, has_imatrix=imatrix is not None, overrides=overrides)
+        if imatrix is not None:
+            check_against(imatrix, {p.name: p.shape for p in planned}, imatrix_source)
+        check_imatrix_needs(types, ftype, imatrix, imatrix_source)
         nbytes = output_size(planned, types)
 
         out_path = Path(out) if out else Path.cwd() / f"{model_name}-{ftype.name}.gguf"
@@ -192,6 +218,14 @@ def convert(
             w.add_file_type(int(ftype.ftype))
             if is_quantized(ftype.default):
                 w.add_quantization_version(2)
+            if imatrix is not None:
+                # the keys llama-quantize records, so tools that read them see where the weights came from
+                w.add_string("quantize.imatrix.file", imatrix_source)
+                if imatrix.datasets:
+                    w.add_string("quantize.imatrix.dataset", imatrix.datasets[0])
+                w.add_uint32("quantize.imatrix.entries_count", len(imatrix.entries))
+                if imatrix.chunk_count:
+                    w.add_uint32("quantize.imatrix.chunks_count", imatrix.chunk_count)
             vocab.write(w)
             for p in planned:
                 gguf_out.add_tensor_info(p.name, p.shape, types[p.name])
@@ -200,7 +234,8 @@ def convert(
                 for i, p in enumerate(planned):
                     if progress:
                         progress(p.name, i, len(planned))
-                    gguf_out.write_tensor(p.name, _chunks(p, types[p.name], intermediate, pool, 2 * threads))
+                    weights = imatrix.weights(p.name) if imatrix is not None and is_quantized(types[p.name]) else None
+                    gguf_out.write_tensor(p.name, _chunks(p, types[p.name], intermediate, pool, 2 * threads, weights))
             if progress:
                 progress("done", len(planned), len(planned))
             gguf_out.commit()

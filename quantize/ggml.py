@@ -56,16 +56,21 @@ def row_size(qtype: GGMLQuantizationType, n_per_row: int) -> int:
     return n_per_row // block * size
 
 
-def quantize_rows(qtype: GGMLQuantizationType, rows: np.ndarray) -> np.ndarray:
-    """Quantize a float32 matrix (rows x n_per_row) to `qtype`; returns the raw blocks as uint8."""
+def quantize_rows(qtype: GGMLQuantizationType, rows: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """Quantize a float32 matrix (rows x n_per_row) to `qtype`, weighting each column's error by
+    `imatrix` (float32, n_per_row) when given; returns the raw blocks as uint8."""
     if rows.dtype != np.float32 or not rows.flags.c_contiguous:
         rows = np.ascontiguousarray(rows, dtype=np.float32)
     nrows, n_per_row = rows.shape
     lib = _lib()
-    if lib.ggml_quantize_requires_imatrix(int(qtype)):
-        raise QuantizeError(f"{qtype.name} needs an importance matrix, which edgechat does not compute")
+    if imatrix is None and lib.ggml_quantize_requires_imatrix(int(qtype)):
+        # ggml aborts the process in this case; callers check first, this keeps it a Python error
+        raise QuantizeError(f"{qtype.name} needs an importance matrix (--imatrix)")
+    if imatrix is not None and (imatrix.dtype != np.float32 or imatrix.shape != (n_per_row,)):
+        raise ValueError(f"imatrix of shape {imatrix.shape} for rows of {n_per_row}")
     out = np.empty(nrows * row_size(qtype, n_per_row), dtype=np.uint8)
-    written = lib.ggml_quantize_chunk(int(qtype), rows.ctypes.data, out.ctypes.data, 0, nrows, n_per_row, None)
+    weights = None if imatrix is None else imatrix.ctypes.data
+    written = lib.ggml_quantize_chunk(int(qtype), rows.ctypes.data, out.ctypes.data, 0, nrows, n_per_row, weights)
     if written != out.nbytes or not lib.ggml_validate_row_data(int(qtype), out.ctypes.data, out.nbytes):
         raise RuntimeError(f"ggml_quantize_chunk produced invalid {qtype.name} data")
     return out

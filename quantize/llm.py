@@ -45,7 +45,7 @@ class Model:
     """A GGUF loaded for evaluation: `tokenize` and `logits` for one sequence."""
 
     def __init__(self, path: str | os.PathLike, n_ctx: int = 512, n_batch: int = 64, threads: int | None = None,
-                 vocab_only: bool = False):
+                 vocab_only: bool = False, eval_callback=None):
         lc = _llama()
         self._lc = lc
         self.path = Path(path)
@@ -64,6 +64,8 @@ class Model:
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch
         cparams.n_threads = cparams.n_threads_batch = threads or os.cpu_count() or 1
+        if eval_callback is not None:  # a ggml_backend_sched_eval_callback, kept alive by the caller
+            cparams.cb_eval = eval_callback
         self.ctx = lc.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             lc.llama_model_free(self.model)
@@ -111,6 +113,13 @@ class Model:
 
     def logits(self, tokens: list[int]):
         """Yield (start, logits) for consecutive batches: logits[i] predicts tokens[start + i + 1]."""
+        for start, n in self.decode(tokens):
+            ptr = self._lc.llama_get_logits(self.ctx)
+            yield start, np.ctypeslib.as_array(ptr, shape=(n, self.n_vocab)).copy()
+
+    def decode(self, tokens: list[int]):
+        """Evaluate `tokens` as one fresh sequence, batch by batch, every position with logits;
+        yield (start, n) after each batch while its logits are readable."""
         lc = self._lc
         if len(tokens) > self.n_ctx:
             raise ValueError(f"{len(tokens)} tokens do not fit a context of {self.n_ctx}")
@@ -128,7 +137,6 @@ class Model:
                     batch.logits[i] = 1
                 if lc.llama_decode(self.ctx, batch) != 0:
                     raise QuantizeError(f"llama.cpp failed to evaluate {self.path.name}")
-                ptr = lc.llama_get_logits(self.ctx)
-                yield start, np.ctypeslib.as_array(ptr, shape=(len(chunk), self.n_vocab)).copy()
+                yield start, len(chunk)
         finally:
             lc.llama_batch_free(batch)

@@ -173,23 +173,39 @@ def test_q4_k_m_is_byte_identical_to_llama_cpp(model, converted, tmp_path):
         assert np.array_equal(data, theirs[name][1]), name
 
 
-def test_type_mixtures_match_llama_cpp(converted, tmp_path):
-    """The other file types choose each tensor's type as llama.cpp does (types only; the kernels are shared)."""
-    import llama_cpp
+@pytest.mark.parametrize("model", MODELS)
+def test_type_mixtures_match_llama_cpp(model, converted):
+    """Every file type chooses each tensor's type as llama.cpp does, with and without an importance
+    matrix (it changes some choices) and with the user's overrides (types only; the kernels are shared)."""
+    from gguf import GGMLQuantizationType as T
 
-    folder = hf_checkpoint("smollm2-135m-instruct")
+    from quantize.mixture import Overrides
+    from tests.llama_quant import llama_types
+
+    folder = hf_checkpoint(model)
     family = family_for(folder, read_config(folder))
-    f16 = str(converted("smollm2-135m-instruct", "F16")).encode()
+    f16 = converted(model, "F16")
     with Checkpoint(folder) as checkpoint:
         planned = _order(family.plan(checkpoint))
-        for name in ("Q4_K_S", "Q5_K_M", "Q4_0"):
-            out = tmp_path / f"{name}.gguf"
-            params = llama_cpp.llama_model_quantize_default_params()
-            params.ftype = int(FILE_TYPES[name].ftype)
-            assert llama_cpp.llama_model_quantize(f16, str(out).encode(), ctypes.byref(params)) == 0
-            expected = {n: t for n, (t, _) in _tensors(out).items()}
-            assert plan_types(family, planned, FILE_TYPES[name], FILE_TYPES["F16"].default) == expected, name
-            out.unlink()
+    weights = {p.name: np.ones(p.shape[-1], np.float32) for p in planned if p.name.startswith("blk.") and len(p.shape) == 2}
+    needs_imatrix = {"IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S", "Q2_K_S"}
+    for name, ft in FILE_TYPES.items():
+        for has_imatrix in (False, True):
+            if name in needs_imatrix and not has_imatrix:
+                continue
+            expected = llama_types(f16, name, weights=weights if has_imatrix else None)
+            got = plan_types(family, planned, ft, FILE_TYPES["F16"].default, has_imatrix=has_imatrix)
+            assert got == expected, (name, has_imatrix)
+    overrides = [(r"ffn_down", T.Q8_0), (r"blk\.1\.attn_.*", T.Q4_0), (r"ATTN_V", T.Q5_K)]
+    cases = [
+        (Overrides(tuple(overrides)), dict(tensor_types=[(p.lower(), t) for p, t in overrides])),
+        (Overrides(output=T.F16), dict(output=T.F16)),  # --keep-output: the (tied) output stays F16
+        (Overrides(token_embedding=T.Q4_0, output=T.Q8_0), dict(token_embedding=T.Q4_0, output=T.Q8_0)),
+    ]
+    for ours, theirs in cases:
+        for name in ("Q4_K_M", "Q3_K_M", "IQ4_XS"):
+            expected = llama_types(f16, name, **theirs)
+            assert plan_types(family, planned, FILE_TYPES[name], FILE_TYPES["F16"].default, overrides=ours) == expected
 
 
 def test_target_size_picks_the_best_type_that_fits():

@@ -33,7 +33,17 @@ def parse_size(text: str) -> int:
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="--format onnx: MatMulNBits compute type (4: int8 activations, fastest on CPUs; 0: as the input).")
 @click.option("--type", "type_name", default=None, metavar="TYPE",
-              help="Q4_K_M (default), Q4_K_S, Q5_K_M, Q6_K, Q8_0, Q4_0, F16 or BF16.")
+              help="Q4_K_M (default); Q2_K, Q3_K_S/M/L, Q4_K_S, Q5_K_S/M, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+                   "IQ4_NL, IQ4_XS, IQ3_S/M, IQ3_XS/XXS, F16, BF16; IQ2_*, IQ1_*, IQ3_XXS and Q2_K_S need --imatrix.")
+@click.option("--imatrix", "imatrix_from", default=None, metavar="FILE", is_flag=False, flag_value="",
+              help="Weigh quantization by an importance matrix: an imatrix GGUF (llama-imatrix's format), or a "
+                   "calibration text to compute one from (alone: the built-in English/Chinese/code text).")
+@click.option("--save-imatrix", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Also write the computed importance matrix (GGUF, readable by llama-quantize).")
+@click.option("--tensor-type", "tensor_types", multiple=True, metavar="PATTERN=TYPE",
+              help="Give tensors whose GGUF name matches the regex PATTERN this ggml type (repeatable).")
+@click.option("--keep-output", is_flag=True, help="Leave the output layer (or a tied embedding) unquantized.")
+@click.option("--token-embedding-type", default=None, metavar="TYPE", help="ggml type of the token embedding.")
 @click.option("--outtype", type=click.Choice(["f16", "bf16", "f32"], case_sensitive=False), default="f16",
               show_default=True, help="Float type of unquantized tensors, and the one quantization starts from.")
 @click.option("--target-size", default=None, metavar="SIZE", help="Pick the best type whose file fits SIZE (e.g. 300MB).")
@@ -72,7 +82,13 @@ def quantize_cmd(src, output, fmt, bits, block_size, accuracy_level, type_name, 
         if Path(src).suffix == ".gguf" and Path(src).is_file():
             _requantize(Path(src), output, type_name or "Q4_K_M", threads, force, allow_requantize)
             return
-        _convert(src, output, type_name, outtype, target_size, threads, force, no_report)
+        from quantize.options import ImatrixSource, overrides_from
+
+        overrides = overrides_from(tensor_types, keep_output, token_embedding_type, outtype)
+        imatrix = ImatrixSource(imatrix_from, save_imatrix) if imatrix_from is not None else None
+        if save_imatrix and imatrix is None:
+            raise UsageError("--save-imatrix needs --imatrix (a calibration text, or alone for the built-in one)")
+        _convert(src, output, type_name, outtype, target_size, threads, force, no_report, imatrix, overrides)
     except QuantizeError as exc:
         raise EdgechatError(str(exc)) from None
 
@@ -92,21 +108,31 @@ def _progress(label: str):
     return update
 
 
-def _convert(src, output, type_name, outtype, target_size, threads, force, no_report) -> None:
+def _convert(src, output, type_name, outtype, target_size, threads, force, no_report, imatrix, overrides) -> None:
     from quantize import convert
     from quantize.mixture import file_type, is_quantized
 
     limit = parse_size(target_size) if target_size else None
-    result = convert(src, output, type_name=type_name or ("Q4_K_M" if limit is None else None), outtype=outtype,
-                     target_size=limit, threads=threads, force=force, progress=_progress("converting"))
-    click.echo(f"wrote {result.path} ({result.arch} {result.file_type}, {result.nbytes / 1e6:.1f} MB, {result.n_tensors} tensors)")
-    if no_report or not is_quantized(file_type(result.file_type).default):
-        return
-    # The report compares with the F16 conversion, made next to the output and removed after.
-    with tempfile.TemporaryDirectory(prefix=".edgechat-report-", dir=result.path.parent) as tmp:
-        ref = convert(src, Path(tmp) / "reference-F16.gguf", type_name="F16", outtype=outtype, threads=threads,
-                      progress=_progress("reference F16"))
-        _print_report(result.path, ref.path, result.file_type, threads)
+    # The F16 conversion serves the importance matrix and the report; made next to the output, removed after.
+    out_dir = Path(output).resolve().parent if output else Path.cwd()
+    with tempfile.TemporaryDirectory(prefix=".edgechat-quantize-", dir=out_dir) as tmp:
+        reference = None
+
+        def f16() -> Path:
+            nonlocal reference
+            if reference is None:
+                reference = convert(src, Path(tmp) / "reference-F16.gguf", type_name="F16", outtype=outtype,
+                                    threads=threads, progress=_progress("reference F16")).path
+            return reference
+
+        matrix = imatrix.load(f16, threads) if imatrix is not None else None
+        result = convert(src, output, type_name=type_name or ("Q4_K_M" if limit is None else None), outtype=outtype,
+                         target_size=limit, threads=threads, force=force, progress=_progress("converting"),
+                         imatrix=matrix, imatrix_source=imatrix.name if imatrix else "", overrides=overrides)
+        click.echo(f"wrote {result.path} ({result.arch} {result.file_type}, {result.nbytes / 1e6:.1f} MB, {result.n_tensors} tensors)")
+        if no_report or not is_quantized(file_type(result.file_type).default):
+            return
+        _print_report(result.path, f16(), result.file_type, threads)
 
 
 def _print_report(quant, reference, type_name, threads) -> None:
