@@ -55,8 +55,9 @@ def parse_size(text: str) -> int:
               help="Only report the quality of QUANT.gguf against --reference.")
 @click.option("--reference", type=click.Path(dir_okay=False), default=None, metavar="F16.gguf",
               help="The F16 GGUF that --report compares with.")
-def quantize_cmd(src, output, fmt, bits, block_size, accuracy_level, type_name, outtype, target_size, threads, force,
-                 no_report, allow_requantize, report_of, reference) -> None:
+def quantize_cmd(src, output, fmt, bits, block_size, accuracy_level, type_name, imatrix_from, save_imatrix, tensor_types,
+                 keep_output, token_embedding_type, outtype, target_size, threads, force, no_report, allow_requantize,
+                 report_of, reference) -> None:
     """Convert a Hugging Face model (folder or repo id) to GGUF, without PyTorch.
 
     Uses llama.cpp's own quantization kernels and type mixtures, so a Q4_K_M made here is the
