@@ -270,7 +270,7 @@ class LlamaBackend:
         and the n most likely tokens there with theirs, most likely first."""
         logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, index), (self.n_vocab,))
         top = logits.max()
-        log_z = float(top + np.log(np.exp(logits - top, dtype=np.float64).sum()))
+        log_z = float(top + np.log(np.exp(logits - top).sum(dtype=np.float64)))
         best = np.argpartition(logits, -n)[-n:] if n else []
         alts = sorted(((int(t), float(logits[t]) - log_z) for t in best), key=lambda x: -x[1])
         return float(logits[token]) - log_z, alts

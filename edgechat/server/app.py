@@ -249,21 +249,26 @@ class _Server:
         """Every choice's Finished event, or None if the client disconnected first (their
         sequences are cancelled)."""
         disconnect = asyncio.ensure_future(_disconnected(request))
-        all_done = asyncio.gather(*(g.finished for g in gens))
+        # asyncio.wait, not gather: cancelling a gather would cancel the futures the bridge
+        # still has to complete (and count) when each Finished arrives
+        pending: set = {g.finished for g in gens}
         try:
-            done, _ = await asyncio.wait({all_done, disconnect}, timeout=gens[0].remaining(), return_when=asyncio.FIRST_COMPLETED)
+            while pending:
+                done, pending = await asyncio.wait(pending | {disconnect}, timeout=gens[0].remaining(), return_when=asyncio.FIRST_COMPLETED)
+                if disconnect in done:
+                    _cancel(gens)
+                    return None
+                pending.discard(disconnect)
+                if not done:
+                    break
         except asyncio.CancelledError:
             # the server is shutting down under us: free the sequences
             _cancel(gens)
             raise
         finally:
             disconnect.cancel()
-        if all_done.done():
-            return [_check_failed(f) for f in all_done.result()]
-        all_done.cancel()
-        if disconnect in done:
-            _cancel(gens)
-            return None
+        if not pending:
+            return [_check_failed(g.finished.result()) for g in gens]
         for gen in gens:
             gen.time_out()
         raise ApiError(
