@@ -102,6 +102,7 @@ def test_completion_defaults_to_sixteen_tokens_like_openai():
         ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
         ({"messages": USER, "tools": [{"type": "function"}]}, "tools[0].function"),
         ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"messages": USER, "response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
     ],
 )
 def test_bad_chat_bodies_name_the_field(body, param):

@@ -343,12 +343,16 @@ def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages) -> P
                 code="unsupported_parameter",
             )
         grammar = tool_grammar(tools)
+    ignore_eos = _opt_bool(body, "ignore_eos")
+    if ignore_eos and grammar is not None:
+        # a finished grammar allows only the end of text: ignoring it would repeat that to max_tokens
+        raise bad_request("'ignore_eos' cannot be combined with response_format or tools", param="ignore_eos", code="invalid_value")
     request = ChatRequest(
         messages=render_messages(_messages(body, max_messages), tools),
         sampling=_sampling(body),
         max_tokens=_max_tokens(body, None),
         stop=_stop(body),
-        ignore_eos=_opt_bool(body, "ignore_eos"),
+        ignore_eos=ignore_eos,
         speculative=_speculative(body),
         grammar=grammar,
         logprobs=_chat_logprobs(body),
