@@ -304,3 +304,24 @@ def test_the_second_choice_takes_the_prompt_from_the_first(engine):
     assert b.metrics.cached_tokens == b.metrics.prompt_tokens - 1 > 100
     assert a.metrics.prompt_tokens == b.metrics.prompt_tokens
     assert engine.kv_problems() == []
+
+
+# ---------------------------------------------------------------- a second client library
+
+
+def test_langchain_tool_round_trip_and_structured_output(base_url):
+    """langchain-openai, as agent frameworks build on it: a bound tool, the result back in."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=f"{base_url}/v1", api_key=KEY, model=MODEL, temperature=0, max_tokens=60, max_retries=0)
+    messages = [HumanMessage("What is the weather in Paris?")]
+    ai = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke(messages)
+    [call] = ai.tool_calls
+    assert call["name"] == "get_weather" and set(call["args"]) == {"city", "unit"} and "<tool_call>" not in ai.content
+    messages += [ai, ToolMessage(content="21 C and sunny", tool_call_id=call["id"])]
+    answer = llm.invoke(messages)
+    assert answer.content and not answer.tool_calls
+
+    person = llm.with_structured_output(Person, method="json_schema").invoke("Describe a programmer.", max_tokens=150)
+    assert isinstance(person, Person)
