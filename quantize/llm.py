@@ -50,6 +50,7 @@ class Model:
         self._lc = lc
         self.path = Path(path)
         self.ctx = None
+        self._batch = None
         mparams = lc.llama_model_default_params()
         mparams.vocab_only = vocab_only
         self.model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
@@ -74,6 +75,9 @@ class Model:
         self.n_batch = n_batch
 
     def close(self) -> None:
+        if self._batch is not None:
+            self._lc.llama_batch_free(self._batch)
+            self._batch = None
         if self.ctx:
             self._lc.llama_free(self.ctx)
             self.ctx = None
@@ -120,23 +124,38 @@ class Model:
     def decode(self, tokens: list[int]):
         """Evaluate `tokens` as one fresh sequence, batch by batch, every position with logits;
         yield (start, n) after each batch while its logits are readable."""
-        lc = self._lc
         if len(tokens) > self.n_ctx:
             raise ValueError(f"{len(tokens)} tokens do not fit a context of {self.n_ctx}")
-        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
-        batch = lc.llama_batch_init(self.n_batch, 0, 1)
-        try:
-            for start in range(0, len(tokens), self.n_batch):
-                chunk = tokens[start : start + self.n_batch]
-                batch.n_tokens = len(chunk)
-                for i, tok in enumerate(chunk):
-                    batch.token[i] = tok
-                    batch.pos[i] = start + i
-                    batch.n_seq_id[i] = 1
-                    batch.seq_id[i][0] = 0
-                    batch.logits[i] = 1
-                if lc.llama_decode(self.ctx, batch) != 0:
-                    raise QuantizeError(f"llama.cpp failed to evaluate {self.path.name}")
-                yield start, len(chunk)
-        finally:
-            lc.llama_batch_free(batch)
+        self.reset()
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            self._decode(chunk, start, all_logits=True)
+            yield start, len(chunk)
+
+    def reset(self) -> None:
+        self._lc.llama_memory_clear(self._lc.llama_get_memory(self.ctx), True)
+
+    def feed(self, tokens: list[int], pos: int) -> np.ndarray:
+        """Append `tokens` at positions pos.. of the sequence; the logits after the last one."""
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            self._decode(chunk, pos + start, all_logits=False)
+        ptr = self._lc.llama_get_logits_ith(self.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def _decode(self, chunk: list[int], pos: int, all_logits: bool) -> None:
+        lc = self._lc
+        if pos + len(chunk) > self.n_ctx:
+            raise QuantizeError(f"{pos + len(chunk)} tokens do not fit a context of {self.n_ctx}")
+        if self._batch is None:
+            self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
+        batch = self._batch
+        batch.n_tokens = len(chunk)
+        for i, tok in enumerate(chunk):
+            batch.token[i] = tok
+            batch.pos[i] = pos + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = all_logits or i == len(chunk) - 1
+        if lc.llama_decode(self.ctx, batch) != 0:
+            raise QuantizeError(f"llama.cpp failed to evaluate {self.path.name}")

@@ -55,9 +55,16 @@ def parse_size(text: str) -> int:
               help="Only report the quality of QUANT.gguf against --reference.")
 @click.option("--reference", type=click.Path(dir_okay=False), default=None, metavar="F16.gguf",
               help="The F16 GGUF that --report compares with.")
+@click.option("--compare", "compare_pair", nargs=2, type=click.Path(dir_okay=False), default=None,
+              metavar="A.gguf B.gguf", help="Only answer --prompts with both models greedily and compare them.")
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="--compare: the prompts, one per line.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="--compare: answer length limit.")
+@click.option("--json", "as_json", is_flag=True, help="--compare: print JSON for scripts.")
 def quantize_cmd(src, output, fmt, bits, block_size, accuracy_level, type_name, imatrix_from, save_imatrix, tensor_types,
                  keep_output, token_embedding_type, outtype, target_size, threads, force, no_report, allow_requantize,
-                 report_of, reference) -> None:
+                 report_of, reference, compare_pair, prompts_file, max_tokens, as_json) -> None:
     """Convert a Hugging Face model (folder or repo id) to GGUF, without PyTorch.
 
     Uses llama.cpp's own quantization kernels and type mixtures, so a Q4_K_M made here is the
@@ -66,6 +73,11 @@ def quantize_cmd(src, output, fmt, bits, block_size, accuracy_level, type_name, 
     from quantize import QuantizeError
 
     try:
+        if compare_pair:
+            if prompts_file is None:
+                raise UsageError("--compare needs --prompts FILE (one prompt per line)")
+            _print_comparison(*compare_pair, prompts_file, max_tokens, as_json, threads)
+            return
         if report_of is not None:
             if reference is None:
                 raise UsageError("--report needs --reference F16.gguf to compare with")
@@ -144,6 +156,32 @@ def _print_report(quant, reference, type_name, threads) -> None:
     warning = quality.warning(type_name)
     if warning:
         click.echo(f"edgechat: warning: {warning}", err=True)
+
+
+def _print_comparison(a, b, prompts_file, max_tokens, as_json, threads) -> None:
+    import json
+    import shutil
+    import textwrap
+
+    from quantize import compare
+
+    results = compare.compare_prompts(a, b, compare.read_prompts(prompts_file), max_tokens=max_tokens, threads=threads)
+    if as_json:
+        click.echo(json.dumps(compare.as_json(a, b, results), ensure_ascii=False, indent=2))
+        return
+    width = max(20, (shutil.get_terminal_size().columns - 3) // 2)
+    for i, r in enumerate(results, 1):
+        click.echo(f"[{i}] {r.prompt}")
+        left, right = ([w for line in text.splitlines() or [""] for w in textwrap.wrap(line, width) or [""]]
+                       for text in (r.answer_a, r.answer_b))
+        click.echo(f"{'A: ' + Path(a).name:<{width}} | B: {Path(b).name}")
+        for k in range(max(len(left), len(right))):
+            click.echo(f"{(left[k] if k < len(left) else ''):<{width}} | {right[k] if k < len(right) else ''}")
+        where = "identical answers" if r.diverges_at is None else f"first differs at answer token {r.diverges_at}"
+        click.echo(f"{where}; KLD {r.mean_kld:.4f}, top-1 {100 * r.top1_agreement:.1f}% over {r.n_tokens} tokens\n")
+    total = compare.summary(results)
+    click.echo(f"{'prompts':<20}{total['prompts']}\n{'identical answers':<20}{total['identical_answers']}\n"
+               f"{'mean KLD':<20}{total['mean_kld']:.5f}\n{'top-1 agreement':<20}{100 * total['top1_agreement']:.1f}%")
 
 
 def _requantize(src: Path, output, type_name, threads, force, allow) -> None:

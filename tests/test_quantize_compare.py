@@ -1,0 +1,48 @@
+"""`edgechat quantize --compare` on real files: one model against itself, and against a coarse quantization."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from quantize import convert
+from tests.hf_fixtures import hf_checkpoint
+
+pytestmark = pytest.mark.slow
+
+
+def _compare(a, b, prompts, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgechat", "quantize", "--compare", str(a), str(b),
+                           "--prompts", str(prompts), "--max-tokens", "12", "--threads", "2", *extra],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_compare_identical_and_different_models(tmp_path):
+    folder = hf_checkpoint("smollm2-135m-instruct")
+    f16 = convert(folder, tmp_path / "f16.gguf", type_name="F16").path
+    coarse = convert(folder, tmp_path / "q2.gguf", type_name="Q2_K").path
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is the capital of France?\n\nWrite a Python function that adds two numbers.\n")
+
+    same = _compare(f16, f16, prompts, "--json")
+    assert same.returncode == 0, same.stderr
+    report = json.loads(same.stdout)
+    assert [r["diverges_at"] for r in report["prompts"]] == [None, None]
+    assert all(r["answer_a"] == r["answer_b"] and r["answer_a"] for r in report["prompts"])
+    assert report["summary"]["mean_kld"] < 1e-6 and report["summary"]["top1_agreement"] == 1.0
+
+    different = _compare(f16, coarse, prompts)
+    assert different.returncode == 0, different.stderr
+    assert "first differs at answer token" in different.stdout
+    assert "A: f16.gguf" in different.stdout and "B: q2.gguf" in different.stdout
+    kld = float(different.stdout.split("mean KLD")[1].split()[0])
+    assert kld > 0.05
+
+
+def test_compare_needs_prompts(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "edgechat", "quantize", "--compare", "a.gguf", "b.gguf"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and result.stderr.strip() == "edgechat: error: --compare needs --prompts FILE (one prompt per line)"
