@@ -7,7 +7,7 @@ import sys
 import click
 
 from edgechat import __version__
-from edgechat.cli.common import data_dir_option, gpu_layers_note, gpu_layers_option, rpc_option, run_guarded
+from edgechat.cli.common import data_dir_option, draft_model_option, gpu_layers_note, gpu_layers_option, rpc_option, run_guarded
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -17,9 +17,10 @@ from edgechat.cli.common import data_dir_option, gpu_layers_note, gpu_layers_opt
 @click.option("--api-key", default=None, envvar="EDGECHAT_API_KEY", help="API key for --url.")
 @gpu_layers_option
 @rpc_option
+@draft_model_option
 @data_dir_option
 @click.pass_context
-def cli(ctx: click.Context, model: str | None, url: str | None, api_key: str | None, gpu_layers, rpc, data_dir: str | None) -> None:
+def cli(ctx: click.Context, model: str | None, url: str | None, api_key: str | None, gpu_layers, rpc, draft_model, data_dir: str | None) -> None:
     """Offline LLM chat on your own machine. With no command, opens the chat app."""
     if ctx.invoked_subcommand is not None:
         return
@@ -28,7 +29,7 @@ def cli(ctx: click.Context, model: str | None, url: str | None, api_key: str | N
     if url is None:
         gpu_layers_note(gpu_layers, rpc)
     open_app(model=model, url=url, api_key=api_key, data_dir=data_dir,
-             engine_options={"n_gpu_layers": gpu_layers, "rpc_servers": rpc})
+             engine_options={"n_gpu_layers": gpu_layers, "rpc_servers": rpc, "draft_model": draft_model})
 
 
 def _register() -> None:

@@ -32,15 +32,18 @@ swa_cache_option = click.option(
 )
 
 
+draft_model_option = click.option(
+    "--draft-model",
+    default=None,
+    metavar="MODEL",
+    help="A smaller model of the same family (same tokenizer) that guesses tokens for the model to check, "
+    "e.g. a Q4 of the same model drafting for its Q8_0 or F16 (default: the catalog entry's draft, if any).",
+)
+
+
 def speculative_option(command):
     """--speculative and --draft-model: the two go together."""
-    command = click.option(
-        "--draft-model",
-        default=None,
-        metavar="MODEL",
-        help="A smaller model of the same family (same tokenizer) that guesses tokens for the model to check, "
-        "e.g. a Q4 of the same model drafting for its Q8_0 or F16 (default: the catalog entry's draft, if any).",
-    )(command)
+    command = draft_model_option(command)
     return click.option(
         "--speculative",
         type=click.Choice(["auto", "off", "lookup", "draft"]),

@@ -44,7 +44,7 @@ class EdgechatApp(App):
         self.url = url
         self.model_ref = model or self.config.model or (None if url else DEFAULT_MODEL)
         self.client: ChatClient | None = None
-        #: EngineConfig fields from the command line for local models (--gpu-layers, --rpc)
+        #: EngineConfig fields from the command line for local models (--gpu-layers, --rpc, --draft-model)
         self.engine_options = engine_options or {}
         self._client_factory = client_factory or self._default_factory(url, api_key)
         #: clients from a caller's factory belong to the caller (tests share one engine between apps)
@@ -66,7 +66,11 @@ class EdgechatApp(App):
                 return RemoteClient(url, api_key, ref)
             from edgechat.tui.client import LocalClient
 
-            return LocalClient(ref, self.paths, on_progress=self._load_progress(ref), engine_options=self.engine_options)
+            options = dict(self.engine_options)
+            if ref != self.model_ref:
+                # --draft-model drafts for the model it was given with; others use their catalog's
+                options.pop("draft_model", None)
+            return LocalClient(ref, self.paths, on_progress=self._load_progress(ref), engine_options=options)
 
         return make
 
