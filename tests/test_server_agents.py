@@ -336,3 +336,18 @@ def test_langchain_tool_round_trip_and_structured_output(base_url):
 
     person = llm.with_structured_output(Person, method="json_schema").invoke("Describe a programmer.", max_tokens=150)
     assert isinstance(person, Person)
+
+
+def test_a_queued_stream_gets_keepalive_comments(engine):
+    app = create_app(ServerSettings(api_key=KEY, model_id=MODEL, degrade_queue_wait=None, keepalive_s=0.1), engine)
+    with serving(app) as url:
+        # both sequences busy for a while: the streamed request waits in the queue
+        busy = [engine.submit(ChatRequest(messages=ASK, max_tokens=40, ignore_eos=True, speculative="off")) for _ in range(2)]
+        body = {"model": MODEL, "messages": ASK, "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as r:
+            lines = [line for line in r.iter_lines() if line]
+        for handle in busy:
+            handle.result(120)
+    first_content = next(i for i, line in enumerate(lines) if '"content": "' in line and '"content": ""' not in line)
+    assert any(line.startswith(":") for line in lines[:first_content])
+    assert lines[-1] == "data: [DONE]"

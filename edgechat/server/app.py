@@ -38,6 +38,8 @@ from edgechat.server.settings import ServerSettings
 from edgechat.server.tools import ToolCallParser
 
 log = logging.getLogger("edgechat.server")
+#: an SSE comment: clients ignore it, connections with idle timeouts stay open
+KEEPALIVE = ": keep-alive\n\n"
 
 
 class _Served:
@@ -286,9 +288,13 @@ class _Server:
                 for i in range(len(gens)):
                     yield sse(responses.chunk(kind, ids, None, None, role=True, index=i))
             while not all(c.finished for c in choices):
+                remaining = gens[0].remaining()
                 try:
-                    event = await asyncio.wait_for(events.get(), gens[0].remaining())
+                    event = await asyncio.wait_for(events.get(), min(remaining, self.settings.keepalive_s))
                 except asyncio.TimeoutError:
+                    if remaining > self.settings.keepalive_s:
+                        yield KEEPALIVE
+                        continue
                     for gen in gens:
                         gen.time_out()
                     yield sse(ApiError(504, "the request timed out and was cancelled", type="timeout", code="timeout").body())

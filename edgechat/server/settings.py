@@ -27,3 +27,6 @@ class ServerSettings:
     max_messages: int = 2048
     #: Retry-After seconds sent with 429 when nothing better is known
     retry_after: int = 1
+    #: a stream with nothing to send for this long gets an SSE comment (waiting in the queue,
+    #: a long prefill), so proxies and clients with read timeouts keep the connection
+    keepalive_s: float = 15.0
