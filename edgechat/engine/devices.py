@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -104,6 +105,13 @@ def add_rpc_servers(endpoints: list[str]) -> None:
     for endpoint in endpoints:
         if endpoint in _rpc_added:
             continue
+        host, _, port = endpoint.rpartition(":")
+        try:
+            # llama.cpp aborts the whole process when it cannot connect: ask first
+            socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+        except OSError as exc:
+            raise UsageError(f"no ggml-rpc-server answers at {endpoint} ({exc.strerror or exc}); "
+                             "start one there (ggml-rpc-server -H HOST -p PORT)") from None
         server = add_server(endpoint.encode())
         if not server:
             raise UsageError(f"no ggml-rpc-server answers at {endpoint}; start one there (ggml-rpc-server -H HOST -p PORT)")
