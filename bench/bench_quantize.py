@@ -42,11 +42,13 @@ convert(sys.argv[1], sys.argv[2], type_name="Q4_K_M", threads=int(sys.argv[3]))
 def measure(label: str, argv: list[str], env: dict | None = None) -> tuple[float, float]:
     """Run argv; return (wall seconds, peak RSS in MB) of that process alone."""
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    stderr = proc.stderr.read().decode(errors="replace")
-    proc.stderr.close()
+    # stderr to a file, not a pipe: a chatty tool (progress bars) would block on a full pipe
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"{label} failed:\n{stderr[-3000:]}")
     rss = usage.ru_maxrss / 1024  # KB on Linux
