@@ -5,9 +5,17 @@ Ours: one `quantize.convert` call, checkpoint to Q4_K_M. Each step runs in its o
 its wall time and peak RSS are its own. Then: are the tensor types the same, are the tensors
 byte-identical, and the mean KLD of each Q4_K_M against the official F16.
 
-    python bench/bench_quantize.py [--model gemma3-270m] [--llama-cpp DIR] [--threads N] [--no-quality]
+    python bench/bench_quantize.py [--model gemma3-270m] [--llama-cpp DIR] [--threads N] [--no-quality] [--imatrix]
 
 Goals (issue 5): time <= 0.6x, peak RSS <= 0.35x, same types, KLD no worse.
+
+--imatrix (issue 15): the importance-matrix pipelines on the built-in calibration text instead.
+Official: convert_hf_to_gguf.py -> llama-imatrix (-c 512) -> llama-quantize --imatrix Q4_K_M
+(bench/build_llama_bench.sh builds both tools). Ours: one process, checkpoint -> F16 -> imatrix
+-> Q4_K_M, as `edgechat quantize --imatrix` runs. Quality on held-out text (the report's text,
+not in the calibration text): KLD and top-1 vs the official F16, for ours with and without the
+imatrix and for the official imatrix Q4_K_M. Goals: time <= 0.6x, RSS <= 0.35x, KLD no worse
+than llama.cpp's and lower than without an imatrix.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-DEFAULT_LLAMA_CPP = Path("/work/ref/llama-cpp-python-0.3.36/vendor/llama.cpp")
+DEFAULT_LLAMA_CPP = Path.home() / ".cache/edgechat-bench/llama.cpp-0.3.36/work/llama_cpp_python-0.3.36/vendor/llama.cpp"
 
 _QUANTIZE_WITH_LLAMA_CPP = """
 import ctypes, sys, llama_cpp
@@ -36,6 +44,18 @@ _QUANTIZE_WITH_EDGECHAT = """
 import sys
 from quantize import convert
 convert(sys.argv[1], sys.argv[2], type_name="Q4_K_M", threads=int(sys.argv[3]))
+"""
+
+
+_IMATRIX_WITH_EDGECHAT = """
+import sys, tempfile
+from pathlib import Path
+from quantize import convert
+from quantize.calibrate import builtin_text, compute
+with tempfile.TemporaryDirectory(dir=Path(sys.argv[2]).parent) as tmp:
+    f16 = convert(sys.argv[1], Path(tmp) / "f16.gguf", type_name="F16", threads=int(sys.argv[3])).path
+    matrix = compute(f16, builtin_text(), threads=int(sys.argv[3]))
+convert(sys.argv[1], sys.argv[2], type_name="Q4_K_M", threads=int(sys.argv[3]), imatrix=matrix)
 """
 
 
@@ -68,6 +88,7 @@ def main() -> None:
     ap.add_argument("--llama-cpp", type=Path, default=DEFAULT_LLAMA_CPP, help="llama.cpp source tree (converter)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--no-quality", action="store_true", help="skip the KLD comparison (two model runs)")
+    ap.add_argument("--imatrix", action="store_true", help="compare the importance-matrix pipelines (issue 15)")
     args = ap.parse_args()
 
     from tests.hf_fixtures import hf_checkpoint
@@ -82,6 +103,9 @@ def main() -> None:
     print(f"{args.model}: {checkpoint} ({sum(f.stat().st_size for f in checkpoint.glob('*.safetensors')) / 1e6:.0f} MB "
           f"safetensors), {threads} threads", flush=True)
 
+    if args.imatrix:
+        bench_imatrix(checkpoint, converter, env, threads, args.no_quality)
+        return
     with tempfile.TemporaryDirectory(prefix="bench-quantize-") as tmp:
         tmp = Path(tmp)
         off_f16, off_q4, ours_q4 = tmp / "official-F16.gguf", tmp / "official-Q4_K_M.gguf", tmp / "ours-Q4_K_M.gguf"
@@ -110,6 +134,42 @@ def main() -> None:
             q_official = compare(off_q4, off_f16, threads=args.threads)
             print(f"mean KLD vs official F16: ours {q_ours.mean_kld:.5f}, official {q_official.mean_kld:.5f}; "
                   f"top-1 {100 * q_ours.top1_agreement:.1f}% vs {100 * q_official.top1_agreement:.1f}%")
+
+
+def bench_imatrix(checkpoint: Path, converter: Path, env: dict, threads: str, no_quality: bool) -> None:
+    root = Path(__file__).resolve().parents[1]
+    built = subprocess.run(["bash", str(root / "bench/build_llama_bench.sh"), "llama-imatrix", "llama-quantize"],
+                           check=True, capture_output=True, text=True)
+    tools = Path(built.stdout.strip().splitlines()[-1]).parent
+    calibration = root / "quantize" / "calibration.txt"
+    with tempfile.TemporaryDirectory(prefix="bench-quantize-") as tmp:
+        tmp = Path(tmp)
+        off_f16, off_imatrix, off_q4 = tmp / "official-F16.gguf", tmp / "official.imatrix.gguf", tmp / "official-Q4_K_M.gguf"
+        ours_q4, plain_q4 = tmp / "ours-imatrix-Q4_K_M.gguf", tmp / "ours-Q4_K_M.gguf"
+        t_conv, rss_conv = measure("official: convert_hf_to_gguf.py --outtype f16",
+                                   [sys.executable, str(converter), str(checkpoint), "--outtype", "f16",
+                                    "--outfile", str(off_f16)], env)
+        t_im, rss_im = measure("official: llama-imatrix -c 512",
+                               [str(tools / "llama-imatrix"), "-m", str(off_f16), "-f", str(calibration), "-o",
+                                str(off_imatrix), "-c", "512", "-t", threads, "--no-ppl"])
+        t_q, rss_q = measure("official: llama-quantize --imatrix Q4_K_M",
+                             [str(tools / "llama-quantize"), "--imatrix", str(off_imatrix), str(off_f16), str(off_q4),
+                              "Q4_K_M", threads])
+        t_ours, rss_ours = measure("edgechat (checkpoint -> F16 -> imatrix -> Q4_K_M)",
+                                   [sys.executable, "-c", _IMATRIX_WITH_EDGECHAT, str(checkpoint), str(ours_q4), threads], env)
+        measure("edgechat without imatrix (checkpoint -> Q4_K_M)",
+                [sys.executable, "-c", _QUANTIZE_WITH_EDGECHAT, str(checkpoint), str(plain_q4), threads], env)
+        t_official, rss_official = t_conv + t_im + t_q, max(rss_conv, rss_im, rss_q)
+        print(f"\ntime ratio     {t_ours / t_official:.2f}x  ({t_ours:.1f} s vs {t_official:.1f} s; goal <= 0.6x)")
+        print(f"peak RSS ratio {rss_ours / rss_official:.2f}x  ({rss_ours:.0f} MB vs {rss_official:.0f} MB; goal <= 0.35x)")
+        if no_quality:
+            return
+        from quantize.report import compare
+
+        for label, path in (("ours, imatrix", ours_q4), ("ours, no imatrix", plain_q4), ("llama.cpp, imatrix", off_q4)):
+            q = compare(path, off_f16, threads=int(threads))
+            print(f"held-out text vs official F16, {label:<20} KLD {q.mean_kld:.5f}  top-1 {100 * q.top1_agreement:.1f}%",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build llama.cpp's own llama-bench, llama-server, llama-quantize and llama-imatrix from the llama.cpp
 # sources vendored in the pinned llama-cpp-python sdist, so reference numbers come from exactly the code our engine runs.
-# Usage: bench/build_llama_bench.sh        (prints the llama-bench path on its last line)
+# Usage: bench/build_llama_bench.sh [TOOL...]   (default: all four; prints the llama-bench path on its last line)
 # Env:   EDGECHAT_BENCH_CACHE  cache root (default ~/.cache/edgechat-bench)
 set -euo pipefail
 
@@ -14,7 +14,10 @@ fi
 
 prefix="${EDGECHAT_BENCH_CACHE:-$HOME/.cache/edgechat-bench}/llama.cpp-$ver"
 bin="$prefix/bin"
-tools=(llama-bench llama-server llama-quantize llama-imatrix)
+tools=("$@")
+if [[ ${#tools[@]} == 0 ]]; then
+    tools=(llama-bench llama-server llama-quantize llama-imatrix)
+fi
 missing=0
 for tool in "${tools[@]}"; do
     [[ -x "$bin/$tool" ]] || missing=1
@@ -60,9 +63,13 @@ cmake -S "$src/vendor/llama.cpp" -B "$work/build" "${generator[@]}" \
     '-DCMAKE_INSTALL_RPATH=$ORIGIN' >&2
 cmake --build "$work/build" --target "${tools[@]}" -j"$(nproc)" >&2
 
-# Install into a temp dir and rename, so a half-copied bin/ never passes the check above.
+# Install into a temp dir and rename, so a half-copied bin/ never passes the check above; tools
+# built earlier stay.
 rm -rf "$prefix/bin.tmp"
 mkdir -p "$prefix/bin.tmp"
+if [[ -d "$bin" ]]; then
+    cp -a "$bin/." "$prefix/bin.tmp/"
+fi
 for tool in "${tools[@]}"; do
     cp -a "$work/build/bin/$tool" "$prefix/bin.tmp/"
 done
