@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_quantize import measure  # noqa: E402
+from bench.bench_quantize import measure  # noqa: E402  (after the path is set)
 
 PROMPT = ("The lighthouse keeper wrote in his log every evening, even when nothing had happened. On calm nights he "
           "noted the wind, the colour of the sea and the ships that passed far out on the horizon. ") * 8
@@ -87,18 +87,20 @@ def main() -> None:
         t_ours, rss_ours = measure("edgechat quantize --format onnx (int4)",
                                    [py, "-m", "edgechat", "quantize", str(checkpoint), "--format", "onnx", "--no-report",
                                     "-o", str(ours_dir), "--threads", str(args.threads)])
+        built = False
         if not args.no_export:
             try:
                 t_them, rss_them = measure("onnxruntime-genai builder (int4, cpu)",
                                            [py, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o",
                                             str(theirs_dir), "-p", "int4", "-e", "cpu", "-c", str(tmp / "hf-cache")])
                 print(f"export: time {t_ours / t_them:.2f}x, peak RSS {rss_ours / rss_them:.2f}x of the builder")
+                built = True
             except SystemExit as exc:  # its 0.18 release cannot read transformers 5's Gemma 3 config
                 print(f"onnxruntime-genai builder failed: {str(exc).strip().splitlines()[-1]}")
         measure("edgechat quantize (GGUF Q4_K_M)", [py, "-m", "edgechat", "quantize", str(checkpoint), "--no-report",
                                                    "-o", str(gguf), "--threads", str(args.threads)])
         sizes = [("ours (ONNX int4)", size_mb(ours_dir)), ("GGUF Q4_K_M", size_mb(gguf))]
-        if theirs_dir.is_dir():
+        if built:
             sizes.insert(1, ("builder (ONNX int4)", size_mb(theirs_dir)))
         print("size: " + ", ".join(f"{name} {mb:.1f} MB" for name, mb in sizes))
 

@@ -277,7 +277,9 @@ def _build(family: Family, checkpoint: Checkpoint, g: _Graph, progress: Progress
     total = g.op("Gather", [mask_shape, one], axis=0)[0]
     total_len = g.op("Cast", [total], to=onnx.TensorProto.INT32)[0]
 
-    norm_w = lambda name: w(name) + np.float32(s.norm_add)  # noqa: E731
+    def norm_w(name: str) -> np.ndarray:
+        return w(name) + np.float32(s.norm_add)
+
     embed = checkpoint.tensors.get("model.embed_tokens.weight")
     if embed is None:
         raise QuantizeError("the checkpoint has no tensor model.embed_tokens.weight; is it complete?")

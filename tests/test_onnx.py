@@ -10,8 +10,17 @@ import json
 import shutil
 
 import numpy as np
+import onnxruntime
 import pytest
-from edgechat.engine import ChatRequest, EngineConfig, Evicted, SamplingParams, TextDelta, open_engine
+
+from edgechat.engine import (
+    ChatRequest,
+    EngineConfig,
+    Evicted,
+    SamplingParams,
+    TextDelta,
+    open_engine,
+)
 from edgechat.engine.onnxrt import OnnxEngine
 from quantize.errors import QuantizeError
 from quantize.onnx_export import OnnxModel, compare, export
@@ -129,9 +138,23 @@ def test_cli_run_on_an_onnx_folder(exported, tmp_path):
     result = edgechat("run", "-m", str(broken), "hi")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        f"edgechat: error: {broken} is not a complete ONNX model folder: model.onnx, tokenizer.gguf missing "
-        "(export it with: edgechat quantize SRC --format onnx)"
+        (f"edgechat: error: {broken} is not a complete ONNX model folder: model.onnx, tokenizer.gguf missing "
+         "(export it with: edgechat quantize SRC --format onnx)")
     ]
+
+
+def test_execution_provider_choice(exported):
+    folder = exported("smollm2-135m-instruct", 4)
+    result = edgechat("run", "-m", str(folder), "--ep", "nosuch", "hi")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "edgechat: error: execution provider 'nosuch' is not in this onnxruntime; available: "
+        + ", ".join(n.removesuffix("ExecutionProvider").lower() for n in onnxruntime.get_available_providers())
+    ]
+    result = edgechat("run", "-m", "smollm2-135m-instruct", "--ep", "cpu", "hi")
+    assert result.returncode == 2 and "--ep is for ONNX model folders" in result.stderr
+    with open_engine(EngineConfig(model=str(folder), n_ctx=512, ep="cpu")) as engine:
+        assert engine.gpu.describe() == "onnxruntime CPU"
 
 
 def test_export_refuses_bad_inputs(tmp_path, exported):

@@ -52,6 +52,10 @@ def open_engine(config):
         from edgechat.engine.onnxrt import OnnxEngine
 
         return OnnxEngine(config)
+    if getattr(config, "ep", None):
+        from edgechat.errors import UsageError
+
+        raise UsageError("--ep is for ONNX model folders; llama.cpp places GGUF layers itself (--gpu-layers)")
     from edgechat.engine.core import Engine
 
     return Engine(config)

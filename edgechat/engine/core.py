@@ -72,6 +72,7 @@ class EngineConfig:
     speculative: str = "auto"
     #: a smaller model of the same vocabulary that guesses tokens for the model to verify
     draft_model: str | None = None
+    ep: str | None = None  # an ONNX folder's onnxruntime execution provider (engine/onnxrt.py)
     #: called from the loading thread with the fraction of the model read (0..1)
     on_load_progress: Callable[[float], None] | None = None
 

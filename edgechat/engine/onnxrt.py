@@ -17,6 +17,7 @@ recomputes (the `truncate` policy; rotated keys cannot be shifted).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -47,7 +48,12 @@ from edgechat.engine.request import (
 from edgechat.engine.sampling import SamplerChain
 from edgechat.engine.stream import OutputProcessor
 from edgechat.engine.templates import choose_format
-from edgechat.errors import EngineBusyError, EngineStoppedError, ModelFormatError, UsageError
+from edgechat.errors import (
+    EngineBusyError,
+    EngineStoppedError,
+    ModelFormatError,
+    UsageError,
+)
 from edgechat.models import display_name, resolve_model
 from edgechat.models.onnxinfo import read_onnx_info
 
@@ -62,7 +68,7 @@ LOGITS_TO_KEEP = "num_logits_to_keep"
 class Vocabulary(LlamaBackend):
     """llama.cpp's tokenizer alone (a vocabulary-only GGUF): the text half of LlamaBackend."""
 
-    def __init__(self, path: Path):  # noqa: super().__init__ would load weights and a context
+    def __init__(self, path: Path):  # not super().__init__: that loads weights and a context
         _ensure_backend()
         self.path = path
         self.ctx = None
@@ -172,18 +178,20 @@ class _Run:
 class OnnxEngine:
     """engine.core.Engine's public API over an ONNX folder (see the module docstring)."""
 
-    def __init__(self, config, ep: str | None = None):
+    def __init__(self, config):
         self.config = cfg = config
         self.paths = cfg.paths or get_paths()
         self.model_path: Path = resolve_model(cfg.model, self.paths)
         self.model_info = info = read_onnx_info(self.model_path)
-        self.plan = planner.choose_context(info, cfg.n_ctx, 1, "f16")
+        # the planner counts f16 cells; these are float32, twice as wide
+        wide = dataclasses.replace(info, head_dim_k=2 * info.head_dim_k, head_dim_v=2 * info.head_dim_v)
+        self.plan = planner.choose_context(wide, cfg.n_ctx, 1, "f16")
         self.n_ctx = self.plan.n_ctx
         self.n_threads = cfg.n_threads or planner.physical_cores()
         self.model_name = display_name(cfg.model, self.model_path)
         self.vocab = voc = Vocabulary(self.model_path / "tokenizer.gguf")
         try:
-            self.runner = OnnxRunner(self.model_path, self.n_ctx, self.n_threads, ep)
+            self.runner = OnnxRunner(self.model_path, self.n_ctx, self.n_threads, cfg.ep)
         except BaseException:
             voc.close()
             raise
@@ -263,15 +271,6 @@ class OnnxEngine:
     def forget_session(self, session: str) -> None:
         """Nothing is kept per conversation."""
 
-    def greedy_continuation(self, n: int, tokens: list[int]) -> list[int]:
-        """For checks: the n tokens greedy decoding appends to `tokens` (sent as a raw request)."""
-        done: queue.Queue = queue.Queue()
-        self._inbox.put(("continue", (n, list(tokens)), done))
-        result = done.get(timeout=600)
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
     def close(self) -> None:
         if self._closed:
             return
@@ -308,13 +307,6 @@ class OnnxEngine:
             item = self._inbox.get()
             if item is None:
                 break
-            if isinstance(item, tuple):
-                _name, (n, tokens), done = item
-                try:
-                    done.put(self._continuation(n, tokens))
-                except Exception as exc:
-                    done.put(exc)
-                continue
             with self._lock:
                 self._waiting -= 1
                 self._running = 1
@@ -432,14 +424,6 @@ class OnnxEngine:
         metrics = run.clock.build(len(run.prep.tokens), cached, len(out), len(self.cached), self.n_ctx)
         run.handle.emit(Metrics(metrics))
         run.handle.emit(Finished(FINISH_REASONS[status], proc.text if proc else "", metrics, error, out))
-
-    def _continuation(self, n: int, tokens: list[int]) -> list[int]:
-        logits = self._prefill(tokens)
-        out = []
-        for _ in range(n):
-            out.append(int(logits.argmax()))
-            logits = self._step(out[-1])
-        return out
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
