@@ -237,13 +237,16 @@ def test_request_timeout_cancels(engine):
         assert 'edgechat_requests_total{outcome="timeout"} 2.0' in metrics
 
 
+TTFT_COUNT = f'edgechat_time_to_first_token_seconds_count{{model="{MODEL}"}}'
+
+
 def test_metrics_count_what_was_served(client, base_url, engine):
-    before = {n: metric(base_url, n) for n in ("edgechat_completion_tokens_total", "edgechat_prompt_tokens_total", "edgechat_time_to_first_token_seconds_count")}
+    before = {n: metric(base_url, n) for n in ("edgechat_completion_tokens_total", "edgechat_prompt_tokens_total", TTFT_COUNT)}
     ok_before = metric(base_url, 'edgechat_requests_total{outcome="ok"}')
     out = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=6)
     assert metric(base_url, "edgechat_completion_tokens_total") - before["edgechat_completion_tokens_total"] == out.usage.completion_tokens
     assert metric(base_url, "edgechat_prompt_tokens_total") - before["edgechat_prompt_tokens_total"] == out.usage.prompt_tokens
-    assert metric(base_url, "edgechat_time_to_first_token_seconds_count") == before["edgechat_time_to_first_token_seconds_count"] + 1
+    assert metric(base_url, TTFT_COUNT) == before[TTFT_COUNT] + 1
     assert metric(base_url, 'edgechat_requests_total{outcome="ok"}') == ok_before + 1
     assert metric(base_url, "edgechat_kv_cells_total") == engine.stats()["kv_total"]
     assert metric(base_url, "edgechat_running_sequences") == 0

@@ -77,6 +77,8 @@ class _Server:
         #: the smaller model degraded requests go to, if any
         self.fallback = _Served(fallback, None) if fallback is not None else None
         self.metrics = ServerMetrics()
+        for served in self.served():
+            self.metrics.add_model(served.id)
         self.degrade = DegradeSwitch(
             settings.degrade_queue_wait,
             settings.degrade_max_tokens,
@@ -99,7 +101,7 @@ class _Server:
         else:
             outcome = "error"
             log.error("generation failed: %s", finished.error)
-        self.metrics.observe_finished(finished.metrics, outcome)
+        self.metrics.observe_finished(finished.metrics, outcome, gen.model)
 
     def oldest_queued_wait(self) -> float:
         now = time.monotonic()
@@ -212,6 +214,7 @@ class _Server:
             prepared = await self.admit(served.engine, req)
             for i in range(parsed.n):
                 gen = Generation(loop, arrival + self.settings.request_timeout, self.on_finished, i, events)
+                gen.model = served.id
                 # each choice its own Prepared: eviction mid-answer edits its message spans
                 prep = prepared if i == 0 else dataclasses.replace(prepared, spans=[list(s) for s in prepared.spans])
                 gen.handle = served.engine.submit(_choice_request(req, i, gens), gen.on_event, prep)

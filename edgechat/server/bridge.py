@@ -41,6 +41,8 @@ class Generation:
         self.finished: asyncio.Future[Finished] = loop.create_future()
         self.timed_out = False
         self.handle = None
+        #: the id of the model serving it (the fallback's while degraded), for the metrics
+        self.model: str | None = None
         self.submitted = time.monotonic()
 
     def on_event(self, event: Event) -> None:

@@ -19,16 +19,16 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.queue_wait = Histogram(
-            "edgechat_queue_wait_seconds", "Time from arrival to the start of prefill.", buckets=_LATENCY_BUCKETS, registry=r
+            "edgechat_queue_wait_seconds", "Time from arrival to the start of prefill.", buckets=_LATENCY_BUCKETS, labelnames=["model"], registry=r
         )
         self.ttft = Histogram(
-            "edgechat_time_to_first_token_seconds", "Time from arrival to the first output token.", buckets=_LATENCY_BUCKETS, registry=r
+            "edgechat_time_to_first_token_seconds", "Time from arrival to the first output token.", buckets=_LATENCY_BUCKETS, labelnames=["model"], registry=r
         )
         self.tpot = Histogram(
-            "edgechat_time_per_output_token_seconds", "Mean gap between output tokens after the first, per request.", buckets=_TPOT_BUCKETS, registry=r
+            "edgechat_time_per_output_token_seconds", "Mean gap between output tokens after the first, per request.", buckets=_TPOT_BUCKETS, labelnames=["model"], registry=r
         )
         self.e2e = Histogram(
-            "edgechat_request_duration_seconds", "Time from arrival to the last token (end to end).", buckets=_LATENCY_BUCKETS, registry=r
+            "edgechat_request_duration_seconds", "Time from arrival to the last token (end to end).", buckets=_LATENCY_BUCKETS, labelnames=["model"], registry=r
         )
         self.prompt_tokens = Counter("edgechat_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.cached_tokens = Counter("edgechat_prompt_cached_tokens", "Prompt tokens taken from the KV cache instead of prefilled.", registry=r)
@@ -50,7 +50,13 @@ class ServerMetrics:
         self.tool_calls = Counter("edgechat_tool_calls", "Tool calls returned to clients.", registry=r)
         self.grammar_requests = Counter("edgechat_grammar_requests", "Requests held to a grammar (response_format or tool calls).", registry=r)
 
-    def observe_finished(self, m: RequestMetrics, outcome: str) -> None:
+    def add_model(self, model: str) -> None:
+        """Export a served model's latency series from the start (at zero), as the outcomes are."""
+        for histogram in (self.queue_wait, self.ttft, self.tpot, self.e2e):
+            histogram.labels(model)
+
+    def observe_finished(self, m: RequestMetrics, outcome: str, model: str) -> None:
+        """Count a finished request; latencies by the model that served it (primary or fallback)."""
         self.requests.labels(outcome).inc()
         self.prompt_tokens.inc(m.prompt_tokens)
         self.cached_tokens.inc(m.cached_tokens)
@@ -60,12 +66,12 @@ class ServerMetrics:
         if outcome != "ok":
             # a cancelled request's latencies describe the client, not the server
             return
-        self.queue_wait.observe(m.queue_wait)
+        self.queue_wait.labels(model).observe(m.queue_wait)
         if m.completion_tokens > 0:
-            self.ttft.observe(m.ttft)
+            self.ttft.labels(model).observe(m.ttft)
         if m.completion_tokens > 1:
-            self.tpot.observe(m.tpot_mean)
-        self.e2e.observe(m.total)
+            self.tpot.labels(model).observe(m.tpot_mean)
+        self.e2e.labels(model).observe(m.total)
 
     def render(self, stats: dict, degraded: bool) -> bytes:
         """The text exposition, with the gauges read from the engine at scrape time."""
