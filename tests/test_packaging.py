@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from setuptools import find_packages
 
@@ -61,3 +67,30 @@ def test_gguf_has_an_upper_bound_that_admits_the_installed_release():
     spec = _requirements()["gguf"].specifier
     assert any(s.operator == "<" for s in spec), "gguf needs an upper bound"
     assert spec.contains(version("gguf"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # ~1 minute on a quiet machine; far more while the machine is shared
+def test_the_built_wheel_installs_into_a_fresh_venv_and_answers(tmp_path):
+    """What `pip install edgechat-*.whl` (and pipx, which does the same in its own venv) gives a
+    user: the command, the shipped catalog and styles, the embedded model. llama-cpp-python comes
+    from pip's wheel cache, built by the first install of this checkout."""
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(ROOT)],
+                   check=True, timeout=600)
+    wheel = next(wheels.glob("edgechat-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "edgechat/models/catalog.toml" in names and "edgechat/tui/app.tcss" in names
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    bin_dir = venv / ("Scripts" if sys.platform == "win32" else "bin")
+    subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", str(wheel)], check=True, timeout=1800)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(EDGECHAT_DATA_DIR=str(tmp_path / "data"), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([str(bin_dir / "edgechat"), "run", "--temperature", "0", "--max-tokens", "4", "--json", "Hi"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["model"] == "smollm2-135m-instruct"
+    listing = subprocess.run([str(bin_dir / "edgechat"), "models", "--catalog"], capture_output=True, text=True,
+                             env=env, cwd=tmp_path, timeout=300, check=True).stdout
+    assert "qwen3-4b" in listing
