@@ -80,7 +80,7 @@ class _Collector:
         self.lib = lib
         self.sums: dict[str, np.ndarray] = {}
         self.counts: dict[str, int] = {}
-        self.error: BaseException | None = None
+        self.error: Exception | None = None
 
     def __call__(self, t_ptr, ask, _user_data):
         try:
@@ -93,7 +93,7 @@ class _Collector:
             if ask:
                 return name.startswith(b"blk.") and src1.ne[1] >= 16 and src1.type == _F32
             self._add(name.decode(), src0, src1)
-        except BaseException as exc:  # an exception cannot cross into C; report it after the decode
+        except Exception as exc:  # an exception cannot cross into C; report it after the decode
             self.error = self.error or exc
         return True
 

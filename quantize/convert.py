@@ -125,7 +125,7 @@ def _chunks(p: PlannedTensor, qtype: T, intermediate: T, pool: ThreadPoolExecuto
 
 
 def plan_types(family: Family, planned: list[PlannedTensor], ftype: FileType, outtype: T, *,
-               has_imatrix: bool = False, overrides: Overrides = Overrides()) -> dict[str, T]:
+               has_imatrix: bool = False, overrides: Overrides | None = None) -> dict[str, T]:
     stored = ftype.default if not is_quantized(ftype.default) else outtype
     shapes = [TensorShape(p.name, p.shape, _stored_type(p, stored)) for p in planned]
     model = Model(family.n_layer, n_gqa=family.n_head // family.n_head_kv, is_70b=family.is_70b)
@@ -170,7 +170,7 @@ def convert(
     progress: Progress | None = None,
     imatrix: Imatrix | None = None,
     imatrix_source: str = "the imatrix",
-    overrides: Overrides = Overrides(),
+    overrides: Overrides | None = None,
 ) -> Result:
     """Convert the checkpoint `src` (folder or Hub repo id) to a GGUF of `type_name` at `out`."""
     folder, model_name = resolve_source(str(src))

@@ -224,15 +224,11 @@ def _rule(cat: str, new: T, ft: F, cols: int, tied: bool, model: Model, has_imat
             new = T.Q4_K
         elif ft == F.MOSTLY_IQ3_XXS:
             new = T.Q4_K if gqa4 else (T.IQ3_XXS if has_imatrix else T.IQ3_S)
-        elif ft in (F.MOSTLY_IQ3_XS, F.MOSTLY_IQ3_S) and gqa4:
-            new = T.Q4_K
-        elif ft == F.MOSTLY_IQ3_M:
+        elif (ft in (F.MOSTLY_IQ3_XS, F.MOSTLY_IQ3_S) and gqa4) or ft == F.MOSTLY_IQ3_M:
             new = T.Q4_K
         elif ft == F.MOSTLY_Q3_K_M:
             new = T.Q5_K if i < 2 else T.Q4_K
-        elif ft == F.MOSTLY_Q3_K_L:
-            new = T.Q5_K
-        elif ft in (F.MOSTLY_IQ4_NL, F.MOSTLY_IQ4_XS) and gqa4:
+        elif ft == F.MOSTLY_Q3_K_L or (ft in (F.MOSTLY_IQ4_NL, F.MOSTLY_IQ4_XS) and gqa4):
             new = T.Q5_K
         elif ft in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M) and _more_bits(i, n):
             new = T.Q6_K
@@ -299,9 +295,10 @@ def _fits(new: T, cols: int) -> T:
 
 
 def choose_types(tensors: list[TensorShape], ftype: FileType, model: Model, *, has_imatrix: bool = False,
-                 overrides: Overrides = Overrides()) -> dict[str, T]:
+                 overrides: Overrides | None = None) -> dict[str, T]:
     """The type of every tensor in a file of type `ftype`."""
     # llama.cpp counts attn_v and ffn tensors in layer order; its tensor map sorts by layer, then name.
+    overrides = overrides or Overrides()
     ordered = sorted(tensors, key=lambda t: (int(m.group(1)) if (m := _LAYER.match(t.name)) else -1, t.name))
     tied = not any(t.name == "output.weight" for t in ordered)
     counters = _Counters(sum(_category(t.name) in _ATTN_V_LIKE for t in ordered), model.n_layer)

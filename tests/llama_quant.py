@@ -1,4 +1,4 @@
-"""llama.cpp's own quantizer, called through llama-cpp-python, as the reference for tests.
+"""llama.cpp's own choice of tensor types, through llama-cpp-python, as the reference for tests.
 
 llama_model_quantize takes the same inputs as llama-quantize's options (file type, importance
 data per weight, --tensor-type patterns, output and token-embedding types) as C structs.
@@ -45,15 +45,6 @@ def _params(type_name: str, weights: dict[str, np.ndarray] | None, tensor_types,
             overrides[i].type = int(qtype)
         params.tt_overrides = overrides
     yield params
-
-
-def llama_quantize(src: Path, out: Path, type_name: str, *, weights=None, tensor_types=(), output=None,
-                   token_embedding=None, threads: int = 2) -> Path:
-    import llama_cpp
-
-    with _params(type_name, weights, tensor_types, output, token_embedding, threads) as params:
-        assert llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params)) == 0
-    return out
 
 
 _LINE = re.compile(r"\] (\S+)\s+- \[[^\]]*\], type =\s*(\w+), size =[^(\n]*(?:\((\w+)\))?\n")

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def _compare(a, b, prompts, *extra) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "edgechat", "quantize", "--compare", str(a), str(b),
                            "--prompts", str(prompts), "--max-tokens", "12", "--threads", "2", *extra],
-                          capture_output=True, text=True, timeout=600)
+                          check=False, capture_output=True, text=True, timeout=600)
 
 
 def test_compare_identical_and_different_models(tmp_path):
@@ -44,5 +44,5 @@ def test_compare_identical_and_different_models(tmp_path):
 
 def test_compare_needs_prompts(tmp_path):
     result = subprocess.run([sys.executable, "-m", "edgechat", "quantize", "--compare", "a.gguf", "b.gguf"],
-                            capture_output=True, text=True, timeout=60)
+                            check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and result.stderr.strip() == "edgechat: error: --compare needs --prompts FILE (one prompt per line)"
