@@ -8,8 +8,10 @@
    llama-bench's own pp25 at depth 100 and 1,900 as the kernel's reference ratio.
 2. Reopening a ~2,000-token conversation from its snapshot against a cold re-prefill of it
    (target <= 0.05x), on both embedded models.
+3. Gemma 3's small sliding-window cache (issue 14) against the full one: KV bytes at an 8k
+   context, and the 40-turn chat's TTFT at turns 2 and 40 with each.
 
-    python -m bench.bench_kvcache [--threads 2] [--json]
+    python -m bench.bench_kvcache [--threads 2] [--json] [--only swa]
 """
 
 from __future__ import annotations
@@ -65,6 +67,21 @@ def multi_turn(model: str, threads: int, flash_attn: str = "auto") -> dict:
     }
 
 
+def swa_caches(threads: int, model: str = "gemma3-270m") -> dict:
+    out = {"model": model}
+    for swa in ("full", "small"):
+        with tempfile.TemporaryDirectory() as tmp, Engine(EngineConfig(model=model, n_ctx=8192, n_threads=threads,
+                                                                     swa_cache=swa, paths=get_paths(tmp))) as engine:
+            history: list[dict] = []
+            ttft = [_turn(engine, history, f"Question {i + 10}: name one animal that lives in water.", "bench").ttft
+                    for i in range(40)]
+            out[swa] = {"kv_mib": engine.plan.kv_cache / 2**20, "ttft_turn2_ms": statistics.median(ttft[1:4]) * 1000,
+                        "ttft_turn40_ms": statistics.median(ttft[37:40]) * 1000}
+    out["kv_full_over_small"] = out["full"]["kv_mib"] / out["small"]["kv_mib"]
+    out["ttft40_small_over_full"] = out["small"]["ttft_turn40_ms"] / out["full"]["ttft_turn40_ms"]
+    return out
+
+
 def reopen(model: str, threads: int) -> dict:
     filler = " ".join(f"Fact {i}: the river stones are smooth and grey." for i in range(160))
     with tempfile.TemporaryDirectory() as warm_dir, tempfile.TemporaryDirectory() as cold_dir:
@@ -97,12 +114,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--only", choices=["swa"], help="Run one section only.")
     args = ap.parse_args()
+    swa = swa_caches(args.threads)
+    if args.only == "swa":
+        print(json.dumps(swa, indent=2) if args.json else _swa_line(swa))
+        return
     # flash attention (llama.cpp's CPU default) is faster near the start, slower deep into a chat
     turns = [multi_turn(m, args.threads, fa) for m in ("smollm2-135m-instruct", "gemma3-270m") for fa in ("auto", "off")]
     reopened = [reopen(m, args.threads) for m in ("smollm2-135m-instruct", "gemma3-270m")]
     if args.json:
-        print(json.dumps({"multi_turn": turns, "reopen": reopened}, indent=2))
+        print(json.dumps({"multi_turn": turns, "reopen": reopened, "swa": swa}, indent=2))
         return
     for t in turns:
         print(f"40-turn chat on {t['model']} (flash attention {t['flash_attn']}): TTFT turn 2 {t['ttft_turn2_ms']:.0f} ms, "
@@ -113,6 +135,14 @@ def main() -> None:
         print(f"reopen {r['model']}: {r['conversation_tokens']} tokens, snapshot {r['snapshot_mb']:.1f} MB saved in "
               f"{r['save_ms']:.0f} ms; TTFT restored {r['restore_ttft_ms']:.0f} ms vs cold {r['cold_ttft_ms']:.0f} ms "
               f"-> {r['ratio']:.3f}x (target <= 0.05x)")
+    print(_swa_line(swa))
+
+
+def _swa_line(s: dict) -> str:
+    return (f"{s['model']} SWA cache at 8k context: KV full {s['full']['kv_mib']:.0f} MiB, small {s['small']['kv_mib']:.0f} MiB "
+            f"({s['kv_full_over_small']:.1f}x less); 40-turn TTFT turn 2 / turn 40: full {s['full']['ttft_turn2_ms']:.0f} / "
+            f"{s['full']['ttft_turn40_ms']:.0f} ms, small {s['small']['ttft_turn2_ms']:.0f} / {s['small']['ttft_turn40_ms']:.0f} ms "
+            f"(turn 40 small/full {s['ttft40_small_over_full']:.2f}x)")
 
 
 if __name__ == "__main__":
