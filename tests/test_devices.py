@@ -19,6 +19,7 @@ from edgechat.engine.devices import Device
 from edgechat.engine.request import ChatRequest, SamplingParams
 from edgechat.errors import UsageError
 from edgechat.models import read_model_info
+from neartie import assert_same_or_near_tie
 
 
 def gpu(free: int) -> Device:
@@ -87,16 +88,16 @@ def test_a_models_gpu_layers_setting_is_read_from_config(isolated_dirs, smollm2_
 @pytest.mark.skipif(not devices.gpu_devices(), reason="needs a GPU build of llama-cpp-python (packaging/GPU.md)")
 @pytest.mark.parametrize("model", ["smollm2-135m-instruct", "gemma3-270m"])
 def test_auto_puts_every_layer_on_the_gpu_and_answers_as_the_cpu(model, isolated_dirs):
-    request = dict(messages=[{"role": "user", "content": "Write one sentence about the sea."}],
-                   sampling=SamplingParams(temperature=0.0), max_tokens=32, speculative="off")
-    answers = {}
-    for layers in (0, "auto"):
-        with Engine(EngineConfig(model=model, n_ctx=1024, n_gpu_layers=layers, paths=isolated_dirs)) as engine:
-            if layers == "auto":
-                assert engine.gpu.cpu_layers == 0 and engine.gpu.n_gpu_layers == -1, engine.gpu
-            answers[layers] = engine.submit(ChatRequest(**request)).result().text
-    assert answers["auto"] == answers[0]
-    print(f"{model} on {os.environ.get('CUDA_VISIBLE_DEVICES', 'GPU')}: {answers['auto']!r}")
+    messages = [{"role": "user", "content": "Write one sentence about the sea."}]
+    request = dict(messages=messages, sampling=SamplingParams(temperature=0.0), max_tokens=32, speculative="off")
+    with Engine(EngineConfig(model=model, n_ctx=1024, n_gpu_layers=0, paths=isolated_dirs)) as cpu:
+        expected = cpu.submit(ChatRequest(**request)).result()
+        with Engine(EngineConfig(model=model, n_ctx=1024, n_gpu_layers="auto", paths=isolated_dirs)) as gpu:
+            assert gpu.gpu.cpu_layers == 0 and gpu.gpu.n_gpu_layers == -1, gpu.gpu
+            got = gpu.submit(ChatRequest(**request)).result()
+        print(f"{model}: CPU {expected.text!r}, {gpu.gpu.describe()} {got.text!r}")
+        # CUDA's kernels round differently from the CPU's: the same text, or parted at a near-tie
+        assert_same_or_near_tie(cpu, messages, expected.token_ids, got.token_ids)
 
 
 @pytest.fixture(scope="module")
