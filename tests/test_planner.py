@@ -74,7 +74,24 @@ def test_a_small_swa_cache_answers_as_the_full_one_and_recomputes_a_rewind_past_
             assert engine.plan.swa_full is (swa == "full") and engine.backend.can_shift is (swa == "full")
             # the second prompt shares ~150 tokens with the first: reusing them needs the window
             # before them, which the small cache has overwritten, so it recomputes
-            answers[swa] = [engine.submit(ChatRequest(prompt=p, sampling=SamplingParams(temperature=0), max_tokens=12)).result()
-                            for p in prompts]
+            answers[swa] = []
+            for p in prompts:
+                answers[swa].append(engine.submit(ChatRequest(prompt=p, sampling=SamplingParams(temperature=0), max_tokens=12)).result())
+                # past the window, the small cache's sliding layers hold only its last cells: consistent all the same
+                assert engine.kv_problems() == []
     assert [a.text for a in answers["small"]] == [a.text for a in answers["full"]]
     assert answers["full"][1].metrics.cached_tokens > 100 and answers["small"][1].metrics.cached_tokens == 0
+
+
+def test_an_answer_past_the_context_on_a_small_swa_cache_says_why_it_recomputes(gemma3_path, isolated_dirs):
+    from edgechat.engine.request import ChatRequest, Evicted, SamplingParams
+
+    words = "the tide comes in and the gulls call over the harbour wall while boats rock at anchor".split()
+    text = " ".join(words[i % len(words)] + (f" {i}" if i % 7 == 0 else "") for i in range(600))
+    with Engine(EngineConfig(model=str(gemma3_path), n_ctx=1536, swa_cache="small", paths=isolated_dirs)) as engine:
+        assert not engine.backend.can_shift
+        handle = engine.submit(ChatRequest(prompt=text, sampling=SamplingParams(temperature=0), max_tokens=1000, ignore_eos=True))
+        evicted = [e for e in handle.events() if isinstance(e, Evicted)]
+        assert handle.finished.reason == "length"
+        assert evicted and evicted[0].policy == "truncate" and "cannot shift" in evicted[0].note, evicted
+        assert engine.kv_problems() == []

@@ -428,6 +428,8 @@ class Scheduler:
                 self.states.add_evicted(run.request.session, dropped_msgs)
         else:
             note = f"{n} older tokens left the context to make room for the answer"
+        if policy is not ContextPolicy(run.request.context_policy):
+            note += " (recomputed: this model's KV cache cannot shift positions)"
         run.handle.emit(Evicted(dropped_msgs, n, policy.value, note))
 
     def prefill_now(self, slot: Slot, tokens: list[int], logits_last: bool = False) -> int:
