@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, Evicted, SamplingParams
+from neartie import assert_same_tokens_or_near_tie
 
 GREEDY = SamplingParams(temperature=0)
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. The capital of the country Zubrowka is Lutz."}
@@ -35,10 +36,12 @@ def engine_for(path, paths, **kw):
 
 def assert_cold_continuation_matches(engine, session, n=6):
     """The session's cached cells continue as a cold prefill of its mirror does."""
-    slot = engine.kv.slot_of(session)
+    tokens = list(engine.kv.slot_of(session).tokens)
     warm = engine.greedy_continuation(n, session=session)
-    cold = engine.greedy_continuation(n, tokens=list(slot.tokens))
-    assert warm == cold, (engine.detokenize(warm), engine.detokenize(cold))
+    cold = engine.greedy_continuation(n, tokens=tokens)
+    # cells computed in verification batches round differently from a cold prefill: the same
+    # tokens, or parted at a near-tie; a wrong cell parts anywhere
+    assert_same_tokens_or_near_tie(engine, tokens, cold, warm)
 
 
 def test_a_branch_that_shifts_shared_cells_leaves_the_other_conversation_intact(smollm2_path, isolated_dirs):
