@@ -70,27 +70,33 @@ def run_task(engine: Engine, prompt: str, mode: str, max_tokens: int) -> tuple[f
     return m.decode_tps, done.token_ids, rate
 
 
-def bench_model(name: str, threads: int, rounds: int, max_tokens: int) -> list[dict]:
+def compare_modes(engine: Engine, label: str, modes: list[str], rounds: int, max_tokens: int) -> list[dict]:
+    """Every task in every mode, modes alternating within each round; best tok/s of the rounds,
+    each mode's ratio to "off" and acceptance, and whether every mode wrote the same text."""
     rows = []
+    for task, prompt in TASKS.items():
+        best = {mode: 0.0 for mode in modes}
+        outputs, rates = {}, {}
+        for _ in range(rounds):
+            for mode in modes:
+                tps, tokens, rate = run_task(engine, prompt, mode, max_tokens)
+                best[mode] = max(best[mode], tps)
+                outputs[mode], rates[mode] = tokens, rate
+        rows.append({
+            "model": label, "task": task, "tokens": len(outputs["off"]),
+            **{f"{mode}_tps": best[mode] for mode in modes},
+            **{f"{mode}_ratio": best[mode] / best["off"] for mode in modes if mode != "off"},
+            **{f"{mode}_accept": rates[mode] for mode in modes if mode != "off"},
+            "same_text": all(outputs[mode] == outputs["off"] for mode in modes),
+        })
+    return rows
+
+
+def bench_model(name: str, threads: int, rounds: int, max_tokens: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         with Engine(EngineConfig(model=name, n_ctx=2048, n_threads=threads, paths=get_paths(tmp))) as engine:
             run_task(engine, "Hello", "off", 8)  # warm-up
-            for task, prompt in TASKS.items():
-                best = {mode: 0.0 for mode in MODES}
-                outputs, rates = {}, {}
-                for _ in range(rounds):
-                    for mode in MODES:
-                        tps, tokens, rate = run_task(engine, prompt, mode, max_tokens)
-                        best[mode] = max(best[mode], tps)
-                        outputs[mode], rates[mode] = tokens, rate
-                rows.append({
-                    "model": name, "task": task, "tokens": len(outputs["off"]),
-                    **{f"{mode}_tps": best[mode] for mode in MODES},
-                    "auto_ratio": best["auto"] / best["off"], "lookup_ratio": best["lookup"] / best["off"],
-                    "auto_accept": rates["auto"], "lookup_accept": rates["lookup"],
-                    "same_text": outputs["auto"] == outputs["off"] and outputs["lookup"] == outputs["off"],
-                })
-    return rows
+            return compare_modes(engine, name, MODES, rounds, max_tokens)
 
 
 def draft_pair(name: str, threads: int) -> tuple[Path, Path]:
@@ -114,28 +120,11 @@ def draft_pair(name: str, threads: int) -> tuple[Path, Path]:
 def bench_draft(name: str, threads: int, rounds: int, max_tokens: int) -> list[dict]:
     """F16 decoding with its own Q4_K_M drafting, beside plain F16 decoding, alternating modes."""
     f16, q4 = draft_pair(name, threads)
-    modes = ["off", "draft", "auto"]
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         cfg = EngineConfig(model=str(f16), draft_model=str(q4), n_ctx=2048, n_threads=threads, paths=get_paths(tmp))
         with Engine(cfg) as engine:
             run_task(engine, "Hello", "draft", 8)  # warm-up, both models
-            for task, prompt in TASKS.items():
-                best = {mode: 0.0 for mode in modes}
-                outputs, rates = {}, {}
-                for _ in range(rounds):
-                    for mode in modes:
-                        tps, tokens, rate = run_task(engine, prompt, mode, max_tokens)
-                        best[mode] = max(best[mode], tps)
-                        outputs[mode], rates[mode] = tokens, rate
-                rows.append({
-                    "model": f"{name} F16", "task": task, "tokens": len(outputs["off"]),
-                    **{f"{mode}_tps": best[mode] for mode in modes},
-                    "draft_ratio": best["draft"] / best["off"], "auto_ratio": best["auto"] / best["off"],
-                    "draft_accept": rates["draft"], "auto_accept": rates["auto"],
-                    "same_text": outputs["draft"] == outputs["off"] and outputs["auto"] == outputs["off"],
-                })
-    return rows
+            return compare_modes(engine, f"{name} F16", ["off", "draft", "auto"], rounds, max_tokens)
 
 
 def llama_server_run(name: str, threads: int, spec_type: str, prompts: dict[str, str], max_tokens: int, log_dir) -> dict:

@@ -18,6 +18,7 @@ from neartie import assert_same_or_near_tie
 from quantize.requantize import requantize
 from serving import serving
 from test_hub import CATALOG_NAME, edgechat, hub_cache, one_line_error  # noqa: F401 (hub_cache is a fixture)
+from test_speculative import answer
 
 GREEDY = SamplingParams(temperature=0)
 PASSAGE = (
@@ -48,14 +49,6 @@ def drafted(q8, smollm2_path, gemma3_path, models_root):
     yield engines
     for engine in engines.values():
         engine.close()
-
-
-def answer(engine, text, mode, **kw):
-    kw.setdefault("sampling", GREEDY)
-    kw.setdefault("max_tokens", 60)
-    before = engine.stats()["decode_calls"]
-    done = engine.submit(ChatRequest(messages=[{"role": "user", "content": text}], speculative=mode, **kw)).result()
-    return done, engine.stats()["decode_calls"] - before
 
 
 @pytest.mark.parametrize("name", ["smol", "gemma"])
