@@ -25,7 +25,7 @@ from edgechat.engine.draft import DraftModel, DraftVocabError
 from edgechat.engine.kvcache import KVManager, Slot
 from edgechat.engine.llama import LlamaBackend
 from edgechat.engine.metrics import RequestClock
-from edgechat.engine.prompt import Prepared, PromptBuilder
+from edgechat.engine.prompt import Prepared, PromptBuilder, PromptQueries
 from edgechat.engine.request import ChatRequest, ContextPolicy, RequestHandle, SamplingParams
 from edgechat.engine.scheduler import Running, Scheduler
 from edgechat.engine.sessions import ConversationStates
@@ -88,7 +88,7 @@ class _Command:
     error: BaseException | None = None
 
 
-class Engine:
+class Engine(PromptQueries):
     """See edgechat/engine/__init__.py for the public contract."""
 
     def __init__(self, config: EngineConfig | None = None):
@@ -186,18 +186,6 @@ class Engine:
             self.scheduler.reserve(self.config.max_queue)
             self._inbox.put(Running(handle, request, prep, clock))
         return handle
-
-    def prepare(self, request: ChatRequest) -> Prepared:
-        """The prompt submit() would build for this request (template, tokens, eviction), without
-        the limit check; front ends that look at it first hand it to submit()."""
-        return self.prompts.prepare(request, self._policy(request), check_limit=False)
-
-    def prompt_tokens(self, request: ChatRequest) -> list[int]:
-        """The exact tokens the model would be given for this request (template applied)."""
-        return list(self.prepare(request).tokens)
-
-    def count_tokens(self, request: ChatRequest) -> int:
-        return len(self.prompt_tokens(request))
 
     def tokenize(self, text: str) -> list[int]:
         return self.backend.tokenize(text, add_bos=False, special=False)

@@ -33,7 +33,7 @@ from edgechat.config import get_paths
 from edgechat.engine import planner
 from edgechat.engine.llama import LlamaBackend, _ensure_backend
 from edgechat.engine.metrics import RequestClock
-from edgechat.engine.prompt import Prepared, PromptBuilder
+from edgechat.engine.prompt import Prepared, PromptBuilder, PromptQueries
 from edgechat.engine.request import (
     FINISH_REASONS,
     ChatRequest,
@@ -175,7 +175,7 @@ class _Run:
         self.handle, self.request, self.prep, self.clock = handle, request, prep, clock
 
 
-class OnnxEngine:
+class OnnxEngine(PromptQueries):
     """engine.core.Engine's public API over an ONNX folder (see the module docstring)."""
 
     def __init__(self, config):
@@ -238,15 +238,6 @@ class OnnxEngine:
             self._waiting += 1
             self._inbox.put(_Run(handle, request, prep, clock))
         return handle
-
-    def prepare(self, request: ChatRequest) -> Prepared:
-        return self.prompts.prepare(request, self._policy(request), check_limit=False)
-
-    def prompt_tokens(self, request: ChatRequest) -> list[int]:
-        return list(self.prepare(request).tokens)
-
-    def count_tokens(self, request: ChatRequest) -> int:
-        return len(self.prompt_tokens(request))
 
     def tokenize(self, text: str) -> list[int]:
         return self.vocab.tokenize(text, add_bos=False, special=False)

@@ -207,3 +207,23 @@ class PromptBuilder:
         if len(segs) != len(probe) + 1:
             return 0
         return max(len(self._tokenize(segs[1])) - len(self._tokenize("x")), 0)
+
+
+class PromptQueries:
+    """What every engine answers about a request's prompt before running it; an engine has
+    `prompts` (a PromptBuilder) and `_policy(request)`."""
+
+    prompts: PromptBuilder
+
+    def prepare(self, request: ChatRequest) -> Prepared:
+        """The prompt submit() would build for this request (template, tokens, eviction), without
+        the limit check; front ends that look at it first hand it to submit()."""
+        return self.prompts.prepare(request, self._policy(request), check_limit=False)
+
+    def prompt_tokens(self, request: ChatRequest) -> list[int]:
+        """The exact tokens the model would be given for this request (template applied)."""
+        return list(self.prepare(request).tokens)
+
+    def count_tokens(self, request: ChatRequest) -> int:
+        return len(self.prompt_tokens(request))
+
