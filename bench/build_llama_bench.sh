@@ -6,11 +6,9 @@
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-ver="$(sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' "$repo_root/pyproject.toml")"
-if [[ -z "$ver" ]]; then
-    echo "error: no llama-cpp-python==VERSION pin found in $repo_root/pyproject.toml" >&2
-    exit 1
-fi
+# shellcheck source=packaging/llama_sources.sh
+source "$repo_root/packaging/llama_sources.sh"
+ver="$(llama_pin "$repo_root")"
 
 prefix="${EDGECHAT_BENCH_CACHE:-$HOME/.cache/edgechat-bench}/llama.cpp-$ver"
 bin="$prefix/bin"
@@ -29,24 +27,14 @@ fi
 
 # The work tree lives in the cache, not /tmp, so an interrupted build resumes where it stopped.
 work="$prefix/work"
-src="$work/llama_cpp_python-$ver"
-mkdir -p "$work"
-if [[ ! -f "$src/vendor/llama.cpp/CMakeLists.txt" ]]; then
-    pip download --no-deps --no-binary :all: "llama-cpp-python==$ver" -d "$work/sdist" >&2
-    tar -xzf "$work/sdist/llama_cpp_python-$ver.tar.gz" -C "$work"
-fi
-
-generator=()
-if command -v ninja >/dev/null; then
-    generator=(-G Ninja)
-fi
+llama_src="$(llama_sources "$work" "$ver")"
 
 # Same configuration as llama-cpp-python's CPU source build: Release, shared libraries, curl off,
 # GGML_NATIVE/OpenMP/llamafile at llama.cpp's defaults. GGML_NATIVE is pinned ON because its default
 # flips to OFF when SOURCE_DATE_EPOCH is set, and the reference must use the host's SIMD like the
 # engine. The web UI is neither built (npm) nor downloaded: the build must work offline.
 # $ORIGIN rpath: the binaries find the libllama/libggml copies installed next to them.
-cmake -S "$src/vendor/llama.cpp" -B "$work/build" "${generator[@]}" \
+cmake -S "$llama_src" -B "$work/build" "${cmake_generator[@]}" \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=ON \
     -DGGML_NATIVE=ON \

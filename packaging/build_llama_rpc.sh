@@ -8,11 +8,9 @@
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-ver="$(sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' "$repo_root/pyproject.toml")"
-if [[ -z "$ver" ]]; then
-    echo "error: no llama-cpp-python==VERSION pin found in $repo_root/pyproject.toml" >&2
-    exit 1
-fi
+# shellcheck source=packaging/llama_sources.sh
+source "$repo_root/packaging/llama_sources.sh"
+ver="$(llama_pin "$repo_root")"
 
 prefix="${EDGECHAT_BENCH_CACHE:-$HOME/.cache/edgechat-bench}/llama.cpp-$ver-rpc"
 bin="$prefix/bin"
@@ -23,21 +21,11 @@ fi
 
 # The work tree lives in the cache, so an interrupted build resumes where it stopped.
 work="$prefix/work"
-src="$work/llama_cpp_python-$ver"
-mkdir -p "$work"
-if [[ ! -f "$src/vendor/llama.cpp/CMakeLists.txt" ]]; then
-    pip download --no-deps --no-binary :all: "llama-cpp-python==$ver" -d "$work/sdist" >&2
-    tar -xzf "$work/sdist/llama_cpp_python-$ver.tar.gz" -C "$work"
-fi
-
-generator=()
-if command -v ninja >/dev/null; then
-    generator=(-G Ninja)
-fi
+llama_src="$(llama_sources "$work" "$ver")"
 
 # llama-cpp-python's CPU configuration plus -DGGML_RPC=ON; tools on for ggml-rpc-server only.
 # $ORIGIN rpath: libllama and ggml-rpc-server find the libggml built with them, not another one.
-cmake -S "$src/vendor/llama.cpp" -B "$work/build" "${generator[@]}" \
+cmake -S "$llama_src" -B "$work/build" "${cmake_generator[@]}" \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=ON \
     -DGGML_RPC=ON \
