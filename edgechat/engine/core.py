@@ -311,12 +311,11 @@ class Engine(PromptQueries):
     def _load_draft(self) -> tuple[DraftModel | None, str | None]:
         """The draft model, if one is configured: a wrong vocabulary is refused (a choice to
         correct), a file that does not load leaves the model serving without it, and says so."""
-        cfg = self.config
         if self.draft_ref is None:
             return None, None
         try:
             path = resolve_model(self.draft_ref, self.paths)
-            draft = DraftModel(path, self.backend, self.n_ctx, self.n_threads, cfg.flash_attn)
+            draft = DraftModel(path, self.backend, self.n_ctx, self.n_threads, self.config.flash_attn)
         except DraftVocabError:
             self.backend.close()
             raise
