@@ -26,6 +26,7 @@ from edgechat.engine.kvcache import KVManager, Slot
 from edgechat.engine.llama import LlamaBackend
 from edgechat.engine.metrics import RequestClock
 from edgechat.engine.prompt import Prepared, PromptBuilder, PromptQueries
+from edgechat.engine.promptcache import PromptCache
 from edgechat.engine.request import ChatRequest, ContextPolicy, RequestHandle, SamplingParams
 from edgechat.engine.scheduler import Running, Scheduler
 from edgechat.engine.sessions import ConversationStates
@@ -66,12 +67,17 @@ class EngineConfig:
     #: llama.cpp RPC servers ("host:port") whose devices take layers like local GPUs
     rpc_servers: list[str] = field(default_factory=list)
     snapshot_budget: int = 4 << 30
+    #: bytes of host RAM for the states of recent prompts beyond the slots (engine/promptcache.py);
+    #: 0 = off. Off by default here: conversations have their own snapshots; `serve` turns it on
+    prompt_cache_budget: int = 0
     paths: Paths | None = None
     #: speculative decoding by default: "auto" (n-gram lookup, and the draft model if any,
     #: where they pay), "off", "lookup", "draft"
     speculative: str = "auto"
     #: a smaller model of the same vocabulary that guesses tokens for the model to verify
     draft_model: str | None = None
+    #: a Jinja chat template used instead of the GGUF's own (as llama-server's --chat-template-file)
+    chat_template: str | None = None
     ep: str | None = None  # an ONNX folder's onnxruntime execution provider (engine/onnxrt.py)
     #: called from the loading thread with the fraction of the model read (0..1)
     on_load_progress: Callable[[float], None] | None = None
@@ -131,7 +137,7 @@ class Engine(PromptQueries):
         )
         be = self.backend
         self.format = choose_format(
-            be.meta("tokenizer.chat_template"),
+            cfg.chat_template or be.meta("tokenizer.chat_template"),
             info.architecture,
             be.token_text(be.bos) if be.bos >= 0 else "",
             be.token_text(be.eos) if be.eos >= 0 else "",
@@ -143,7 +149,10 @@ class Engine(PromptQueries):
         self._lock = threading.Lock()
         self.states = ConversationStates()
         self._snapshots: SnapshotStore | None = None
-        self.kv = KVManager(be, self.n_slots, self._snapshot_store, self._saved_state, self._restored_state)
+        self.prompt_cache = PromptCache(cfg.prompt_cache_budget, lambda: self._snapshot_store().tags)
+        self.kv = KVManager(
+            be, self.n_slots, self._snapshot_store, self._saved_state, self._restored_state, self.prompt_cache
+        )
         self.draft, self.draft_warning = self._load_draft()
         self.scheduler = Scheduler(
             be, self.kv, self.states, self.n_ctx, cfg.n_parallel, self._policy, self._speculative, self.draft
@@ -205,6 +214,8 @@ class Engine(PromptQueries):
             "kv_total": self.n_ctx * self.n_slots,
             "n_parallel": self.config.n_parallel,
             "decode_calls": self.scheduler.decode_calls,
+            "prompt_cache_bytes": self.prompt_cache.bytes,
+            "prompt_cache_entries": len(self.prompt_cache),
         }
 
     def release_session(self, session: str, wait: bool = True) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import datetime
+import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -59,7 +60,14 @@ def _env() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    # the JSON tool templates write (tools, call arguments) must be what the model was trained
+    # on: Jinja's own tojson escapes <, > and & for HTML, transformers' does not
+    env.filters["tojson"] = _tojson
     return env
+
+
+def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
 
 
 def validate_messages(messages: list[dict]) -> list[dict]:
@@ -84,11 +92,14 @@ class ChatFormat:
 
     mode: str  # "chat" (the GGUF's template), "family:<name>" (known fallback) or "completion"
     warning: str | None
-    _render: Callable[[list[dict], bool], str]
+    _render: Callable[..., str]
+    #: the Jinja source rendered (None in completion mode): the server reads its tool syntax there
+    source: str | None = None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
+        """The prompt; `variables` go to the template as they are (`tools` for one that takes them)."""
         try:
-            return self._render(messages, add_generation_prompt)
+            return self._render(messages, add_generation_prompt, **variables)
         except TemplateError as exc:
             raise UsageError(f"the model's chat template rejected these messages: {exc}") from None
 
@@ -181,7 +192,7 @@ class ChatFormat:
         return cuts
 
 
-def _completion(messages: list[dict], add_generation_prompt: bool) -> str:
+def _completion(messages: list[dict], add_generation_prompt: bool, **variables) -> str:
     return "\n\n".join(m["content"] for m in messages)
 
 
@@ -210,7 +221,7 @@ def choose_format(template: str | None, architecture: str, bos: str, eos: str, h
     except TemplateError as exc:
         return ChatFormat("completion", f"the model's chat template is broken ({exc}); plain completion mode", _completion)
 
-    def render(messages: list[dict], add_generation_prompt: bool) -> str:
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
+    def render(messages: list[dict], add_generation_prompt: bool, **variables) -> str:
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos, **variables)
 
-    return ChatFormat(mode, warning, render)
+    return ChatFormat(mode, warning, render, source)

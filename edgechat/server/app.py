@@ -35,7 +35,8 @@ from edgechat.server.metrics import ServerMetrics
 from edgechat.server.responses import ResponseIds, sse
 from edgechat.server.schemas import ParsedRequest, decode_body, parse_chat, parse_completion
 from edgechat.server.settings import ServerSettings
-from edgechat.server.tools import ToolCallParser
+from edgechat.server.toolfamilies import family_for, native_messages
+from edgechat.server.tools import ToolCallParser, tool_grammar
 
 log = logging.getLogger("edgechat.server")
 #: an SSE comment: clients ignore it, connections with idle timeouts stay open
@@ -51,6 +52,21 @@ class _Served:
         self.id = model_id or path.stem
         # requests may also name the model by its file or by the name in its metadata
         self.names = {n.lower() for n in (self.id, path.stem, path.name, engine.model_name) if n}
+        #: the tool-call syntax its template writes (the generic one where it takes no tools)
+        self.tool_family = family_for(engine.format.source)
+
+    def request(self, parsed: ParsedRequest) -> ChatRequest:
+        """The request for this model: with tools (or calls in the history) and a template that
+        takes them, the prompt is the template's own rendering and the grammar its syntax."""
+        req, family = parsed.request, self.tool_family
+        if parsed.messages is None or not family.native:
+            return req
+        if parsed.tools is None and not any(m["role"] == "tool" or m.get("tool_calls") for m in parsed.messages):
+            return req
+        messages, variables = native_messages(parsed.messages, parsed.tools.offered if parsed.tools else None, family)
+        prompt = self.engine.format.render(messages, True, **variables)
+        grammar = tool_grammar(parsed.tools, family) if parsed.tools else req.grammar
+        return dataclasses.replace(req, messages=None, prompt=prompt, grammar=grammar)
 
     def card(self, created: int) -> dict:
         info, engine = self.engine.model_info, self.engine
@@ -174,16 +190,18 @@ class _Server:
         parsed = parse_completion(await self.read_body(request))
         return await self.generate(request, parsed, "text", arrival)
 
-    async def admit(self, engine, req: ChatRequest):
-        """Build the prompt once, enforce --max-input-tokens and fit max_tokens to the room the
-        prompt leaves; returns the built prompt for submit().
+    async def admit(self, served: _Served, parsed: ParsedRequest):
+        """Build the request for the model and its prompt once, enforce --max-input-tokens and
+        fit max_tokens to the room the prompt leaves; returns the request and the built prompt
+        for submit().
 
         The engine keeps going past a full context by shifting it, so an unbounded or huge
         max_tokens (10**9) must be cut to what the context holds, or the answer never ends.
         """
+        engine = served.engine
         n_ctx, limit = engine.n_ctx, self.settings.max_input_tokens
         # templating and tokenizing: keep them off the event loop
-        prepared = await run_in_threadpool(engine.prepare, req)
+        req, prepared = await run_in_threadpool(_build, served, parsed)
         n = len(prepared.tokens)
         if limit is not None and n > limit:
             raise self.reject(prompt_too_long(n, limit, "the server's --max-input-tokens"))
@@ -195,11 +213,10 @@ class _Server:
             # and refuses longer prompts itself (in submit)
             req.max_tokens = room
         req.max_tokens = self.degrade.cap(req.max_tokens)
-        return prepared
+        return req, prepared
 
     async def generate(self, request: Request, parsed: ParsedRequest, kind: str, arrival: float) -> Response:
         served = self.find_model(parsed.model)
-        req = parsed.request
         waiting = sum(m.engine.stats()["waiting"] for m in self.served())
         self.degrade.on_admit(waiting, self.oldest_queued_wait())
         served = self.route(served)
@@ -211,7 +228,7 @@ class _Server:
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         gens: list[Generation] = []
         try:
-            prepared = await self.admit(served.engine, req)
+            req, prepared = await self.admit(served, parsed)
             for i in range(parsed.n):
                 gen = Generation(loop, arrival + self.settings.request_timeout, self.on_finished, i, events)
                 gen.model = served.id
@@ -232,19 +249,19 @@ class _Server:
         ids = ResponseIds.new(kind, served.id)
         if parsed.stream:
             return StreamingResponse(
-                self.stream(gens, parsed, kind, ids), media_type="text/event-stream", headers=responses.SSE_HEADERS
+                self.stream(gens, parsed, kind, ids, served), media_type="text/event-stream", headers=responses.SSE_HEADERS
             )
         finished = await self.wait(request, gens)
         if finished is None:
             # the client left; nobody reads this
             return Response(status_code=499)
-        choices = [self.choice(f, parsed) for f in finished]
+        choices = [self.choice(f, parsed, served) for f in finished]
         return JSONResponse(responses.completion_body(choices, kind, ids))
 
-    def choice(self, finished: Finished, parsed: ParsedRequest) -> responses.Choice:
+    def choice(self, finished: Finished, parsed: ParsedRequest, served: _Served) -> responses.Choice:
         if parsed.tools is None:
             return responses.Choice(finished, finished.text)
-        parser = ToolCallParser()
+        parser = ToolCallParser(served.tool_family)
         parser.feed(finished.text)
         parser.finish()
         self.metrics.tool_calls.inc(len(parser.calls))
@@ -283,9 +300,9 @@ class _Server:
             code="timeout",
         )
 
-    async def stream(self, gens: list[Generation], parsed: ParsedRequest, kind: str, ids: ResponseIds) -> AsyncIterator[str]:
+    async def stream(self, gens: list[Generation], parsed: ParsedRequest, kind: str, ids: ResponseIds, served: _Served) -> AsyncIterator[str]:
         events = gens[0].events
-        choices = [_StreamedChoice(ToolCallParser() if parsed.tools is not None else None) for _ in gens]
+        choices = [_StreamedChoice(ToolCallParser(served.tool_family) if parsed.tools is not None else None) for _ in gens]
         try:
             if kind == "chat":
                 for i in range(len(gens)):
@@ -365,6 +382,11 @@ class _StreamedChoice:
     done: bool = False  # its last chunk is sent
     offset: int = 0  # text sent so far (the legacy logprobs' text_offset)
     calls: list = dataclasses.field(default_factory=list)
+
+
+def _build(served: _Served, parsed: ParsedRequest) -> tuple[ChatRequest, object]:
+    req = served.request(parsed)
+    return req, served.engine.prepare(req)
 
 
 def _choice_request(req: ChatRequest, index: int, gens: list[Generation]) -> ChatRequest:

@@ -72,6 +72,9 @@ class ParsedRequest:
     n: int = 1
     #: the tools offered and how they may be called (chat only)
     tools: Tools | None = None
+    #: the checked chat messages, tool calls and results included: a model whose template takes
+    #: tools renders them itself (app.py); `request` holds them in the generic format
+    messages: list[dict] | None = None
 
 
 def decode_body(raw: bytes) -> dict:
@@ -245,6 +248,7 @@ def _messages(body: dict, max_messages: int) -> list[dict]:
                     param=f"messages[{i}].tool_call_id",
                     code="invalid_value",
                 )
+            parsed["tool_call_id"] = call_id
         out.append(parsed)
     return out
 
@@ -347,8 +351,9 @@ def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages) -> P
     if ignore_eos and grammar is not None:
         # a finished grammar allows only the end of text: ignoring it would repeat that to max_tokens
         raise bad_request("'ignore_eos' cannot be combined with response_format or tools", param="ignore_eos", code="invalid_value")
+    messages = _messages(body, max_messages)
     request = ChatRequest(
-        messages=render_messages(_messages(body, max_messages), tools),
+        messages=render_messages(messages, tools),
         sampling=_sampling(body),
         max_tokens=_max_tokens(body, None),
         stop=_stop(body),
@@ -357,7 +362,7 @@ def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages) -> P
         grammar=grammar,
         logprobs=_chat_logprobs(body),
     )
-    return ParsedRequest(request, model, stream, include_usage, n, tools if tools is not None and tools.active else None)
+    return ParsedRequest(request, model, stream, include_usage, n, tools if tools is not None and tools.active else None, messages)
 
 
 def parse_completion(body: dict) -> ParsedRequest:

@@ -1,18 +1,21 @@
 """Tool calling: OpenAI's `tools` / `tool_choice` in, the model's calls out as `tool_calls`.
 
-The calls are written in one documented format (docs/server.md), told to the model in the
-system prompt, the format Hermes-style and Qwen models are trained on:
+A model whose chat template takes `tools` and whose call syntax is known (toolfamilies.py:
+Qwen/Hermes, Llama 3.x, Mistral, Phi-4-mini) gets the tools, its earlier calls and their
+results through its own template, and writes calls in its own syntax. Any other model gets the
+documented generic format (docs/server.md) in the system prompt, the format Hermes-style and
+Qwen models are trained on:
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-A grammar holds the model to it: lazy for `auto` (free text until the model writes
-`<tool_call>`, then a well-formed call to an offered tool whose arguments follow that tool's
-`parameters` schema), immediate for `required` and a named function. `ToolCallParser` takes
-the calls out of the text as it streams, so no `<tool_call>` syntax ever reaches `content`.
-Earlier calls and results in the history are written back in the same format (results as
-`<tool_response>` blocks in a user turn).
+with earlier calls written back the same way and results as `<tool_response>` blocks in a user
+turn. Either way a grammar holds the model to its family's syntax: lazy for `auto` (free text
+until the model writes the family's opener, then well-formed calls to offered tools whose
+arguments follow each tool's `parameters` schema), immediate for `required` and a named
+function. `ToolCallParser` takes the calls out of the text as it streams, so none of the call
+syntax ever reaches `content`.
 """
 
 from __future__ import annotations
@@ -21,15 +24,16 @@ import json
 import logging
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from edgechat.engine.request import Grammar
 from edgechat.server.errors import bad_request
 from edgechat.server.structured import check_schema, schema_rules
+from edgechat.server.toolfamilies import GENERIC, CallSyntax, ToolFamily, call_objects
 
 log = logging.getLogger("edgechat.server")
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OPEN, CLOSE = GENERIC.syntaxes[0].opener, GENERIC.syntaxes[0].closer
 #: calls in one answer when parallel_tool_calls is on (a small model may not stop by itself)
 MAX_PARALLEL_CALLS = 8
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -57,6 +61,11 @@ class Tools:
     @property
     def active(self) -> bool:
         return self.choice != "none" and bool(self.functions)
+
+    @property
+    def offered(self) -> list[dict]:
+        """The functions the model is told of: only the named one for a named choice."""
+        return [f for f in self.functions if self.named in (None, f["name"])]
 
 
 def parse_tools(body: dict) -> Tools | None:
@@ -115,32 +124,56 @@ def parse_tools(body: dict) -> Tools | None:
     return Tools(functions, kind, named, parallel)
 
 
-def tool_grammar(tools: Tools) -> Grammar:
-    """Well-formed calls to the offered functions (only the named one for a named choice)."""
-    offered = [f for f in tools.functions if tools.named in (None, f["name"])]
+def tool_grammar(tools: Tools, family: ToolFamily = GENERIC) -> Grammar:
+    """Well-formed calls to the offered functions (only the named one for a named choice), in
+    any of the family's call syntaxes."""
+    offered = tools.offered
     # checked per tool: each tool's $refs point into its own parameters
     rules = schema_rules([(f"args-{i}", f["parameters"]) for i, f in enumerate(offered)], "tools")
+    key = family.args_key
     calls = []
     for i, f in enumerate(offered):
         calls.append(
-            f'call-{i} ::= "{{" " "? "\\"name\\"" " "? ":" " "? "\\"{f["name"]}\\"" " "? "," " "? "\\"arguments\\"" " "? ":" " "? args-{i} "}}"'
+            f'call-{i} ::= "{{" " "? "\\"name\\"" " "? ":" " "? "\\"{f["name"]}\\"" " "? "," " "? "\\"{key}\\"" " "? ":" " "? args-{i} "}}"'
         )
     many = tools.parallel and tools.named is None
-    repeat = f' ("\\n" tool-call){{0,{MAX_PARALLEL_CALLS - 1}}}' if many else ""
-    lines = [
-        f"tool-calls ::= tool-call{repeat}",
-        f'tool-call ::= "{OPEN}\\n" call " "? "\\n{CLOSE}"',
-        "call ::= " + " | ".join(f"call-{i}" for i in range(len(offered))),
-        *calls,
-    ]
+    lines = ["tool-calls ::= " + " | ".join(f"calls-{k}" for k in range(len(family.syntaxes)))]
+    for k, syntax in enumerate(family.syntaxes):
+        lines.append(f"calls-{k} ::= " + _syntax_rule(syntax, many))
+    lines += ["call ::= " + " | ".join(f"call-{i}" for i in range(len(offered))), *calls]
     lazy = tools.choice == "auto"
     # the text from the opener on follows the grammar; what comes before it is the content
-    triggers = (rf"[\s\S]*?({re.escape(OPEN)})[\s\S]*",) if lazy else ()
+    triggers = tuple(_trigger(s) for s in family.syntaxes) if lazy else ()
     return Grammar(rules.rstrip("\n") + "\n" + "\n".join(lines) + "\n", "tool-calls", triggers)
 
 
+def _literal(text: str) -> str:
+    return json.dumps(text)  # a GBNF string literal escapes as JSON does, for these texts
+
+
+def _syntax_rule(syntax: CallSyntax, many: bool) -> str:
+    """One syntax's calls: one JSON list after the opener, or one block per call."""
+    repeat = f"{{0,{MAX_PARALLEL_CALLS - 1}}}" if many else ""
+    if syntax.listed:
+        parts = [_literal(syntax.opener), f'"[" call ("," " "? call){repeat} "]"' if many else '"[" call "]"', _literal(syntax.closer)]
+        return " ".join(p for p in parts if p != '""')
+    if not syntax.opener:
+        return "call"  # a bare JSON call at the start of the answer: nothing could open a second
+    if syntax.closer:
+        block = f'{_literal(syntax.opener + chr(10))} call " "? {_literal(chr(10) + syntax.closer)}'
+    else:
+        block = _literal(syntax.opener) + " call"
+    return f'{block} ("\\n" {block}){repeat}' if many else block
+
+
+def _trigger(syntax: CallSyntax) -> str:
+    if not syntax.opener:
+        return r"\s*(\{)[\s\S]*"  # a call that is the whole answer: the answer starts with it
+    return rf"[\s\S]*?({re.escape(syntax.opener)})[\s\S]*"
+
+
 def system_prompt(tools: Tools) -> str:
-    lines = "\n".join(json.dumps(f, ensure_ascii=False) for f in tools.functions if tools.named in (None, f["name"]))
+    lines = "\n".join(json.dumps(f, ensure_ascii=False) for f in tools.offered)
     many = "Write one block per call when several are needed.\n" if tools.parallel and tools.named is None else ""
     return TOOLS_PROMPT.format(tools=lines, many=many)
 
@@ -189,39 +222,42 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-@dataclass
 class ToolCallParser:
-    """Splits streamed answer text into content and tool calls; the call syntax never comes out
-    as content (a call cut off by max_tokens is dropped, not shown)."""
+    """Splits streamed answer text into content and tool calls in one family's syntaxes; the
+    call syntax never comes out as content (a call cut off by max_tokens is dropped, not shown).
+    """
 
-    content: list[str] = field(default_factory=list)
-    calls: list[ToolCall] = field(default_factory=list)
-    _held: str = ""
-    _in_call: bool = False
+    def __init__(self, family: ToolFamily = GENERIC):
+        self.family = family
+        self.content: list[str] = []
+        self.calls: list[ToolCall] = []
+        self._held = ""
+        self._syntax: CallSyntax | None = None  # the syntax of the call being read
+        #: a bare JSON call can only be the whole answer: once other text is out, none can come
+        self._bare = any(not s.opener for s in family.syntaxes)
+        self._openers = [s for s in family.syntaxes if s.opener]
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """New content and newly completed calls in `text`."""
         self._held += text
         out, new = [], []
         while True:
-            if self._in_call:
-                end = self._held.find(CLOSE)
-                if end < 0:
+            if self._syntax is not None:
+                if not self._read_call(new, out, final=False):
                     break
-                call = _parse_call(self._held[:end])
-                if call is not None:
-                    new.append(call)
-                self._held, self._in_call = self._held[end + len(CLOSE) :], False
                 continue
-            start = self._held.find(OPEN)
-            if start >= 0:
-                out.append(self._held[:start] if not self.calls and not new else "")
-                self._held, self._in_call = self._held[start + len(OPEN) :], True
+            at, syntax = self._next_opener()
+            if syntax is not None:
+                if not self.calls and not new:
+                    out.append(self._held[:at])
+                self._held, self._syntax = self._held[at + len(syntax.opener) :], syntax
                 continue
-            keep = _partial_opener(self._held)
+            keep = self._undecided()
             if not self.calls and not new:
                 # between and after calls only the separating whitespace the grammar allows
                 out.append(self._held[: len(self._held) - keep])
+                if self._held[: len(self._held) - keep].strip():
+                    self._bare = False
             self._held = self._held[len(self._held) - keep :]
             break
         self.calls.extend(new)
@@ -230,9 +266,15 @@ class ToolCallParser:
         return text_out, new
 
     def finish(self) -> str:
-        """The end: held text that never became an opener is content."""
-        tail = "" if self._in_call or self.calls else self._held
-        self._held = ""
+        """The end: a call whose end never came is read as far as it goes (a closer-less one
+        ends with the text); held text that never became an opener is content."""
+        out: list[str] = []
+        if self._syntax is not None:
+            new: list[ToolCall] = []
+            self._read_call(new, out, final=True)
+            self.calls.extend(new)
+        tail = "".join(out) + ("" if self._syntax is not None or self.calls else self._held)
+        self._held, self._syntax = "", None
         self.content.append(tail)
         return tail
 
@@ -242,21 +284,68 @@ class ToolCallParser:
         # the blank line a model puts before its call is not content
         return text.rstrip() if self.calls else text
 
+    def _next_opener(self) -> tuple[int, CallSyntax | None]:
+        found = min(((self._held.find(s.opener), s) for s in self._openers if s.opener in self._held), default=None, key=lambda f: f[0])
+        if found is not None:
+            return found
+        if self._bare and not self.calls:
+            stripped = self._held.lstrip()
+            if stripped.startswith("{"):
+                return len(self._held) - len(stripped), self.family.syntaxes[0]
+        return -1, None
 
-def _partial_opener(text: str) -> int:
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:n]):
+    def _undecided(self) -> int:
+        """How many characters at the end of the held text may still start a call."""
+        if self._bare and not self.calls and not self._held.strip():
+            return len(self._held)
+        return max((_partial(self._held, s.opener) for s in self._openers), default=0)
+
+    def _read_call(self, new: list[ToolCall], out: list[str], final: bool) -> bool:
+        """Read the call after an opener from the held text; False if it is not all there yet."""
+        syntax = self._syntax
+        if syntax.closer:
+            end = self._held.find(syntax.closer)
+            if end < 0 and not final:
+                return False
+            body, rest = (self._held, "") if end < 0 else (self._held[:end], self._held[end + len(syntax.closer) :])
+            try:
+                value = json.loads(body)
+            except json.JSONDecodeError:
+                value = None
+        else:
+            body = self._held.lstrip()
+            if body and body[0] not in "[{" and syntax.opener:
+                # the opener's word in prose ("functools" is also a Python module): content
+                self._held, self._syntax = syntax.opener + self._held, None
+                self._openers = [s for s in self._openers if s is not syntax]
+                return True
+            try:
+                value, used = _DECODER.raw_decode(body)
+            except json.JSONDecodeError:
+                if not final:
+                    return False  # not all there yet (or malformed: dropped at the end)
+                value, used = None, len(body)
+            rest = body[used:]
+        self._held, self._syntax = rest, None
+        calls = call_objects(value)
+        if calls is None and not syntax.opener and not self.calls and not new:
+            # a JSON answer that is not a call (no opener promised one) is content
+            out.append(body if rest == "" else body[: len(body) - len(rest)])
+            self._bare = False
+            return True
+        if calls is None:
+            # only without a grammar (the model's own syntax gone wrong): dropped, never shown
+            log.warning("dropped a malformed tool call: %.200s", body)
+            return True
+        new.extend(ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False)) for name, args in calls)
+        return True
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _partial(text: str, opener: str) -> int:
+    for n in range(min(len(opener) - 1, len(text)), 0, -1):
+        if text.endswith(opener[:n]):
             return n
     return 0
-
-
-def _parse_call(text: str) -> ToolCall | None:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        obj = None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments", {}), dict):
-        # only without a grammar (a template's own format gone wrong): dropped, never shown
-        log.warning("dropped a malformed tool call: %.200s", text)
-        return None
-    return ToolCall(new_call_id(), obj["name"], json.dumps(obj.get("arguments", {}), ensure_ascii=False))

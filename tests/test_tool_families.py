@@ -1,0 +1,266 @@
+"""Tool calls in each family's own format: the model's template renders the tools, its earlier
+calls and their results; the family's parser reads its real call text (streamed or whole) with
+nothing of the syntax left in content; the grammar writes that syntax. The templates below are
+short excerpts written for these tests in the shape of each family's published template (what
+they read and where they put tools, calls and results), not copies of them."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+from edgechat.engine import ChatRequest, Engine, EngineConfig
+from edgechat.engine.request import SamplingParams
+from edgechat.engine.templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, choose_format
+from edgechat.server import ServerSettings, create_app
+from edgechat.server.schemas import parse_chat
+from edgechat.server.toolfamilies import GENERIC, HERMES, LLAMA3, MISTRAL, PHI4, family_for, native_messages
+from edgechat.server.tools import ToolCallParser, _trigger, parse_tools, render_messages, tool_grammar
+from serving import serving
+
+MODEL = "smollm2-135m-instruct"
+
+# Qwen 2.5 / Hermes: tools as JSON lines in a system turn, calls in <tool_call> blocks, results
+# as <tool_response> blocks in a user turn
+QWEN = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+Function signatures in <tools></tools>:
+<tools>
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}</tools>
+Answer a call as <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' or (m.role == 'assistant' and not m.tool_calls) %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% elif m.role == 'assistant' %}<|im_start|>assistant
+{% if m.content %}{{ m.content }}
+{% endif %}{% for c in m.tool_calls %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>
+{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}{% if messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user
+{% endif %}<tool_response>
+{{ m.content }}
+</tool_response>
+{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
+{% endif %}{% endif %}{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+# Llama 3.1: tools in the first user turn, a call is the JSON answer itself ("parameters"),
+# results come back in an ipython turn
+LLAMA = """{{ bos_token }}{% if messages[0].role == 'system' %}{% set sys = messages[0].content %}{% set messages = messages[1:] %}{% else %}{% set sys = '' %}{% endif %}
+<|start_header_id|>system<|end_header_id|>
+
+{% if tools %}Environment: ipython
+{% endif %}{{ sys }}<|eot_id|>
+{%- for m in messages %}
+{%- if m.role == 'user' and loop.first and tools %}<|start_header_id|>user<|end_header_id|>
+
+Reply with a JSON object {"name": function name, "parameters": its arguments} to call one of:
+
+{% for t in tools %}{{ t | tojson(indent=4) }}
+
+{% endfor %}{{ m.content }}<|eot_id|>
+{%- elif m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>
+
+{% for c in m.tool_calls %}{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}{% endfor %}<|eot_id|>
+{%- elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>
+
+{{ m.content }}<|eot_id|>
+{%- else %}<|start_header_id|>{{ m.role }}<|end_header_id|>
+
+{{ m.content }}<|eot_id|>
+{%- endif %}{% endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
+
+# Mistral (v3 tokenizer): tools before the last user turn, calls as a [TOOL_CALLS] list whose ids
+# must be 9 letters or digits, results in [TOOL_RESULTS] naming the call
+MISTRAL_T = """{% set ns = namespace(last=-1, sys='') %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% elif m.role == 'system' %}{% set ns.sys = m.content %}{% endif %}{% endfor %}
+{{- bos_token }}{% for m in messages %}
+{%- if m.role == 'user' %}{% if loop.index0 == ns.last and tools %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[INST] {% if loop.index0 == ns.last and ns.sys %}{{ ns.sys }}\n\n{% endif %}{{ m.content }}[/INST]
+{%- elif m.tool_calls %}[TOOL_CALLS] [{% for c in m.tool_calls %}{% if c.id | length != 9 %}{{ raise_exception('tool call ids must be 9 alphanumerics') }}{% endif %}{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}, "id": "{{ c.id }}"}{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}
+{%- elif m.role == 'tool' %}[TOOL_RESULTS] {"content": {{ m.content | tojson }}, "call_id": "{{ m.tool_call_id }}"}[/TOOL_RESULTS]
+{%- elif m.role == 'assistant' %} {{ m.content }}{{ eos_token }}
+{%- endif %}{% endfor %}"""
+
+# Phi-4-mini: the tools are a JSON string in the system message's `tools` field
+PHI = """{% for m in messages %}{% if m.role == 'system' and 'tools' in m and m.tools is not none %}<|system|>{{ m.content }}<|tool|>{{ m.tools }}<|/tool|><|end|>{% else %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% else %}{{ eos_token }}{% endif %}"""
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather <now> & later in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"], "additionalProperties": False},
+    },
+}
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_abc", "name": "get_weather", "arguments": '{"city": "Oslo"}'}]},
+    {"role": "tool", "content": "cold", "tool_call_id": "call_abc"},
+]
+
+FAMILIES = {"qwen": (QWEN, HERMES), "llama3": (LLAMA, LLAMA3), "mistral": (MISTRAL_T, MISTRAL), "phi4": (PHI, PHI4)}
+#: what each family's models write when they call (their published examples' shape)
+REAL_CALLS = {
+    "qwen": 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+    "llama3": '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "a1b2c3d4e"}, {"name": "get_weather", "arguments": {"city": "Rome"}, "id": "f5g6h7i8j"}]',
+    "phi4": 'functools[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]',
+}
+
+
+def _format(template: str):
+    return choose_format(template, "llama", "<s>", "</s>", lambda t: False)
+
+
+def test_the_family_is_read_from_the_template():
+    assert {name: family_for(t) for name, (t, _) in FAMILIES.items()} == {name: f for name, (_, f) in FAMILIES.items()}
+    # templates that take no tools (SmolLM2's ChatML, Gemma 3's) get the generic format
+    for template in (CHATML_TEMPLATE, GEMMA_TEMPLATE, None):
+        assert family_for(template) is GENERIC
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tools_calls_and_results_render_through_the_familys_template(name):
+    template, family = FAMILIES[name]
+    tools = parse_tools({"tools": [WEATHER]})
+    messages, variables = native_messages(HISTORY, tools.offered, family)
+    prompt = _format(template).render(messages, True, **variables)
+    # the tool's schema as the template writes it, not HTML-escaped
+    assert "Weather <now> & later in a city." in prompt and '"maxLength": 20' in prompt
+    assert "cold" in prompt and "Be brief." in prompt
+    if name == "qwen":
+        assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in prompt
+        assert "<|im_start|>user\n<tool_response>\ncold\n</tool_response>\n<|im_end|>" in prompt
+    elif name == "llama3":
+        assert '{"name": "get_weather", "parameters": {"city": "Oslo"}}<|eot_id|>' in prompt
+        assert "<|start_header_id|>ipython<|end_header_id|>\n\ncold<|eot_id|>" in prompt
+    elif name == "mistral":
+        [call_id] = re.findall(r'"id": "(\w+)"', prompt)
+        assert len(call_id) == 9 and f'"call_id": "{call_id}"' in prompt  # the call and its result agree
+    else:
+        assert '<|tool|>[{"name": "get_weather"' in prompt and prompt.startswith("<|system|>Be brief.")
+
+
+def test_a_template_without_tools_gets_the_generic_format_gemma():
+    """Gemma 3's template takes no tools: the generic format's system prompt goes into its first
+    user turn, earlier calls as <tool_call> blocks in a model turn."""
+    out = render_messages(HISTORY, parse_tools({"tools": [WEATHER]}))
+    prompt = _format(GEMMA_TEMPLATE).render(out)
+    assert prompt.startswith("<s><start_of_turn>user\nBe brief.\n\nYou can call functions")
+    assert '<start_of_turn>model\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><end_of_turn>' in prompt
+
+
+@pytest.mark.parametrize("name", REAL_CALLS)
+def test_each_familys_real_call_text_parses_at_any_chunking(name):
+    text, family = REAL_CALLS[name], FAMILIES[name][1]
+    cities = ["Oslo"] if name == "llama3" else ["Oslo", "Rome"]
+    for step in (1, 2, 5, len(text)):
+        parser, content = ToolCallParser(family), []
+        for i in range(0, len(text), step):
+            content.append(parser.feed(text[i : i + step])[0])
+        content.append(parser.finish())
+        assert parser.text == ("Let me check." if name == "qwen" else "")
+        assert "".join(content).strip() == parser.text
+        assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_weather", {"city": c}) for c in cities]
+
+
+def test_text_that_only_looks_like_a_call_stays_content():
+    cases = [
+        (LLAMA3, 'Use {"a": 1} here.'),  # JSON that is not a call
+        (LLAMA3, 'The answer is {"name": "x"}'),  # a call is the whole answer, not a quote in one
+        (PHI4, "Python's functools module caches."),  # the opener's word in prose
+        (MISTRAL, "No [TOOL_CALL] here"),
+    ]
+    for family, text in cases:
+        for step in (1, len(text)):
+            parser = ToolCallParser(family)
+            out = [parser.feed(text[i : i + step])[0] for i in range(0, len(text), step)] + [parser.finish()]
+            assert "".join(out) == text and not parser.calls, (family.name, step)
+    # Llama's python_tag form, and a cut-off call that is dropped, never shown
+    parser = ToolCallParser(LLAMA3)
+    parser.feed('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}')
+    assert parser.finish() == "" and parser.calls[0].name == "get_weather"
+    parser = ToolCallParser(MISTRAL)
+    assert parser.feed('Sure [TOOL_CALLS] [{"name": "get_weather", "argu')[0] == "Sure " and parser.finish() == "" and not parser.calls
+
+
+def test_lazy_triggers_are_each_familys_opener():
+    for family, fires, quiet in (
+        (HERMES, "Sure.\n<tool_call>\n{", "Sure, <tool"),
+        (LLAMA3, '\n {"name', 'Hi {"name'),
+        (MISTRAL, "ok [TOOL_CALLS] [", "ok [TOOL"),
+        (PHI4, "functools[{", "functool"),
+    ):
+        triggers = tool_grammar(parse_tools({"tools": [WEATHER]}), family).triggers
+        assert triggers == tuple(_trigger(s) for s in family.syntaxes)
+        assert any(re.fullmatch(t, fires) for t in triggers), family.name
+        assert not any(re.fullmatch(t, quiet) for t in triggers), family.name
+
+
+@pytest.fixture(scope="module")
+def qwen_engine(models_root):
+    """SmolLM2 with a Qwen-style template that takes tools, as if its GGUF carried one."""
+    eng = Engine(EngineConfig(model=MODEL, n_ctx=2048, n_threads=2, n_parallel=2, max_queue=8, paths=models_root, chat_template=QWEN))
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_familys_grammar_makes_a_call_the_familys_parser_reads(qwen_engine, name):
+    template, family = FAMILIES[name]
+    # one call: offered more, this small model keeps calling until max_tokens
+    tools = parse_tools({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False})
+    messages, variables = native_messages([{"role": "user", "content": "Weather in Paris?"}], tools.offered, family)
+    prompt = _format(template).render(messages, True, **variables)
+    request = ChatRequest(prompt=prompt, grammar=tool_grammar(tools, family), max_tokens=60, sampling=SamplingParams(temperature=0), speculative="off")
+    finished = qwen_engine.submit(request).result()
+    assert finished.reason == "stop", finished.text
+    parser = ToolCallParser(family)
+    parser.feed(finished.text)
+    parser.finish()
+    assert parser.text == "" and [c.name for c in parser.calls] == ["get_weather"], finished.text
+    assert set(json.loads(parser.calls[0].arguments)) == {"city"}
+
+
+def test_agent_loop_through_a_qwen_template_with_the_official_client(qwen_engine):
+    with serving(create_app(ServerSettings(model_id=MODEL, degrade_queue_wait=None), qwen_engine)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        args = dict(model=MODEL, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_tokens=60, temperature=0)
+        first = client.chat.completions.create(messages=messages, **args)
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+        chunks = list(client.chat.completions.create(messages=messages, stream=True, **args))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert all(not d.content for d in deltas)
+        streamed = "".join(tc.function.arguments or "" for d in deltas for tc in d.tool_calls or ())
+        assert json.loads(streamed) == json.loads(call.function.arguments)
+
+        messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+        parsed = parse_chat({"messages": messages, "tools": [WEATHER]})
+        rendered, variables = native_messages(parsed.messages, parsed.tools.offered, HERMES)
+        prompt = qwen_engine.format.render(rendered, True, **variables)
+        # the history went through the template: the call as a <tool_call> block, the result in a user turn
+        assert '<tool_call>\n{"name": "get_weather"' in prompt and "<|im_start|>user\n<tool_response>\nsunny, 21 C" in prompt
+        second = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=20, temperature=0)
+        answer = second.choices[0].message
+        assert "<tool_call>" not in (answer.content or "") and (answer.content or answer.tool_calls)
+    stats = qwen_engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0 and qwen_engine.kv_problems() == []
+
