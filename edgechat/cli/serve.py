@@ -33,6 +33,14 @@ def _is_loopback(host: str) -> bool:
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--parallel", type=click.IntRange(1, 256), default=4, show_default=True, help="Sequences generated at once (continuous batching).")
 @click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True, help="KV cache element type.")
+@click.option(
+    "--cache-ram",
+    type=click.IntRange(min=0),
+    default=256,
+    show_default=True,
+    metavar="MIB",
+    help="Host RAM (MiB) for the KV states of recent prompts beyond the sequences; a re-sent prefix is restored, not prefilled. 0 = off.",
+)
 @flash_attn_option
 @swa_cache_option
 @speculative_option
@@ -55,6 +63,7 @@ def serve_cmd(
     port: int,
     parallel: int,
     kv_type: str,
+    cache_ram: int,
     flash_attn: str,
     swa_cache: str,
     speculative: str,
@@ -93,6 +102,7 @@ def serve_cmd(
                 rpc_servers=rpc,
                 n_parallel=parallel,
                 kv_type=kv_type,
+                prompt_cache_budget=cache_ram << 20,
                 flash_attn=flash_attn,
                 swa_cache=swa_cache,
                 speculative=speculative,

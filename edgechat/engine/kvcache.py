@@ -13,6 +13,9 @@ of a slot are moved, the cells it shares at those positions are given up by the 
 them (an idle one), or the move is refused and the caller recomputes instead (a busy one).
 Removing cells from one sequence (`llama_memory_seq_rm`) only drops that sequence's claim, so
 truncation is always safe, and it is how speculative drafts are rolled back.
+
+What an idle slot loses when a new request takes it over is first saved in the prompt cache
+(engine/promptcache.py, host RAM), and a prompt whose longest prefix is there is restored from it.
 """
 
 from __future__ import annotations
@@ -21,9 +24,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from edgechat.engine.llama import LlamaBackend
 from edgechat.engine.snapshots import SnapshotStore
+
+if TYPE_CHECKING:
+    from edgechat.engine.promptcache import CachedPrompt, PromptCache
 
 log = logging.getLogger("edgechat.engine")
 
@@ -31,6 +38,9 @@ log = logging.getLogger("edgechat.engine")
 MIN_REALIGN = 32
 #: new tokens from which llama.cpp's CPU flash attention takes its tiled path (GGML_FA_TILE_Q)
 ALIGNED_PREFILL_MIN = 64
+#: prompt tokens a prompt cache entry must add to what the slots hold to be restored: its state
+#: is loaded whole and then cut back, which a gain of a few tokens does not repay
+MIN_RESTORE_GAIN = 16
 
 
 @dataclass
@@ -42,6 +52,9 @@ class Slot:
     last_used: float = 0.0
     #: the cache changed since its snapshot was written
     dirty: bool = False
+    #: at its last admission: prompt tokens restored from the prompt cache (0: it had nothing
+    #: longer than the slots; None: not consulted)
+    cache_restored: int | None = None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -81,6 +94,14 @@ def find_realign(cache: list[int], prompt: list[int], start: int) -> tuple[int, 
     return best_b, best_n
 
 
+def short_prefix(n: int, total: int) -> bool:
+    """A cached prefix of n tokens this short (a BOS, a one-line system prompt) saves under 1/32
+    of a batch of `total`, while a batch that starts at position 0 runs llama.cpp's tiled
+    attention in step with the causal diagonal: Gemma 3, 512 tokens from 0 take 4% less time
+    than 511 after a cached BOS. Such a prefix is better prefilled again."""
+    return 0 < n and total - n >= ALIGNED_PREFILL_MIN and n * 32 <= total - n
+
+
 class KVInvariantError(AssertionError):
     """A sequence's cells no longer hold its mirror: a bug, never a user mistake."""
 
@@ -90,7 +111,8 @@ class KVManager:
 
     `snapshots()` gives the snapshot store (made on first use: it hashes the model);
     `session_state(session)` the conversation state saved beside a snapshot, and
-    `restored(session, state)` takes it back when a snapshot is loaded.
+    `restored(session, state)` takes it back when a snapshot is loaded; `prompt_cache` keeps
+    the states of idle slots taken over by other prompts.
     """
 
     def __init__(
@@ -100,8 +122,10 @@ class KVManager:
         snapshots: Callable[[], SnapshotStore],
         session_state: Callable[[str], dict],
         restored: Callable[[str, dict], None],
+        prompt_cache: PromptCache | None = None,
     ):
         self.backend = backend
+        self.prompt_cache = prompt_cache
         self.slots = [Slot(seq=i) for i in range(n_slots)]
         self._snapshots = snapshots
         self._session_state = session_state
@@ -173,7 +197,11 @@ class KVManager:
             if not self.backend.seq_rm(slot.seq, -1, -1):
                 raise KVInvariantError(f"llama.cpp refused to clear sequence {slot.seq}")
             n = 0
-            self.can_rewind = False
+            # a small sliding-window cache refuses only rewinds deeper than the window it still
+            # holds (llama.py); a draft's rollback stays inside the batch just decoded, whose
+            # window llama.cpp never overwrites, so speculation goes on
+            if not self.backend.small_swa:
+                self.can_rewind = False
         del slot.tokens[n:]
         self._limit_sharing(slot, n)
         return n
@@ -217,6 +245,7 @@ class KVManager:
             self.clear(other)
             other.session = None
         else:
+            self.stash(other)
             self.truncate(other, n)
 
     def _limit_sharing(self, slot: Slot, n: int) -> None:
@@ -239,18 +268,34 @@ class KVManager:
         # empty slot loses nothing: a prefix another slot holds is shared into it below), then LRU
         free.sort(key=lambda s: (s.session is not None, len(s.tokens) - common_prefix(s.tokens, prompt), s.last_used))
         slot = free[0]
+        stash = None
         if slot.session is not None:
             self.save_snapshot(slot)  # spill the least recently used conversation to disk
+        elif common_prefix(slot.tokens, prompt) < len(slot.tokens):
+            stash = self._state_to_stash(slot)  # cells about to go: a later prompt may start with them
         slot.session = session
+        self._load_prefix(slot, session, prompt, n_ctx)
+        if stash is not None:
+            # stored after the restore made its entry the most recently used: never evicted by it
+            self.prompt_cache.put(*stash)
+        return slot
+
+    def _load_prefix(self, slot: Slot, session: str | None, prompt: list[int], n_ctx: int) -> None:
+        slot.cache_restored = None
         if session is not None and self.restore_snapshot(slot, session, n_ctx):
-            return slot
+            return
         # another sequence may already hold a longer prefix (a shared system prompt): share its cells
         mine = common_prefix(slot.tokens, prompt)
         donor = max(self.slots, key=lambda s: common_prefix(s.tokens, prompt))
         theirs = common_prefix(donor.tokens, prompt)
+        if self._prompt_cache_usable():
+            entry, n = self.prompt_cache.longest(prompt)
+            slot.cache_restored = 0
+            if n >= max(mine, theirs) + MIN_RESTORE_GAIN and not short_prefix(n, len(prompt)) and self.restore_prompt(slot, entry):
+                slot.cache_restored = n
+                return
         if donor is not slot and theirs > mine:
             self.share(slot, donor, theirs)
-        return slot
 
     def reuse(self, slot: Slot, prompt: list[int], realign: bool) -> int:
         """Make the slot's cache a prefix of the prompt, keeping as much as possible; returns how
@@ -263,11 +308,7 @@ class KVManager:
                 n = common_prefix(slot.tokens, prompt)
         self.truncate(slot, n)
         n = len(slot.tokens)
-        if n and len(prompt) - n >= ALIGNED_PREFILL_MIN and n * 32 <= len(prompt) - n:
-            # a cached prefix this short (a BOS, a one-line system prompt) saves under 1/32 of the
-            # batch, while a batch that starts at position 0 runs llama.cpp's tiled attention in
-            # step with the causal diagonal: Gemma 3, 512 tokens from 0 take 4% less time than
-            # 511 after a cached BOS
+        if short_prefix(n, len(prompt)):
             n = self.truncate(slot, 0)
         if n == len(prompt):
             # everything is cached, but the logits are not: recompute the last prompt token
@@ -308,6 +349,39 @@ class KVManager:
         slot.tokens = list(snap.tokens)
         slot.dirty = False
         self._restored(session, snap.session_state)
+        return True
+
+    # ------------------------------------------------------------------ the prompt cache
+    def _prompt_cache_usable(self) -> bool:
+        # a restored state is cut back to the prefix a prompt shares with it: memory that cannot
+        # drop part of a sequence, or a small SWA cache past its window, could only recompute
+        pc = self.prompt_cache
+        return pc is not None and pc.enabled and self.can_rewind and not self.backend.small_swa
+
+    def stash(self, slot: Slot) -> None:
+        """An idle slot is about to lose cells: keep its state in the prompt cache."""
+        if (stash := self._state_to_stash(slot)) is not None:
+            self.prompt_cache.put(*stash)
+
+    def _state_to_stash(self, slot: Slot) -> tuple[list[int], bytes] | None:
+        """The tokens and state of an idle slot for the prompt cache (prompt and answer: a
+        follow-up request starts with both), unless an entry already holds them."""
+        if slot.busy or not slot.tokens or not self._prompt_cache_usable() or self.prompt_cache.covers(slot.tokens):
+            return None
+        return list(slot.tokens), self.backend.state_seq_get(slot.seq)
+
+    def restore_prompt(self, slot: Slot, entry: CachedPrompt) -> bool:
+        """Load a prompt cache entry into the slot; False leaves the slot empty and drops the
+        entry (a state llama.cpp refuses, or cells that are not at 0..n-1, is never used)."""
+        self.clear(slot)
+        n = len(entry.tokens)
+        if not self.backend.state_seq_set(slot.seq, entry.data) or self.backend.seq_pos_range(slot.seq) != (0, n - 1):
+            log.warning("a prompt cache entry of %d tokens did not restore; it is dropped", n)
+            self.clear(slot)
+            self.prompt_cache.drop(entry)
+            return False
+        slot.tokens = list(entry.tokens)
+        self.prompt_cache.touch(entry)
         return True
 
     def forget(self, slot: Slot) -> None:

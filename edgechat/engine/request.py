@@ -126,6 +126,11 @@ class RequestMetrics:
     #: speculative decoding: tokens guessed and verified, and how many of them were kept
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    #: the prompt cache (host RAM): True when it held a longer prefix than the slots and that was
+    #: restored, False when it had none, None when not consulted; restored_tokens are part of
+    #: cached_tokens
+    prompt_cache_hit: bool | None = None
+    restored_tokens: int = 0
 
     @property
     def prefill_tps(self) -> float:

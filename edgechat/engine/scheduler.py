@@ -63,6 +63,7 @@ class Running:
     out_index: int = -1  # batch index whose logits this request samples from
     n_out: int = 0
     cached: int = 0
+    restored: int | None = None  # prompt tokens from the prompt cache (None: not consulted)
     tokens_out: list[int] = field(default_factory=list)
     drafter: NgramDrafter | None = None
     policy: DraftPolicy | None = None  # how much of the n-gram drafter's guesses to try
@@ -169,6 +170,7 @@ class Scheduler:
             run.handle.emit(Evicted(n, 0, self.policy(req).value, f"{n} oldest message{'s' if n > 1 else ''} left the context"))
         realign = req.session is not None and self.policy(req) is ContextPolicy.SHIFT
         run.cached = self.kv.reuse(slot, prompt, realign)
+        run.restored = slot.cache_restored if slot.cache_restored is None else min(slot.cache_restored, run.cached)
         run.pending = prompt[run.cached :]
         run.sampler = SamplerChain(req.sampling, self.backend.n_vocab, self.backend.vocab, req.grammar)
         run.sampler.accept_prompt(prompt)
@@ -366,6 +368,8 @@ class Scheduler:
         metrics = run.clock.build(
             len(run.prep.tokens), run.cached, run.n_out, len(slot.tokens) if slot else 0, self.n_ctx
         )
+        if run.restored is not None:
+            metrics.prompt_cache_hit, metrics.restored_tokens = run.restored > 0, run.restored
         policies = [p for p in (run.policy, run.model_policy) if p is not None]
         if policies:
             metrics.drafted_tokens = sum(p.drafted for p in policies)
