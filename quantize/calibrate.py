@@ -47,7 +47,8 @@ _Tensor._fields_ = [
 ]
 
 
-_OP = _Tensor.op.offset
+_OP, _NAME = _Tensor.op.offset, _Tensor.name.offset
+_LAST = b"result_norm\0"  # llama.cpp's name for the norm before the output layer, in every family
 _c_int = ctypes.c_int
 
 
@@ -86,6 +87,10 @@ class _Collector:
         try:
             # called for every graph node: look at the op before building any struct view
             if _c_int.from_address(t_ptr + _OP).value != self.op:
+                if ctypes.string_at(t_ptr + _NAME, len(_LAST)) == _LAST:
+                    # the final norm: every watched matmul is behind us, and returning False after
+                    # it stops the graph before the output layer (Gemma: 262k rows, most of the work)
+                    return ask
                 return not ask
             t = _Tensor.from_address(t_ptr)
             src0, src1 = t.src[0].contents, t.src[1].contents
@@ -134,7 +139,7 @@ def compute(model_path: str | os.PathLike, text: str, *, dataset: str = BUILTIN,
 
     with Model(Path(model_path), vocab_only=True) as vocab:
         tokens = vocab.tokenize(text, add_special=True)
-        bos = vocab._lc.llama_vocab_bos(vocab.vocab) if vocab.adds_bos else None
+        bos = vocab.bos
         n_vocab = vocab.n_vocab
     if len(tokens) < 2 * n_ctx:
         raise QuantizeError(

@@ -92,8 +92,9 @@ class Model:
         self.close()
 
     @property
-    def adds_bos(self) -> bool:
-        return bool(self._lc.llama_vocab_get_add_bos(self.vocab))
+    def bos(self) -> int | None:
+        """The BOS token, if this vocabulary starts a sequence with one."""
+        return self._lc.llama_vocab_bos(self.vocab) if self._lc.llama_vocab_get_add_bos(self.vocab) else None
 
     def chat_template(self) -> str | None:
         raw = self._lc.llama_model_chat_template(self.model, None)
