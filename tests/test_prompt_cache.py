@@ -1,0 +1,167 @@
+"""The prompt cache (host RAM) on the real SmolLM2: more distinct prompts than sequences, sent
+twice; the second pass restores each prompt's state instead of prefilling it, answers as a cold
+run does, keeps the KV mirrors true to llama.cpp, stays within its byte budget, and never
+restores a state made for another context or one llama.cpp refuses."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+from click.testing import CliRunner
+from neartie import assert_same_tokens_or_near_tie
+from serving import serving
+
+from edgechat.cli import cli
+from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
+from edgechat.engine.kvcache import common_prefix
+from edgechat.engine.promptcache import PromptCache
+from edgechat.server import ServerSettings, create_app
+
+MODEL = "smollm2-135m-instruct"
+SYSTEM = {"role": "system", "content": "You are a careful assistant who answers in one short paragraph."}
+TOPICS = ["a lighthouse keeper", "a copper kettle", "the winter market", "a paper boat", "an old violin", "the night train"]
+#: distinct prompts of ~80 tokens that share the system prompt (as an agent's calls do)
+PROMPTS = [
+    [SYSTEM, {"role": "user", "content": f"Write two sentences about {topic}. Mention the weather, a colour and a sound, and end with a question about {topic}."}]
+    for topic in TOPICS
+]
+ANSWER_TOKENS = 8
+
+
+def engine_for(paths, budget: int, n_parallel: int = 2, n_ctx: int = 512) -> Engine:
+    return Engine(
+        EngineConfig(model=MODEL, n_ctx=n_ctx, n_threads=2, n_parallel=n_parallel, paths=paths, prompt_cache_budget=budget, speculative="off")
+    )
+
+
+def request(messages: list[dict]) -> ChatRequest:
+    # every answer runs to ANSWER_TOKENS, so each cached state holds the same number of tokens
+    return ChatRequest(messages=messages, sampling=SamplingParams(temperature=0), max_tokens=ANSWER_TOKENS, ignore_eos=True)
+
+
+def ask_all(engine: Engine, prompts: list[list[dict]]):
+    """Submit them together (more than there are sequences) and wait for every answer."""
+    handles = [engine.submit(request(p)) for p in prompts]
+    return [h.result(timeout=300) for h in handles]
+
+
+def test_a_second_pass_restores_every_prompt_and_answers_as_a_cold_run(isolated_dirs):
+    with engine_for(isolated_dirs, 64 << 20) as engine:
+        ask_all(engine, PROMPTS)
+        # 6 prompts through 2 sequences: each one taken over was kept in RAM (the last two on
+        # the next pass's admission)
+        assert len(engine.prompt_cache) == len(PROMPTS) - 2
+        second = ask_all(engine, PROMPTS)
+        assert engine.kv_problems() == []
+        for done in second:
+            m = done.metrics
+            assert m.prompt_cache_hit is True, m
+            # all but the last prompt token, whose logits are computed again
+            assert m.restored_tokens == m.cached_tokens == m.prompt_tokens - 1
+        assert engine.stats()["prompt_cache_bytes"] <= 64 << 20
+        for messages, done in zip(PROMPTS, second, strict=True):
+            prompt = engine.prompt_tokens(ChatRequest(messages=messages))
+            cold = engine.greedy_continuation(ANSWER_TOKENS, tokens=prompt)
+            assert_same_tokens_or_near_tie(engine, prompt, cold, done.token_ids)
+        assert engine.kv_problems() == []
+
+
+def test_the_budget_keeps_the_most_recently_used_states(isolated_dirs):
+    with engine_for(isolated_dirs, 64 << 20, n_parallel=1) as engine:
+        ask_all(engine, PROMPTS[:2])
+        (entry,) = engine.prompt_cache.entries()
+        size = len(entry.data)
+        # room for two states of this size, not three
+        engine.prompt_cache.budget = budget = int(size * 2.5)
+        ask_all(engine, PROMPTS[2:])
+        assert engine.stats()["prompt_cache_bytes"] <= budget
+        # one sequence: prompts 0..4 were stashed in turn as the next took it; 3 and 4 remain
+        kept = [e.tokens for e in engine.prompt_cache.entries()]
+        prompts = [engine.prompt_tokens(ChatRequest(messages=p)) for p in PROMPTS]
+        assert [next(i for i, p in enumerate(prompts) if t[: len(p)] == p) for t in kept] == [3, 4]
+        results = [engine.submit(request(PROMPTS[i])).result(timeout=300) for i in (4, 0, 3)]
+        assert [r.metrics.prompt_cache_hit for r in results] == [True, False, False]
+        assert engine.stats()["prompt_cache_bytes"] <= budget
+        assert engine.kv_problems() == []
+
+
+def test_a_state_for_another_context_or_one_llama_cpp_refuses_is_never_restored(isolated_dirs):
+    with engine_for(isolated_dirs, 64 << 20, n_parallel=1) as engine:
+        first = ask_all(engine, PROMPTS[:4])
+        foreign, truncated, too_long = engine.prompt_cache.entries()
+        foreign.tags = {**foreign.tags, "n_ctx": engine.n_ctx * 2}  # saved by an engine of another context size
+        truncated.data = truncated.data[: len(truncated.data) // 2]  # cut short
+        too_long.tokens = too_long.tokens + too_long.tokens[-3:]  # claims cells it does not hold
+        again = [engine.submit(request(p)).result(timeout=300) for p in PROMPTS[:3]]
+        assert [r.metrics.prompt_cache_hit for r in again] == [False] * 3
+        prompts = [engine.prompt_tokens(ChatRequest(messages=p)) for p in PROMPTS]
+        shared = max(common_prefix(prompts[0], p) for p in prompts[1:])  # the system prompt and more
+        assert all(r.metrics.cached_tokens <= shared for r in again)  # the rest was prefilled
+        assert engine.kv_problems() == []
+        assert not any(e is bad for e in engine.prompt_cache.entries() for bad in (foreign, truncated, too_long))
+        for messages, before, after in zip(PROMPTS, first, again):
+            assert_same_tokens_or_near_tie(engine, engine.prompt_tokens(ChatRequest(messages=messages)), before.token_ids, after.token_ids)
+
+
+def test_serve_counts_hits_misses_restored_tokens_and_bytes(isolated_dirs):
+    engine = engine_for(isolated_dirs, 64 << 20)
+    settings = ServerSettings(model_id=MODEL, degrade_queue_wait=None)
+    body = lambda messages: {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0}
+    try:
+        with serving(create_app(settings, engine)) as url, concurrent.futures.ThreadPoolExecutor(4) as pool:
+            for _ in range(2):
+                codes = pool.map(lambda m: httpx.post(f"{url}/v1/chat/completions", json=body(m), timeout=300).status_code, PROMPTS)
+                assert list(codes) == [200] * len(PROMPTS)
+            text = httpx.get(f"{url}/metrics").text
+        prompts = [engine.prompt_tokens(ChatRequest(messages=p)) for p in PROMPTS]
+    finally:
+        engine.close()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("edgechat_prompt_cache")}
+    assert values["edgechat_prompt_cache_hits_total"] == len(PROMPTS)
+    assert values["edgechat_prompt_cache_misses_total"] == len(PROMPTS)
+    # all but the last prompt token, whose logits are computed again
+    assert values["edgechat_prompt_cache_restored_tokens_total"] == sum(len(p) - 1 for p in prompts)
+    assert 0 < values["edgechat_prompt_cache_bytes"] <= 64 << 20
+    # one state per prompt, and a second where a second answer parted from the first (a near-tie
+    # decided otherwise in another batch)
+    assert len(PROMPTS) <= values["edgechat_prompt_cache_entries"] <= 2 * len(PROMPTS)
+
+
+def test_entries_are_kept_by_prefix_and_evicted_by_bytes():
+    """The cache alone: a longer state of the same tokens replaces the shorter, a state larger
+    than the budget is not kept, and the least recently used go first."""
+    cache = PromptCache(100, lambda: {"model": "m"})
+    cache.put([1, 2, 3], b"x" * 30)
+    cache.put([1, 2, 3, 4, 5], b"x" * 40)  # extends the first: it replaces it
+    assert [e.tokens for e in cache.entries()] == [[1, 2, 3, 4, 5]]
+    assert cache.covers([1, 2, 3]) and not cache.covers([1, 2, 4])
+    cache.put([7, 8], b"x" * 40)
+    entry, n = cache.longest([1, 2, 3, 9])
+    assert (entry.tokens, n) == ([1, 2, 3, 4, 5], 3)
+    cache.touch(entry)
+    cache.put([9], b"x" * 40)  # over budget: [7, 8] is the least recently used
+    assert [e.tokens for e in cache.entries()] == [[1, 2, 3, 4, 5], [9]] and cache.bytes == 80
+    cache.put([10], b"x" * 101)
+    assert len(cache) == 2
+    assert PromptCache(0, dict).enabled is False
+
+
+def test_serve_passes_cache_ram_in_mib_to_the_engine(monkeypatch):
+    import edgechat.engine
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def record(config):
+        seen.append(config.prompt_cache_budget)
+        raise Stop  # the configuration is all this test needs: no model is loaded
+
+    monkeypatch.setattr(edgechat.engine, "open_engine", record)
+    for args, budget in (([], 256 << 20), (["--cache-ram", "0"], 0), (["--cache-ram", "64"], 64 << 20)):
+        result = CliRunner().invoke(cli, ["serve", *args])
+        assert isinstance(result.exception, Stop) and seen[-1] == budget
+    result = CliRunner().invoke(cli, ["serve", "--cache-ram", "-1"])
+    assert result.exit_code == 2 and "--cache-ram" in result.output
