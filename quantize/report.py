@@ -71,6 +71,18 @@ class Quality:
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
+    @staticmethod
+    def pooled(parts: list[Quality]) -> Quality:
+        """The figures over all tokens of several separately evaluated chunks."""
+        n = sum(q.n_tokens for q in parts)
+
+        def mean(values) -> float:
+            return sum(v * q.n_tokens for v, q in zip(values, parts)) / n
+
+        return Quality(n, float(np.exp(mean(np.log([q.ppl_reference for q in parts])))),
+                       float(np.exp(mean(np.log([q.ppl_quantized for q in parts])))),
+                       mean([q.mean_kld for q in parts]), mean([q.top1_agreement for q in parts]))
+
     def warning(self, type_name: str | None) -> str | None:
         limit = WARN_KLD.get((type_name or "").upper())
         if limit is not None and self.mean_kld > limit:
@@ -88,8 +100,9 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def compare(quantized: str | os.PathLike, reference: str | os.PathLike, text: str = SAMPLE_TEXT,
-            threads: int | None = None) -> Quality:
-    """Perplexity of both models on `text`, the mean KL divergence from the reference, top-1 agreement."""
+            threads: int | None = None, max_chunks: int = 1) -> Quality:
+    """Perplexity of both models on `text`, the mean KL divergence from the reference, top-1 agreement;
+    over up to `max_chunks` consecutive chunks of N_CTX tokens, each from an empty cache with BOS first."""
     from quantize.llm import Model
 
     for path in (quantized, reference):
@@ -98,8 +111,16 @@ def compare(quantized: str | os.PathLike, reference: str | os.PathLike, text: st
     with Model(reference, n_ctx=N_CTX, threads=threads) as ref, Model(quantized, n_ctx=N_CTX, threads=threads) as quant:
         if ref.n_vocab != quant.n_vocab:
             raise QuantizeError("the two models have different vocabularies; compare a model with its own F16")
-        tokens = ref.tokenize(text, add_special=True)[:N_CTX]
-        return compare_logits(ref.logits(tokens), quant.logits(tokens), tokens)
+        tokens = ref.tokenize(text, add_special=True)
+        parts = []
+        for start in range(0, min(len(tokens), max_chunks * N_CTX), N_CTX):
+            chunk = tokens[start : start + N_CTX]
+            if len(chunk) < 2:
+                break
+            if ref.bos is not None:
+                chunk[0] = ref.bos
+            parts.append(compare_logits(ref.logits(chunk), quant.logits(chunk), chunk))
+        return Quality.pooled(parts)
 
 
 def compare_logits(reference, quantized, tokens: list[int]) -> Quality:

@@ -271,6 +271,17 @@ def test_cli_quantizes_and_reports_quality(tmp_path):
     assert "warning" not in result.stderr
 
 
+def test_report_reads_a_long_text_in_chunks(converted):
+    """A text longer than the context is read in chunks of N_CTX tokens, and the figures pool them."""
+    from quantize.report import N_CTX, compare
+
+    q = compare(converted("smollm2-135m-instruct", "Q4_K_M"), converted("smollm2-135m-instruct", "F16"),
+                text=" ".join(CORPUS) * 8, threads=2, max_chunks=2)
+    assert q.n_tokens == 2 * (N_CTX - 1)  # each chunk's last token predicts nothing
+    assert q.ppl_quantized > q.ppl_reference > 1
+    assert 0.005 < q.mean_kld < 0.2 and 0.6 < q.top1_agreement < 1
+
+
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
