@@ -64,10 +64,12 @@ def test_the_small_swa_cache_is_counted_and_chosen_only_where_the_full_one_does_
 
 def test_a_small_swa_cache_answers_as_the_full_one_and_recomputes_a_rewind_past_its_window(gemma3_path, isolated_dirs):
     from edgechat.engine.request import ChatRequest, SamplingParams
+    from neartie import assert_same_tokens_or_near_tie
 
     words = "the tide comes in and the gulls call over the harbour wall while boats rock at anchor".split()
     long_text = " ".join(words[i % len(words)] + (f" {i}" if i % 7 == 0 else "") for i in range(1100))
-    prompts = [long_text, long_text[:600] + " and then, far from the sea, the town"]
+    # the third continues the text's pattern past the window: n-gram lookup drafts there
+    prompts = [long_text, long_text[:600] + " and then, far from the sea, the town", long_text + " the tide comes in"]
     answers = {}
     for swa in ("full", "small"):
         with Engine(EngineConfig(model=str(gemma3_path), n_ctx=2048, swa_cache=swa, paths=isolated_dirs)) as engine:
@@ -75,12 +77,21 @@ def test_a_small_swa_cache_answers_as_the_full_one_and_recomputes_a_rewind_past_
             # the second prompt shares ~150 tokens with the first: reusing them needs the window
             # before them, which the small cache has overwritten, so it recomputes
             answers[swa] = []
-            for p in prompts:
-                answers[swa].append(engine.submit(ChatRequest(prompt=p, sampling=SamplingParams(temperature=0), max_tokens=12)).result())
+            for p, spec in zip(prompts, ("off", "off", "lookup")):
+                request = ChatRequest(prompt=p, sampling=SamplingParams(temperature=0), max_tokens=12 if spec == "off" else 40,
+                                      speculative=spec)
+                answers[swa].append(engine.submit(request).result())
                 # past the window, the small cache's sliding layers hold only its last cells: consistent all the same
                 assert engine.kv_problems() == []
-    assert [a.text for a in answers["small"]] == [a.text for a in answers["full"]]
+            if swa == "small":
+                # drafts rolled back past the window leave the answer the full cache's (or parted at a near-tie)
+                third = prompts[2]
+                assert_same_tokens_or_near_tie(engine, engine.prompt_tokens(ChatRequest(prompt=third)),
+                                               answers["full"][2].token_ids, answers["small"][2].token_ids)
+    assert [a.text for a in answers["small"][:2]] == [a.text for a in answers["full"][:2]]
     assert answers["full"][1].metrics.cached_tokens > 100 and answers["small"][1].metrics.cached_tokens == 0
+    # that refused rewind does not turn speculation off: drafts are rolled back within the window
+    assert answers["small"][2].metrics.drafted_tokens > 0, answers["small"][2].metrics
 
 
 def test_an_answer_past_the_context_on_a_small_swa_cache_says_why_it_recomputes(gemma3_path, isolated_dirs):
