@@ -3,9 +3,10 @@
 The graph is written with onnx's helpers from numpy weights and uses the operators
 onnxruntime's CPU kernels for LLMs are made for: com.microsoft GroupQueryAttention (rotary
 inside, packed QKV, KV cache [batch, kv_heads, seq, head_dim]), SkipSimplifiedLayerNormalization,
-MatMulNBits for every linear layer and GatherBlockQuantized for the embedding. Weights are
-quantized with onnxruntime's own block quantizer and streamed into `model.onnx.data` one tensor
-at a time, so memory stays bounded by the largest tensor, not the model.
+MatMulNBits for every linear layer and GatherBlockQuantized for the embedding. Int4 weights are
+quantized as GGUF's Q4_1 is (see min_step_int4), the 8-bit embedding and output layer by
+onnxruntime's own block quantizer; all are streamed into `model.onnx.data` one tensor at a time,
+so memory stays bounded by the largest tensor, not the model.
 
 The folder: model.onnx + model.onnx.data, the checkpoint's tokenizer files, genai_config.json
 (onnxruntime-genai's layout) and tokenizer.gguf (the vocabulary as llama.cpp reads it, which
@@ -43,6 +44,10 @@ DATA_FILE = "model.onnx.data"
 LOGITS_TO_KEEP = "num_logits_to_keep"
 #: rows quantized at a time: bounds the float32 copies of a large embedding (262k rows for Gemma)
 ROW_CHUNK = 16384
+#: bits of the embedding and the output layer (tied or not) in a quantized export: at 4 bits they
+#: cost most of the quality (SmolLM2 from Q4_1: KLD 0.11 vs 0.004 against float32), as for
+#: llama.cpp, whose Q4_K_M keeps them at 6-8 bits
+EMBED_BITS = 8
 # Room left free on the disk beyond the estimate.
 DISK_MARGIN = 64 * 1024 * 1024
 
@@ -166,11 +171,14 @@ class _Graph:
         self.offset = 0
         self.nodes = []
         self.initializers = []
-        self.quantizer = quantizer
+        self.quantizer = quantizer  # onnxruntime's, 8 bits
         self.bits = bits
+        # the embedding and output layer: 8 bits unless float (see EMBED_BITS)
+        self.embed_bits = 32 if bits == 32 else EMBED_BITS
         self.block_size = block_size
         self.accuracy_level = accuracy_level
         self._n = 0
+        self._sums: dict[str, str] = {}
 
     def name(self, stem: str) -> str:
         self._n += 1
@@ -209,37 +217,86 @@ class _Graph:
         return outs
 
     def quantize(self, name: str, rows: Callable[[int, int], np.ndarray], n: int, k: int) -> tuple[str, str, str]:
-        """Block-quantize an HF [n, k] weight along k, ROW_CHUNK rows at a time (blocks never
-        cross rows, so chunks give the same bytes as the whole): (weights, scales, zero points)."""
+        """Block-quantize an HF [n, k] weight to 8 bits along k with onnxruntime's quantizer,
+        ROW_CHUNK rows at a time (blocks never cross rows, so chunks give the same bytes as the
+        whole): (weights, scales, zero points)."""
         parts = [self.quantizer.qbits_block_quant(np.ascontiguousarray(rows(a, min(a + ROW_CHUNK, n)).T))
                  for a in range(0, n, ROW_CHUNK)]
         packed = np.concatenate([p[0] for p in parts])
-        return (self.init(f"{name}.weight_Q{self.bits}", packed),
+        return (self.init(f"{name}.weight_Q8", packed),
                 self.init(f"{name}.weight_scales", np.concatenate([p[1] for p in parts])),
                 self.init(f"{name}.weight_zp", np.concatenate([p[2] for p in parts])))
 
+    def block_sums(self, x: str, k: int) -> str:
+        """x summed over each block of `block_size` inputs, [..., blocks] (once per value)."""
+        if x not in self._sums:
+            padded, pad = x, -k % self.block_size
+            if pad:  # MatMulNBits pads its last block with zeros; so do these sums
+                padded = self.op("Pad", [x, self.const(self.name("pads"), np.array([0, 0, 0, 0, 0, pad], np.int64))])[0]
+            shape = self.const(self.name("blocks"), np.array([0, 0, -1, self.block_size], np.int64))
+            blocks = self.op("Reshape", [padded, shape])[0]
+            self._sums[x] = self.op("ReduceSum", [blocks, self.const(self.name("axes"), np.array([-1], np.int64))],
+                                    keepdims=0)[0]
+        return self._sums[x]
+
     def linear(self, x: str, name: str, weight: np.ndarray | None = None, quantized: tuple | None = None,
-               shape: tuple[int, int] | None = None) -> str:
-        """x @ weight.T for an HF [out, in] weight: MatMulNBits (of `quantized` when given, a tied
-        embedding), or MatMul in float32."""
+               shape: tuple[int, int] | None = None, bits: int | None = None) -> str:
+        """x @ weight.T for an HF [out, in] weight: MatMul in float32, MatMulNBits of onnxruntime's
+        quantization for 8 bits (of `quantized` when given, a tied embedding), and for 4 bits
+        MatMulNBits of `min_step_int4` plus each block's offset times the sum of its inputs."""
         n, k = weight.shape if weight is not None else shape
-        if self.bits == 32:
+        bits = bits or self.bits
+        if bits == 32:
             return self.op("MatMul", [x, self.init(f"{name}.weight", weight.T)])[0]
-        if quantized is None:
+        if quantized is None and bits == 8:
             quantized = self.quantize(name, lambda a, b: weight[a:b], n, k)
-        return self.op("MatMulNBits", [x, *quantized], domain="com.microsoft", K=k, N=n, bits=self.bits,
-                       block_size=self.block_size, accuracy_level=self.accuracy_level)[0]
+        if quantized is not None:
+            return self.op("MatMulNBits", [x, *quantized], domain="com.microsoft", K=k, N=n, bits=8,
+                           block_size=self.block_size, accuracy_level=self.accuracy_level)[0]
+        parts = [min_step_int4(weight[a : a + ROW_CHUNK], self.block_size) for a in range(0, n, ROW_CHUNK)]
+        packed, steps = (self.init(f"{name}.weight_Q4", np.concatenate([p[0] for p in parts])),
+                         self.init(f"{name}.weight_scales", np.concatenate([p[1] for p in parts])))
+        offsets = self.init(f"{name}.weight_offsets", np.concatenate([p[2] for p in parts], axis=1))
+        y = self.op("MatMulNBits", [x, packed, steps], domain="com.microsoft", K=k, N=n, bits=4,
+                    block_size=self.block_size, accuracy_level=self.accuracy_level)[0]
+        return self.op("Add", [y, self.op("MatMul", [self.block_sums(x, k), offsets])[0]])[0]
 
     def embedding(self, ids: str, rows: Callable[[int, int], np.ndarray], n: int, k: int) -> tuple[str, tuple | None]:
         """The embedding lookup, and its quantized weights (for a tied output layer to share)."""
         if self.bits == 32:
             return self.op("Gather", [self.init("model.embed_tokens.weight", rows(0, n)), ids])[0], None
-        quantized = self.quantize("model.embed_tokens", rows, n, k)
+        quantized = packed, scales, zp = self.quantize("model.embed_tokens", rows, n, k)
         # the same bytes as MatMulNBits' [n, blocks, block bytes], seen as [n, k * bits / 8]
-        data = self.op("Reshape", [quantized[0], self.const("/const/embed_shape", np.array([n, -1], np.int64))])[0]
-        out = self.op("GatherBlockQuantized", [data, ids, quantized[1], quantized[2]], domain="com.microsoft",
-                      bits=self.bits, block_size=self.block_size, gather_axis=0, quantize_axis=1)[0]
+        data = self.op("Reshape", [packed, self.const("/const/embed_shape", np.array([n, -1], np.int64))])[0]
+        if k % self.block_size:  # the last block's padding is MatMulNBits' layout, not part of a row
+            data = self.op("Slice", [data, *(self.const(f"/const/embed_{what}", np.array([v], np.int64))
+                                             for what, v in (("start", 0), ("end", k), ("axis", 1)))])[0]
+        out = self.op("GatherBlockQuantized", [data, ids, scales, zp], domain="com.microsoft",
+                      bits=8, block_size=self.block_size, gather_axis=0, quantize_axis=1)[0]
         return out, quantized
+
+
+def min_step_int4(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Int4 for an HF [n, k] weight, as GGUF's Q4_1 does it: each block of `block` inputs is its
+    minimum plus 0..15 steps of (max - min) / 15, so a checkpoint already on such a grid (made
+    from a 4-bit GGUF) comes back exactly. onnxruntime's own quantizer cannot: its zero point is
+    an integer, which puts 0 on the grid and shifts every other value by up to half a step (on
+    SmolLM2 made from Q4_1: KLD 0.38 vs 0.0004 this way). MatMulNBits without zero points reads
+    q as (q - 8) * step; the rest of each value, min + 8 steps, is the block's offset, which the
+    graph adds as (sum of the block's inputs) * offset. Returns (packed [n, blocks, block / 2],
+    steps [n, blocks], offsets [blocks, n])."""
+    n, k = w.shape
+    blocks = -(-k // block)
+    if blocks * block != k:  # repeating the last value widens no block's range
+        w = np.pad(w, ((0, 0), (0, blocks * block - k)), mode="edge")
+    w = w.reshape(n, blocks, block)
+    low = w.min(axis=-1)
+    step = (w.max(axis=-1) - low) / np.float32(15)
+    inverse = np.divide(np.float32(1), step, out=np.zeros_like(step), where=step > 0)
+    q = np.rint((w - low[..., None]) * inverse[..., None]).astype(np.uint8)
+    np.minimum(q, 15, out=q)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)
+    return packed, step, np.ascontiguousarray((low + 8 * step).T)
 
 
 def _weights(checkpoint: Checkpoint):
@@ -393,7 +450,8 @@ def _build(family: Family, checkpoint: Checkpoint, g: _Graph, progress: Progress
     if family.tied and embed_q is not None:
         logits = g.linear(normed, "lm_head", quantized=embed_q, shape=(family.n_vocab, s.hidden))
     else:  # read again rather than held through the layers: memory stays one tensor's
-        logits = g.linear(normed, "lm_head", w("model.embed_tokens.weight" if family.tied else "lm_head.weight")[: family.n_vocab])
+        logits = g.linear(normed, "lm_head", w("model.embed_tokens.weight" if family.tied else "lm_head.weight")[: family.n_vocab],
+                          bits=g.embed_bits)
     if s.final_softcap:
         cap = g.const("/const/softcap", np.array(s.final_softcap, np.float32))
         logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, cap])[0]])[0], cap])[0]
@@ -467,7 +525,7 @@ def _write_tokenizer_gguf(family: Family, path: Path) -> None:
 
 def estimate_size(checkpoint: Checkpoint, bits: int, block_size: int) -> int:
     n = sum(int(np.prod(t.shape)) for t in checkpoint.tensors.values())
-    per = 4.0 if bits == 32 else bits / 8 + 4 / block_size
+    per = 4.0 if bits == 32 else 1 + 8 / block_size  # at most: the embedding's 8 bits, scales and offsets
     return int(n * per)
 
 
@@ -500,8 +558,7 @@ def export(
     parent = out_dir.absolute().parent
     if not parent.is_dir():
         raise QuantizeError(f"output folder {parent} does not exist")
-    quantizer = Quantizer(Config(block_size=block_size, is_symmetric=False, bits=8 if bits == 8 else 4,
-                                 accuracy_level=accuracy_level))
+    quantizer = Quantizer(Config(block_size=block_size, is_symmetric=False, bits=8, accuracy_level=accuracy_level))
     with Checkpoint(folder) as checkpoint:
         if not checkpoint.tensors:
             raise QuantizeError(f"the safetensors files in {folder} hold no tensors")
