@@ -46,3 +46,32 @@ def test_compare_needs_prompts(tmp_path):
     result = subprocess.run([sys.executable, "-m", "edgechat", "quantize", "--compare", "a.gguf", "b.gguf"],
                             check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and result.stderr.strip() == "edgechat: error: --compare needs --prompts FILE (one prompt per line)"
+
+
+def test_eval_during_a_conversion(tmp_path):
+    """--eval answers the prompts with the F16 conversion and the result; --json keeps stdout to the JSON."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is the capital of France?\n")
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    result = subprocess.run([sys.executable, "-m", "edgechat", "quantize", str(hf_checkpoint("smollm2-135m-instruct")),
+                             "--type", "Q8_0", "-o", str(out), "--no-report", "--eval", str(prompts), "--max-tokens",
+                             "8", "--threads", "2", "--json"], check=False, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["a"].endswith("reference-F16.gguf") and report["b"] == str(out)
+    assert [r["prompt"] for r in report["prompts"]] == ["What is the capital of France?"]
+    assert report["prompts"][0]["answer_a"] and 0 <= report["summary"]["mean_kld"] < 0.05
+    assert f"wrote {out}" in result.stderr
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m.gguf"]  # the F16 is gone
+
+
+def test_eval_with_unreadable_prompts_converts_nothing(tmp_path):
+    empty = tmp_path / "prompts.txt"
+    empty.write_text("\n\n")
+    result = subprocess.run([sys.executable, "-m", "edgechat", "quantize", str(hf_checkpoint("smollm2-135m-instruct")),
+                             "-o", str(tmp_path / "m.gguf"), "--eval", str(empty)],
+                            check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert result.stderr.strip() == f"edgechat: error: {empty} holds no prompts (one per line)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.txt"]

@@ -59,12 +59,16 @@ def parse_size(text: str) -> int:
               metavar="A.gguf B.gguf", help="Only answer --prompts with both models greedily and compare them.")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="--compare: the prompts, one per line.")
+@click.option("--eval", "eval_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="After converting, compare the result with the F16 conversion on these prompts (one per line), "
+                   "as --compare does.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
-              help="--compare: answer length limit.")
-@click.option("--json", "as_json", is_flag=True, help="--compare: print JSON for scripts.")
+              help="--compare/--eval: answer length limit.")
+@click.option("--json", "as_json", is_flag=True,
+              help="--compare/--eval: print the comparison as JSON for scripts (other output goes to stderr).")
 def quantize_cmd(src, output, fmt, bits, block_size, accuracy_level, type_name, imatrix_from, save_imatrix, tensor_types,
                  keep_output, token_embedding_type, outtype, target_size, threads, force, no_report, allow_requantize,
-                 report_of, reference, compare_pair, prompts_file, max_tokens, as_json) -> None:
+                 report_of, reference, compare_pair, prompts_file, eval_file, max_tokens, as_json) -> None:
     """Convert a Hugging Face model (folder or repo id) to GGUF, without PyTorch.
 
     Uses llama.cpp's own quantization kernels and type mixtures, so a Q4_K_M made here is the
@@ -76,7 +80,9 @@ def quantize_cmd(src, output, fmt, bits, block_size, accuracy_level, type_name, 
         if compare_pair:
             if prompts_file is None:
                 raise UsageError("--compare needs --prompts FILE (one prompt per line)")
-            _print_comparison(*compare_pair, prompts_file, max_tokens, as_json, threads)
+            from quantize.compare import read_prompts
+
+            _print_comparison(*compare_pair, read_prompts(prompts_file), max_tokens, as_json, threads)
             return
         if report_of is not None:
             if reference is None:
@@ -93,6 +99,8 @@ def quantize_cmd(src, output, fmt, bits, block_size, accuracy_level, type_name, 
         if type_name and target_size:
             raise UsageError("give --type or --target-size, not both")
         if Path(src).suffix == ".gguf" and Path(src).is_file():
+            if eval_file:
+                raise UsageError("--eval compares a conversion with its F16; give a Hugging Face model as SRC")
             _requantize(Path(src), output, type_name or "Q4_K_M", threads, force, allow_requantize)
             return
         from quantize.options import ImatrixSource, overrides_from
@@ -101,7 +109,12 @@ def quantize_cmd(src, output, fmt, bits, block_size, accuracy_level, type_name, 
         imatrix = ImatrixSource(imatrix_from, save_imatrix) if imatrix_from is not None else None
         if save_imatrix and imatrix is None:
             raise UsageError("--save-imatrix needs --imatrix (a calibration text, or alone for the built-in one)")
-        _convert(src, output, type_name, outtype, target_size, threads, force, no_report, imatrix, overrides)
+        evaluation = None
+        if eval_file:
+            from quantize.compare import read_prompts
+
+            evaluation = (read_prompts(eval_file), max_tokens, as_json)  # read first: a bad file stops before converting
+        _convert(src, output, type_name, outtype, target_size, threads, force, no_report, imatrix, overrides, evaluation)
     except QuantizeError as exc:
         raise EdgechatError(str(exc)) from None
 
@@ -121,12 +134,13 @@ def _progress(label: str):
     return update
 
 
-def _convert(src, output, type_name, outtype, target_size, threads, force, no_report, imatrix, overrides) -> None:
+def _convert(src, output, type_name, outtype, target_size, threads, force, no_report, imatrix, overrides,
+             evaluation) -> None:
     from quantize import convert
     from quantize.mixture import file_type, is_quantized
 
     limit = parse_size(target_size) if target_size else None
-    # The F16 conversion serves the importance matrix and the report; made next to the output, removed after.
+    # The F16 conversion serves the importance matrix, the report and --eval; made next to the output, removed after.
     out_dir = Path(output).resolve().parent if output else Path.cwd()
     with tempfile.TemporaryDirectory(prefix=".edgechat-quantize-", dir=out_dir) as tmp:
         reference = None
@@ -142,30 +156,33 @@ def _convert(src, output, type_name, outtype, target_size, threads, force, no_re
         result = convert(src, output, type_name=type_name or ("Q4_K_M" if limit is None else None), outtype=outtype,
                          target_size=limit, threads=threads, force=force, progress=_progress("converting"),
                          imatrix=matrix, imatrix_source=imatrix.name if imatrix else "", overrides=overrides)
-        click.echo(f"wrote {result.path} ({result.arch} {result.file_type}, {result.nbytes / 1e6:.1f} MB, {result.n_tensors} tensors)")
-        if no_report or not is_quantized(file_type(result.file_type).default):
-            return
-        _print_report(result.path, f16(), result.file_type, threads)
+        to_stderr = evaluation is not None and evaluation[2]  # stdout holds only the JSON
+        click.echo(f"wrote {result.path} ({result.arch} {result.file_type}, {result.nbytes / 1e6:.1f} MB, "
+                   f"{result.n_tensors} tensors)", err=to_stderr)
+        if not no_report and is_quantized(file_type(result.file_type).default):
+            _print_report(result.path, f16(), result.file_type, threads, err=to_stderr)
+        if evaluation is not None:
+            _print_comparison(f16(), result.path, *evaluation, threads)
 
 
-def _print_report(quant, reference, type_name, threads) -> None:
+def _print_report(quant, reference, type_name, threads, err: bool = False) -> None:
     from quantize.report import compare
 
     quality = compare(quant, reference, threads=threads)
-    click.echo(quality.table())
+    click.echo(quality.table(), err=err)
     warning = quality.warning(type_name)
     if warning:
         click.echo(f"edgechat: warning: {warning}", err=True)
 
 
-def _print_comparison(a, b, prompts_file, max_tokens, as_json, threads) -> None:
+def _print_comparison(a, b, prompts: list[str], max_tokens, as_json, threads) -> None:
     import json
     import shutil
     import textwrap
 
     from quantize import compare
 
-    results = compare.compare_prompts(a, b, compare.read_prompts(prompts_file), max_tokens=max_tokens, threads=threads)
+    results = compare.compare_prompts(a, b, prompts, max_tokens=max_tokens, threads=threads)
     if as_json:
         click.echo(json.dumps(compare.as_json(a, b, results), ensure_ascii=False, indent=2))
         return
