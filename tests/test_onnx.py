@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import numpy as np
 import onnxruntime
@@ -241,6 +242,52 @@ def test_execution_provider_choice(exported):
     assert result.returncode == 2 and "--ep is for ONNX model folders" in result.stderr
     with open_engine(EngineConfig(model=str(folder), n_ctx=512, ep="cpu")) as engine:
         assert engine.gpu.describe() == "onnxruntime CPU"
+
+
+def test_models_doctor_and_the_planner_know_onnx_folders(exported, isolated_dirs, monkeypatch, tmp_path):
+    """An ONNX folder in the models folder is listed by `edgechat models` (by name or path) and
+    the model picker with its size, trained context and fit; the planner counts its KV cache as
+    the engine allocates it (float32, from genai_config.json) and onnxruntime's resident weights;
+    doctor names onnxruntime's version and providers, or says it is missing."""
+    from click.testing import CliRunner
+
+    from edgechat.cli import cli
+    from edgechat.engine import planner
+    from edgechat.models.catalog import format_size
+    from edgechat.models.onnxinfo import RESIDENT_PER_FILE_BYTE, read_info
+    from edgechat.tui.screens.models import local_models
+
+    folder = exported("smollm2-135m-instruct", 4)
+    isolated_dirs.models_cache.mkdir(parents=True, exist_ok=True)
+    (isolated_dirs.models_cache / "smol-onnx").symlink_to(folder)
+    info = read_info(folder)
+    files = sum(f.stat().st_size for f in folder.iterdir() if f.name.startswith("model.onnx"))
+    plan = planner.plan_for(info, 4096)
+    # 30 layers, 3 KV heads of 64, keys and values in float32
+    assert plan.kv_cache == 30 * 3 * 64 * 2 * 4 * 4096
+    assert plan.weights == int(files * RESIDENT_PER_FILE_BYTE) and info.size_bytes == files
+    with open_engine(EngineConfig(model="smol-onnx", n_ctx=4096, paths=isolated_dirs)) as engine:
+        assert engine.plan.kv_cache == sum(buf.numpy().nbytes for buf in engine.runner._kv)
+
+    # 1 GiB free: 8,192 tokens of float32 KV (377 MB) fit beside the weights; 640 MiB: 4,096
+    # (counted as f16 cells, 8,192 would have)
+    for free, fit in ((1 << 30, "yes, up to 8192 ctx"), (640 << 20, "yes, up to 4096 ctx")):
+        monkeypatch.setattr(planner, "available_memory", lambda free=free: free)
+        out = CliRunner().invoke(cli, ["models", "smol-onnx", str(folder), str(tmp_path)]).output.splitlines()
+        for line in out[2:4]:
+            assert line.split()[1:3] == format_size(files).split() and line.split()[3:6] == ["onnx", "llama", "8192"]
+            assert fit in line
+        assert out[4].split()[0] == str(tmp_path) and "is a directory" in out[4]
+    row = {r.ref: r for r in local_models(isolated_dirs)}["smol-onnx"]
+    assert row.fits and row.detail == f"{format_size(files)} · onnx · llama · fits (ctx 4096)"
+
+    doctor = CliRunner().invoke(cli, ["doctor"]).output
+    assert (f"onnxruntime: {onnxruntime.__version__}; execution providers (--ep): "
+            + ", ".join(n.removesuffix("ExecutionProvider").lower() for n in onnxruntime.get_available_providers())) in doctor
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if not installed
+    doctor = CliRunner().invoke(cli, ["doctor"]).output
+    assert ("onnxruntime: not installed; ONNX models need onnxruntime (pip install onnxruntime; on Termux: "
+            "pkg install python-onnxruntime)") in doctor.splitlines()
 
 
 def test_export_refuses_bad_inputs(tmp_path, exported):

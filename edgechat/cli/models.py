@@ -11,28 +11,33 @@ from edgechat.cli.common import data_dir_option, rpc_option
 from edgechat.config import get_paths
 from edgechat.engine import planner
 from edgechat.errors import EdgechatError, UsageError
-from edgechat.models import known_model_names, read_model_info, resolve_model
+from edgechat.models import known_model_names, resolve_model
 from edgechat.models.catalog import catalog_row, format_size, load_catalog
 from edgechat.models.hub import is_downloaded
+from edgechat.models.onnxinfo import is_onnx_folder, read_info
 
 
-def _model_rows(paths, kv_type: str = "f16") -> list[dict]:
+def _model_rows(paths, kv_type: str = "f16", names: list[str] | None = None) -> list[dict]:
     from edgechat.config import model_settings
     from edgechat.engine import devices
 
     gpus = devices.gpu_devices()
     rows = []
-    for name in known_model_names(paths):
+    for name in names or known_model_names(paths):
         try:
-            info = read_model_info(resolve_model(name, paths))
+            path = resolve_model(name, paths)
+            info = read_info(path)
         except EdgechatError as exc:
             rows.append({"name": name, "error": str(exc)})
             continue
         fits = planner.max_context_that_fits(info, kv_type)
-        # the split `edgechat run -m NAME` would use: the model's gpu_layers setting (else auto)
-        # at the default context
-        plan = planner.plan_for(info, min(max(info.context_length, planner.MIN_CTX), planner.DEFAULT_CTX_CAP), 1, kv_type)
-        split = planner.gpu_split(info, plan, model_settings(paths, name).get("gpu_layers"), gpus)
+        if is_onnx_folder(path):
+            device = "onnxruntime (--ep)"
+        else:
+            # the split `edgechat run -m NAME` would use: the model's gpu_layers setting (else
+            # auto) at the default context
+            plan = planner.plan_for(info, min(max(info.context_length, planner.MIN_CTX), planner.DEFAULT_CTX_CAP), 1, kv_type)
+            device = planner.gpu_split(info, plan, model_settings(paths, name).get("gpu_layers"), gpus).describe()
         rows.append(
             {
                 "name": name,
@@ -41,10 +46,10 @@ def _model_rows(paths, kv_type: str = "f16") -> list[dict]:
                 "arch": info.architecture,
                 "trained_ctx": info.context_length,
                 # as the planner counts it: every layer, sliding ones included (full SWA cache)
-                "kv_per_token": info.kv_cache_bytes(1, planner.KV_BYTES[kv_type], swa_full=True),
-                "kv_per_token_q8": info.kv_cache_bytes(1, planner.KV_BYTES["q8_0"], swa_full=True),
+                "kv_per_token": info.kv_cache_bytes(1, planner.kv_bytes(info, kv_type), swa_full=True),
+                "kv_per_token_q8": info.kv_cache_bytes(1, planner.kv_bytes(info, "q8_0"), swa_full=True),
                 "fits_ctx": fits,
-                "device": split.describe(),
+                "device": device,
             }
         )
     return rows
@@ -66,12 +71,14 @@ def _catalog_table(paths) -> str:
 
 
 @click.command("models")
+@click.argument("refs", nargs=-1, metavar="[MODEL]...")
 @click.option("--catalog", "show_catalog", is_flag=True, help="Show the curated catalog: quants, sizes, licences, Hub repos.")
 @rpc_option
 @data_dir_option
-def models_cmd(show_catalog, rpc, data_dir):
+def models_cmd(refs, show_catalog, rpc, data_dir):
     """List the models available offline: size, quant, architecture, and whether they fit.
-    Catalog models not downloaded yet are listed too; `edgechat pull NAME` fetches one."""
+    Catalog models not downloaded yet are listed too; `edgechat pull NAME` fetches one.
+    Given MODELs (names, .gguf files, ONNX folders), list just those."""
     paths = get_paths(data_dir)
     if rpc:
         from edgechat.engine import devices
@@ -81,14 +88,14 @@ def models_cmd(show_catalog, rpc, data_dir):
         click.echo(_catalog_table(paths))
         return
     rows = []
-    for r in _model_rows(paths):
+    for r in _model_rows(paths, names=list(refs)):
         if "error" in r:
             rows.append([r["name"], "-", "-", "-", "-", r["error"], "-"])
         else:
             fit = f"yes, up to {r['fits_ctx']} ctx" if r["fits_ctx"] else "no"
             rows.append([r["name"], r["size"], r["quant"], r["arch"], str(r["trained_ctx"]), fit, r["device"]])
     listed = {row[0] for row in rows}
-    for e in load_catalog().values():
+    for e in [] if refs else load_catalog().values():
         if e.name not in listed:
             row = catalog_row(e)
             rows.append([row.name, row.size, row.quant, row.architecture, str(row.context), row.fit_text, "-"])
@@ -128,6 +135,9 @@ def doctor_cmd(expect, rpc, data_dir):
     for dev in devices.devices():
         if dev.kind != "cpu":
             click.echo(f"  device {dev.name} ({dev.kind}, {dev.description}): {format_size(dev.free)} free of {format_size(dev.total)}")
+    from edgechat.engine.onnxrt import runtime_report
+
+    click.echo(runtime_report())
     if expect and expect.lower() not in (b.lower() for b in built):
         raise UsageError(f"this llama.cpp has no {expect} backend (it has {', '.join(built)}); "
                          "reinstall llama-cpp-python with the CMAKE_ARGS in packaging/GPU.md")

@@ -46,9 +46,12 @@ def open_engine(config):
     """The engine for config.model: onnxruntime's for an ONNX folder, llama.cpp's otherwise."""
     from pathlib import Path
 
+    from edgechat.config import get_paths
     from edgechat.models.onnxinfo import is_onnx_folder
 
-    if config.model and is_onnx_folder(Path(config.model).expanduser()):
+    # a path, or a folder's name in the models folder (as resolve_model finds it)
+    folders = (Path(config.model).expanduser(), (config.paths or get_paths()).models_cache / config.model) if config.model else ()
+    if any(is_onnx_folder(folder) for folder in folders):
         from edgechat.engine.onnxrt import OnnxEngine
 
         return OnnxEngine(config)

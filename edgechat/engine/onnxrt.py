@@ -17,7 +17,6 @@ recomputes (the `truncate` policy; rotated keys cannot be shifted).
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import json
 import logging
 import os
@@ -61,6 +60,8 @@ log = logging.getLogger("edgechat.engine")
 
 #: prompt tokens per onnxruntime run: bounds attention's scratch memory; cancellation is checked between
 PREFILL_CHUNK = 512
+#: one line for a missing onnxruntime (run -m FOLDER, doctor)
+MISSING = "ONNX models need onnxruntime (pip install onnxruntime; on Termux: pkg install python-onnxruntime)"
 #: the optional graph input that limits the output layer to the last positions (see quantize/onnx_export.py)
 LOGITS_TO_KEEP = "num_logits_to_keep"
 
@@ -97,8 +98,21 @@ def providers(ep: str | None) -> list[str]:
     for name in available:
         if name == wanted or name.lower() == f"{ep.lower()}executionprovider":
             return [name, "CPUExecutionProvider"]
-    names = ", ".join(n.removesuffix("ExecutionProvider").lower() for n in available)
-    raise UsageError(f"execution provider {ep!r} is not in this onnxruntime; available: {names}")
+    raise UsageError(f"execution provider {ep!r} is not in this onnxruntime; available: {provider_names(available)}")
+
+
+def provider_names(available: list[str]) -> str:
+    """onnxruntime's provider names as --ep takes them: "cpu, xnnpack"."""
+    return ", ".join(n.removesuffix("ExecutionProvider").lower() for n in available)
+
+
+def runtime_report() -> str:
+    """doctor's line: onnxruntime's version and execution providers, or that it is missing."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return f"onnxruntime: not installed; {MISSING}"
+    return f"onnxruntime: {ort.__version__}; execution providers (--ep): {provider_names(ort.get_available_providers())}"
 
 
 class OnnxRunner:
@@ -108,8 +122,7 @@ class OnnxRunner:
         try:
             import onnxruntime as ort
         except ImportError:
-            raise ModelFormatError("ONNX models need onnxruntime (pip install onnxruntime; on Termux: "
-                                   "pkg install python-onnxruntime)") from None
+            raise ModelFormatError(MISSING) from None
         dec = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))["model"]["decoder"]
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = n_threads
@@ -183,9 +196,7 @@ class OnnxEngine(PromptQueries):
         self.paths = cfg.paths or get_paths()
         self.model_path: Path = resolve_model(cfg.model, self.paths)
         self.model_info = info = read_onnx_info(self.model_path)
-        # the planner counts f16 cells; these are float32, twice as wide
-        wide = dataclasses.replace(info, head_dim_k=2 * info.head_dim_k, head_dim_v=2 * info.head_dim_v)
-        self.plan = planner.choose_context(wide, cfg.n_ctx, 1, "f16")
+        self.plan = planner.choose_context(info, cfg.n_ctx)  # float32 cells: info.kv_element_bytes
         self.n_ctx = self.plan.n_ctx
         self.n_threads = cfg.n_threads or planner.physical_cores()
         self.model_name = display_name(cfg.model, self.model_path)

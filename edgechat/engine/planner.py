@@ -103,8 +103,14 @@ def plan_for(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: str = "f16", 
              swa_full: bool = True) -> Plan:
     avail = available_memory() if available is None else available
     swa_full = swa_full or not info.n_swa_layers
-    kv = int(info.kv_cache_bytes(n_ctx * n_seq, KV_BYTES[kv_type], swa_full=swa_full, n_seq=n_seq))
-    return Plan(n_ctx, n_seq, info.size_bytes, kv, _compute_bytes(info, n_ctx * n_seq), avail, swa_full)
+    kv = int(info.kv_cache_bytes(n_ctx * n_seq, kv_bytes(info, kv_type), swa_full=swa_full, n_seq=n_seq))
+    weights = info.resident_bytes or info.size_bytes
+    return Plan(n_ctx, n_seq, weights, kv, _compute_bytes(info, n_ctx * n_seq), avail, swa_full)
+
+
+def kv_bytes(info: ModelInfo, kv_type: str = "f16") -> float:
+    """Bytes per KV element: the KV type's, or the runtime's where it fixes them (ONNX: float32)."""
+    return info.kv_element_bytes or KV_BYTES[kv_type]
 
 
 #: --swa-cache: llama.cpp's full-size sliding-window cache, its small one, or the small one only

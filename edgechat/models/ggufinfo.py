@@ -57,6 +57,10 @@ class ModelInfo:
     sliding_window: int | None
     swa_layers: tuple[bool, ...]
     chat_template: str | None
+    #: set where the runtime fixes them (ONNX folders): KV bytes per element whatever the KV type,
+    #: and the memory the loaded weights take when it is not the files' size
+    kv_element_bytes: float | None = None
+    resident_bytes: int | None = None
 
     @property
     def n_swa_layers(self) -> int:

@@ -25,6 +25,7 @@ def known_model_names(paths: Paths) -> list[str]:
             p.stem for p in paths.models_cache.glob("*.gguf")
             if p.name != GEMMA3_FILE and split_part_names(p.name)[0] == p.name
         )
+        names += sorted(p.name for p in paths.models_cache.iterdir() if is_onnx_folder(p))
     # catalog models count once downloaded; the default quant goes by the bare name
     for entry in catalog.load_catalog().values():
         for cfile in entry.files.values():
@@ -60,6 +61,8 @@ def resolve_model(ref: str | None, paths: Paths) -> Path:
     cached = paths.models_cache / f"{ref}.gguf"
     if cached.is_file():
         return cached
+    if is_onnx_folder(paths.models_cache / ref):
+        return paths.models_cache / ref
     if found := catalog.lookup(ref):
         return hub.resolve_catalog(*found, paths)
     if hub_ref := hub.parse_hub_ref(ref):

@@ -1,4 +1,5 @@
-"""The model picker: embedded, cached and catalog models with size, quant, architecture and fit; or any .gguf path."""
+"""The model picker: embedded, cached and catalog models with size, quant, architecture and fit; or
+any .gguf path or ONNX folder."""
 
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ class ModelRow:
 def describe(ref: str, path, note: str = "") -> ModelRow:
     """Size, quant, architecture, and whether the planner says it fits here."""
     from edgechat.engine.planner import choose_context
-    from edgechat.models import read_model_info
     from edgechat.models.catalog import format_size
+    from edgechat.models.onnxinfo import read_info
 
     try:
-        info = read_model_info(path)
+        info = read_info(path)
     except EdgechatError as exc:
         return ModelRow(ref, f"unreadable: {exc}", False)
     detail = f"{format_size(info.size_bytes)} · {info.quant} · {info.architecture}"
@@ -43,8 +44,10 @@ def describe(ref: str, path, note: str = "") -> ModelRow:
 
 
 def local_models(paths: Paths) -> list[ModelRow]:
-    """Embedded models (without assembling one that is not yet on disk) and .gguf files in the cache."""
+    """Embedded models (without assembling one that is not yet on disk), .gguf files and ONNX
+    folders in the cache."""
     from edgechat.models.embedded import EMBEDDED, GEMMA3_FILE
+    from edgechat.models.onnxinfo import is_onnx_folder
 
     rows = []
     for name, model in EMBEDDED.items():
@@ -60,6 +63,7 @@ def local_models(paths: Paths) -> list[ModelRow]:
         for path in sorted(paths.models_cache.glob("*.gguf")):
             if path.name != GEMMA3_FILE:
                 rows.append(describe(path.stem, path))
+        rows += [describe(path.name, path) for path in sorted(paths.models_cache.iterdir()) if is_onnx_folder(path)]
     return rows
 
 
@@ -97,7 +101,7 @@ class ModelPickerScreen(ModalScreen[str | None]):
         with Vertical(classes="dialog models-dialog"):
             yield Label(f"Model (now: {self.current or 'none'})", classes="dialog-title", markup=False)
             yield OptionList(Option(Text("looking for models…", style="italic"), disabled=True), id="model-list")
-            yield Input(placeholder="or a path to a .gguf file, Enter to load", id="model-path")
+            yield Input(placeholder="or a path to a .gguf file or an ONNX folder, Enter to load", id="model-path")
 
     def on_mount(self) -> None:
         self.query_one("#model-list", OptionList).focus()
