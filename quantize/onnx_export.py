@@ -20,7 +20,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,24 +184,30 @@ class _Graph:
         self._n += 1
         return f"/{stem}_{self._n}"
 
-    def init(self, name: str, array: np.ndarray) -> str:
-        """An initializer stored in the data file (aligned so onnxruntime can map it)."""
-        array = np.ascontiguousarray(array)
-        align = 4096 if array.nbytes >= 1 << 20 else 64
-        pad = -self.offset % align
-        if pad:
-            self.data.write(b"\0" * pad)
-            self.offset += pad
-        self.data.write(array.tobytes())
+    def init(self, name: str, array: np.ndarray | Iterator[np.ndarray]) -> str:
+        """An initializer stored in the data file (aligned so onnxruntime can map it). Given an
+        iterator of row chunks, each is written as it comes: the tensor is their concatenation,
+        never held whole."""
+        start, rows = None, 0
+        for part in [array] if isinstance(array, np.ndarray) else array:
+            part = np.ascontiguousarray(part)
+            if start is None:
+                pad = -self.offset % (4096 if part.nbytes >= 1 << 20 else 64)
+                if pad:
+                    self.data.write(b"\0" * pad)
+                    self.offset += pad
+                start, first = self.offset, part
+            self.data.write(part.tobytes())
+            self.offset += part.nbytes
+            rows += part.shape[0] if part.ndim else 1
         t = self.onnx.TensorProto()
         t.name = name
-        t.data_type = self.h.np_dtype_to_tensor_dtype(array.dtype)
-        t.dims.extend(array.shape)
+        t.data_type = self.h.np_dtype_to_tensor_dtype(first.dtype)
+        t.dims.extend(first.shape if isinstance(array, np.ndarray) else (rows, *first.shape[1:]))
         t.data_location = self.onnx.TensorProto.EXTERNAL
-        for key, value in (("location", DATA_FILE), ("offset", str(self.offset)), ("length", str(array.nbytes))):
+        for key, value in (("location", DATA_FILE), ("offset", str(start)), ("length", str(self.offset - start))):
             entry = t.external_data.add()
             entry.key, entry.value = key, value
-        self.offset += array.nbytes
         self.initializers.append(t)
         return name
 
@@ -220,12 +226,18 @@ class _Graph:
         """Block-quantize an HF [n, k] weight to 8 bits along k with onnxruntime's quantizer,
         ROW_CHUNK rows at a time (blocks never cross rows, so chunks give the same bytes as the
         whole): (weights, scales, zero points)."""
-        parts = [self.quantizer.qbits_block_quant(np.ascontiguousarray(rows(a, min(a + ROW_CHUNK, n)).T))
-                 for a in range(0, n, ROW_CHUNK)]
-        packed = np.concatenate([p[0] for p in parts])
-        return (self.init(f"{name}.weight_Q8", packed),
-                self.init(f"{name}.weight_scales", np.concatenate([p[1] for p in parts])),
-                self.init(f"{name}.weight_zp", np.concatenate([p[2] for p in parts])))
+        scales, zero_points = [], []
+
+        def packed():
+            for a in range(0, n, ROW_CHUNK):
+                q, scale, zp = self.quantizer.qbits_block_quant(np.ascontiguousarray(rows(a, min(a + ROW_CHUNK, n)).T))
+                scales.append(scale)
+                zero_points.append(zp)
+                yield q
+
+        return (self.init(f"{name}.weight_Q8", packed()),
+                self.init(f"{name}.weight_scales", np.concatenate(scales)),
+                self.init(f"{name}.weight_zp", np.concatenate(zero_points)))
 
     def block_sums(self, x: str, k: int) -> str:
         """x summed over each block of `block_size` inputs, [..., blocks] (once per value)."""
@@ -253,10 +265,18 @@ class _Graph:
         if quantized is not None:
             return self.op("MatMulNBits", [x, *quantized], domain="com.microsoft", K=k, N=n, bits=8,
                            block_size=self.block_size, accuracy_level=self.accuracy_level)[0]
-        parts = [min_step_int4(weight[a : a + ROW_CHUNK], self.block_size) for a in range(0, n, ROW_CHUNK)]
-        packed, steps = (self.init(f"{name}.weight_Q4", np.concatenate([p[0] for p in parts])),
-                         self.init(f"{name}.weight_scales", np.concatenate([p[1] for p in parts])))
-        offsets = self.init(f"{name}.weight_offsets", np.concatenate([p[2] for p in parts], axis=1))
+        steps, offsets = [], []
+
+        def packed():
+            for a in range(0, n, ROW_CHUNK):
+                q, step, offset = min_step_int4(weight[a : a + ROW_CHUNK], self.block_size)
+                steps.append(step)
+                offsets.append(offset)
+                yield q
+
+        packed = self.init(f"{name}.weight_Q4", packed())
+        steps = self.init(f"{name}.weight_scales", np.concatenate(steps))
+        offsets = self.init(f"{name}.weight_offsets", np.concatenate(offsets, axis=1))
         y = self.op("MatMulNBits", [x, packed, steps], domain="com.microsoft", K=k, N=n, bits=4,
                     block_size=self.block_size, accuracy_level=self.accuracy_level)[0]
         return self.op("Add", [y, self.op("MatMul", [self.block_sums(x, k), offsets])[0]])[0]
