@@ -127,6 +127,16 @@ class DecodeError(RuntimeError):
     pass
 
 
+def token_logprobs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log probability of `token` under `logits` (a log-softmax), and the n most likely
+    tokens with theirs, most likely first."""
+    top = logits.max()
+    log_z = float(top + np.log(np.exp(logits - top).sum(dtype=np.float64)))
+    best = np.argpartition(logits, -n)[-n:] if n else []
+    alts = sorted(((int(t), float(logits[t]) - log_z) for t in best), key=lambda x: -x[1])
+    return float(logits[token]) - log_z, alts
+
+
 class LlamaBackend:
     """One model and one context with n_seq_max sequences sharing a unified KV cache."""
 
@@ -268,12 +278,7 @@ class LlamaBackend:
     def logprobs(self, index: int, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
         """The log probability of `token` at a batch index under the model's own distribution,
         and the n most likely tokens there with theirs, most likely first."""
-        logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, index), (self.n_vocab,))
-        top = logits.max()
-        log_z = float(top + np.log(np.exp(logits - top).sum(dtype=np.float64)))
-        best = np.argpartition(logits, -n)[-n:] if n else []
-        alts = sorted(((int(t), float(logits[t]) - log_z) for t in best), key=lambda x: -x[1])
-        return float(logits[token]) - log_z, alts
+        return token_logprobs(np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, index), (self.n_vocab,)), token, n)
 
     def top_logits(self, index: int, n: int) -> list[tuple[int, float]]:
         """The n highest logits at a batch index, highest first (for checking near-ties)."""

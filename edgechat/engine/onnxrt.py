@@ -30,7 +30,7 @@ import numpy as np
 
 from edgechat.config import get_paths
 from edgechat.engine import planner
-from edgechat.engine.llama import LlamaBackend, _ensure_backend
+from edgechat.engine.llama import LlamaBackend, _ensure_backend, token_logprobs
 from edgechat.engine.metrics import RequestClock
 from edgechat.engine.prompt import Prepared, PromptBuilder, PromptQueries
 from edgechat.engine.request import (
@@ -43,6 +43,7 @@ from edgechat.engine.request import (
     RequestHandle,
     RequestStatus,
     TextDelta,
+    TokenLogprob,
 )
 from edgechat.engine.sampling import SamplerChain
 from edgechat.engine.stream import OutputProcessor
@@ -232,8 +233,6 @@ class OnnxEngine(PromptQueries):
     # ---------------------------------------------------------------- public API (any thread)
     def submit(self, request: ChatRequest, on_event=None, prepared: Prepared | None = None) -> RequestHandle:
         self._check_running()
-        if request.logprobs is not None:
-            raise UsageError("log probabilities are not available with ONNX models")
         if request.speculative not in (None, "auto", "off"):
             raise UsageError("speculative decoding is not available with ONNX models")
         clock = RequestClock()
@@ -390,6 +389,8 @@ class OnnxEngine(PromptQueries):
         sampler = SamplerChain(req.sampling, self.vocab.n_vocab, self.vocab.vocab, req.grammar)
         proc = OutputProcessor(req.stop)
         out: list[int] = []
+        logprobs: list[TokenLogprob] | None = [] if req.logprobs is not None else None
+        sent = 0  # logprobs delivered with a TextDelta
         try:
             sampler.accept_prompt(prep.tokens)
             logits = self._prefill(prep.tokens, handle)
@@ -401,9 +402,14 @@ class OnnxEngine(PromptQueries):
                     status = RequestStatus.FINISHED_STOPPED
                     break
                 out.append(token)
+                if logprobs is not None:  # the model's own distribution, before the sampler's changes
+                    logprob, top = token_logprobs(logits, token, req.logprobs)
+                    piece = self.vocab.piece
+                    logprobs.append(TokenLogprob(piece(token), logprob, [(piece(t), lp) for t, lp in top]))
                 text = proc.feed(self.vocab.piece(token))
                 if text:
-                    handle.emit(TextDelta(text))
+                    handle.emit(TextDelta(text, logprobs[sent:] if logprobs is not None else None))
+                    sent = len(out)
                 if proc.stopped:
                     status = RequestStatus.FINISHED_STOPPED
                     break
@@ -415,17 +421,17 @@ class OnnxEngine(PromptQueries):
                 logits = self._step(token)
         finally:
             sampler.free()
-        self._finish(run, status, proc, out, cached)
+        self._finish(run, status, proc, out, cached, logprobs=logprobs, sent=sent)
 
     def _finish(self, run: _Run, status: RequestStatus, proc: OutputProcessor | None, out: list[int], cached: int,
-                error: str | None = None) -> None:
+                error: str | None = None, logprobs: list[TokenLogprob] | None = None, sent: int = 0) -> None:
         tail = proc.finish() if proc is not None and status is not RequestStatus.FINISHED_ERROR else ""
         if tail:
-            run.handle.emit(TextDelta(tail))
+            run.handle.emit(TextDelta(tail, logprobs[sent:] if logprobs is not None else None))
         run.handle.status = status
         metrics = run.clock.build(len(run.prep.tokens), cached, len(out), len(self.cached), self.n_ctx)
         run.handle.emit(Metrics(metrics))
-        run.handle.emit(Finished(FINISH_REASONS[status], proc.text if proc else "", metrics, error, out))
+        run.handle.emit(Finished(FINISH_REASONS[status], proc.text if proc else "", metrics, error, out, logprobs))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
