@@ -237,7 +237,7 @@ def test_request_timeout_cancels(engine):
         assert 'edgechat_requests_total{outcome="timeout"} 2.0' in metrics
 
 
-TTFT_COUNT = f'edgechat_time_to_first_token_seconds_count{{model="{MODEL}"}}'
+TTFT_COUNT = f'edgechat_time_to_first_token_seconds_count{{model="{MODEL}",priority="default"}}'
 
 
 def test_metrics_count_what_was_served(client, base_url, engine):

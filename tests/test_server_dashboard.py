@@ -13,7 +13,7 @@ DASHBOARD = Path(__file__).parent.parent / "packaging" / "grafana-edgechat.json"
 
 def test_every_dashboard_query_names_a_metric_the_server_exports():
     metrics = ServerMetrics()
-    metrics.add_model("some-model")  # what create_app does for each served model
+    metrics.add_model("some-model", ["default"])  # what create_app does for each served model
     exported = {s.name for family in metrics.registry.collect() for s in family.samples}
     panels = json.loads(DASHBOARD.read_text())["panels"]
     queried = {name for p in panels for t in p["targets"] for name in re.findall(r"\bedgechat_\w+", t["expr"])}

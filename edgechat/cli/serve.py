@@ -15,6 +15,7 @@ from edgechat.cli.common import (
     speculative_option,
     swa_cache_option,
 )
+from edgechat.errors import UsageError
 from edgechat.server.settings import ServerSettings
 
 
@@ -52,6 +53,9 @@ def _is_loopback(host: str) -> bool:
 @click.option("--degrade-queue-wait", type=click.FloatRange(min=0.0), default=10.0, show_default=True, help="Queue wait (s) that turns on the degrade switch (max_tokens cap, --fallback-model); 0 disables.")
 @click.option("--degrade-max-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="The max_tokens cap while degraded.")
 @click.option("--fallback-model", default=None, help="A smaller model that serves new requests while degraded.")
+@click.option("--priority-class", "priority_classes", multiple=True, metavar="NAME=SHARE[:QUEUE]", help="A priority class with its own share of the --parallel sequences and its own queue (repeatable); requests pick one by API key or X-Priority.")
+@click.option("--key-class", "key_classes", multiple=True, metavar="KEY=CLASS", help="An API key (accepted besides --api-key) whose requests are in CLASS (repeatable).")
+@click.option("--failover-after", type=click.FloatRange(min=0.0), default=None, help="Seconds without a first token after which a request moves to --fallback-model (X-Failover-After per request).")
 @data_dir_option
 def serve_cmd(
     model: str | None,
@@ -76,6 +80,9 @@ def serve_cmd(
     degrade_queue_wait: float,
     degrade_max_tokens: int,
     fallback_model: str | None,
+    priority_classes: tuple[str, ...],
+    key_classes: tuple[str, ...],
+    failover_after: float | None,
     data_dir: str | None,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
@@ -85,8 +92,14 @@ def serve_cmd(
     from edgechat.engine import EngineConfig, open_engine
     from edgechat.models import DEFAULT_MODEL
     from edgechat.server import create_app
+    from edgechat.server.priority import parse_class
 
     gpu_layers_note(gpu_layers, rpc)
+    classes = tuple(parse_class(c) for c in priority_classes)
+    keys = dict(k.rpartition("=")[::2] for k in key_classes)
+    unknown = sorted({c for c in keys.values() if c not in {k.name for k in classes}} | {"" for k in keys if not k})
+    if unknown:
+        raise UsageError(f"--key-class wants KEY=CLASS with CLASS one of the --priority-class names; got {', '.join(repr(u) for u in unknown)}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     log = logging.getLogger("edgechat.server")
     if not _is_loopback(host):
@@ -130,6 +143,9 @@ def serve_cmd(
             model_id=None if model and (model.endswith(".gguf") or "/" in model) else (model or DEFAULT_MODEL),
             degrade_queue_wait=degrade_queue_wait or None,
             degrade_max_tokens=degrade_max_tokens,
+            priority_classes=classes,
+            key_classes=keys,
+            failover_after=failover_after,
         )
         log.info("serving %s: %d sequences of %d tokens on http://%s:%d/v1", engine.model_name, parallel, engine.n_ctx, host, port)
         uvicorn.run(create_app(settings, engine, fallback), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

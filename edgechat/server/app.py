@@ -30,8 +30,9 @@ from edgechat.server import responses
 from edgechat.server.auth import BearerAuth
 from edgechat.server.bridge import Generation
 from edgechat.server.degrade import DegradeSwitch
-from edgechat.server.errors import ApiError, bad_request, from_engine_error, prompt_too_long
+from edgechat.server.errors import ApiError, bad_request, from_engine_error, overloaded, prompt_too_long
 from edgechat.server.metrics import ServerMetrics
+from edgechat.server.priority import ClassFull, PriorityGate
 from edgechat.server.responses import ResponseIds, sse
 from edgechat.server.schemas import ParsedRequest, decode_body, parse_chat, parse_completion
 from edgechat.server.settings import ServerSettings
@@ -41,6 +42,8 @@ from edgechat.server.tools import ToolCallParser, tool_grammar
 log = logging.getLogger("edgechat.server")
 #: an SSE comment: clients ignore it, connections with idle timeouts stay open
 KEEPALIVE = ": keep-alive\n\n"
+#: the priority class of every request when no classes are configured
+DEFAULT_CLASS = "default"
 
 
 class _Served:
@@ -93,8 +96,11 @@ class _Server:
         #: the smaller model degraded requests go to, if any
         self.fallback = _Served(fallback, None) if fallback is not None else None
         self.metrics = ServerMetrics()
+        #: admission by priority class to the primary model (None: one queue, arrival order)
+        self.gate = PriorityGate(settings.priority_classes, engine.config.n_parallel) if settings.priority_classes else None
+        self.classes = [c.name for c in settings.priority_classes] or [DEFAULT_CLASS]
         for served in self.served():
-            self.metrics.add_model(served.id)
+            self.metrics.add_model(served.id, self.classes)
         self.degrade = DegradeSwitch(
             settings.degrade_queue_wait,
             settings.degrade_max_tokens,
@@ -109,6 +115,8 @@ class _Server:
     def on_finished(self, gen: Generation, finished: Finished) -> None:
         """Count a request's end (on the event loop, once per request)."""
         self.in_flight.discard(gen)
+        if gen.ticket is not None:
+            self.gate.release(gen.ticket)
         if finished.reason in ("stop", "length"):
             outcome = "ok"
             self.degrade.observe(finished.metrics.queue_wait)
@@ -117,7 +125,7 @@ class _Server:
         else:
             outcome = "error"
             log.error("generation failed: %s", finished.error)
-        self.metrics.observe_finished(finished.metrics, outcome, gen.model)
+        self.metrics.observe_finished(finished.metrics, outcome, gen.model, gen.priority)
 
     def oldest_queued_wait(self) -> float:
         now = time.monotonic()
@@ -148,7 +156,7 @@ class _Server:
         return JSONResponse(self.find_model(request.path_params["model"]).card(self.created))
 
     async def metrics_endpoint(self, request: Request) -> Response:
-        body = self.metrics.render(self.engine.stats(), self.degrade.active)
+        body = self.metrics.render(self.engine.stats(), self.degrade.active, self.gate.snapshot() if self.gate else {})
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- generation --------------------------------------------------------------------------
@@ -190,6 +198,79 @@ class _Server:
         parsed = parse_completion(await self.read_body(request))
         return await self.generate(request, parsed, "text", arrival)
 
+    def priority_of(self, request: Request) -> str:
+        """The request's class: its API key's, else the one X-Priority names, else the default."""
+        if self.gate is None:
+            return DEFAULT_CLASS
+        name = getattr(request.state, "key_class", None) or request.headers.get("x-priority")
+        if name is None:
+            return self.settings.default_class or self.classes[0]
+        if name not in self.gate:
+            have = ", ".join(self.classes)
+            raise self.reject(bad_request(f"X-Priority names the class {name!r}; this server has {have}", param="X-Priority", code="invalid_value"))
+        return name
+
+    def failover_at(self, request: Request, arrival: float, served: _Served) -> float | None:
+        """When a request without a first token moves to the fallback model (None: never)."""
+        after = self.settings.failover_after
+        header = request.headers.get("x-failover-after")
+        if header is not None:
+            try:
+                after = float(header)
+            except ValueError:
+                after = -1.0
+            if not 0 <= after < math.inf:
+                raise self.reject(bad_request(f"X-Failover-After must be a number of seconds, got {header[:40]!r}", param="X-Failover-After"))
+            if self.fallback is None:
+                raise self.reject(bad_request("X-Failover-After needs a fallback model (serve --fallback-model)", param="X-Failover-After"))
+        if after is None or self.fallback is None or served is not self.primary:
+            return None
+        return arrival + after
+
+    async def start(self, served: _Served, parsed: ParsedRequest, arrival: float, priority: str, failover_at: float | None):
+        """Admit and submit every choice; the request and its Generations, or no Generations if
+        its class's share did not come free before `failover_at`."""
+        try:
+            req, prepared = await self.admit(served, parsed)
+        except EdgechatError as exc:
+            raise self.reject(from_engine_error(exc, self.retry_after())) from None
+        ticket = None
+        if self.gate is not None and served is self.primary:
+            try:
+                ticket = self.gate.reserve(priority, parsed.n)
+            except ClassFull as full:
+                raise self.reject(overloaded(full.retry_after)) from None
+            until = failover_at if failover_at is not None else arrival + self.settings.request_timeout
+            try:
+                await asyncio.wait_for(asyncio.shield(ticket.admitted), max(0.0, until - time.monotonic()))
+            except asyncio.TimeoutError:
+                self.gate.release_all(ticket)
+                if failover_at is not None:
+                    return None, req
+                raise ApiError(504, f"the request waited {self.settings.request_timeout:g} s for its class's share and was dropped", type="timeout", code="timeout") from None
+            except asyncio.CancelledError:
+                self.gate.release_all(ticket)
+                raise
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        gens: list[Generation] = []
+        try:
+            for i in range(parsed.n):
+                gen = Generation(loop, arrival + self.settings.request_timeout, self.on_finished, i, events)
+                gen.model, gen.priority, gen.ticket = served.id, priority, ticket
+                # each choice its own Prepared: eviction mid-answer edits its message spans
+                prep = prepared if i == 0 else dataclasses.replace(prepared, spans=[list(s) for s in prepared.spans])
+                gen.handle = served.engine.submit(_choice_request(req, i, gens), gen.on_event, prep)
+                gens.append(gen)
+                if not gen.finished.done():
+                    self.in_flight.add(gen)
+        except EdgechatError as exc:
+            for gen in gens:  # the choices already queued go too: the answer is all n or none
+                gen.handle.cancel()
+            if ticket is not None:
+                self.gate.release(ticket, parsed.n - len(gens))  # the submitted ones give theirs back as they end
+            raise self.reject(from_engine_error(exc, self.retry_after())) from None
+        return gens, req
+
     async def admit(self, served: _Served, parsed: ParsedRequest):
         """Build the request for the model and its prompt once, enforce --max-input-tokens and
         fit max_tokens to the room the prompt leaves; returns the request and the built prompt
@@ -217,31 +298,26 @@ class _Server:
 
     async def generate(self, request: Request, parsed: ParsedRequest, kind: str, arrival: float) -> Response:
         served = self.find_model(parsed.model)
+        priority = self.priority_of(request)
         waiting = sum(m.engine.stats()["waiting"] for m in self.served())
         self.degrade.on_admit(waiting, self.oldest_queued_wait())
         served = self.route(served)
         parallel = served.engine.config.n_parallel
+        if self.gate is not None and served is self.primary:
+            parallel = min(parallel, self.gate.share(priority))
         if parsed.n > parallel:
             raise self.reject(
-                bad_request(f"'n' is {parsed.n}, more than the {parallel} answers this server generates at once", param="n", code="invalid_value")
+                bad_request(f"'n' is {parsed.n}, more than the {parallel} answers this server generates at once for this request", param="n", code="invalid_value")
             )
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        gens: list[Generation] = []
-        try:
-            req, prepared = await self.admit(served, parsed)
-            for i in range(parsed.n):
-                gen = Generation(loop, arrival + self.settings.request_timeout, self.on_finished, i, events)
-                gen.model = served.id
-                # each choice its own Prepared: eviction mid-answer edits its message spans
-                prep = prepared if i == 0 else dataclasses.replace(prepared, spans=[list(s) for s in prepared.spans])
-                gen.handle = served.engine.submit(_choice_request(req, i, gens), gen.on_event, prep)
-                gens.append(gen)
-                if not gen.finished.done():
-                    self.in_flight.add(gen)
-        except EdgechatError as exc:
-            for gen in gens:  # the choices already queued go too: the answer is all n or none
-                gen.handle.cancel()
-            raise self.reject(from_engine_error(exc, self.retry_after())) from None
+        failover_at = self.failover_at(request, arrival, served)
+        gens, req = await self.start(served, parsed, arrival, priority, failover_at)
+        if failover_at is not None and not (gens and await _first_event(gens[0], failover_at)):
+            # no first token in time: the fallback answers instead of the client timing out
+            _cancel(gens or [])
+            self.metrics.failovers.inc()
+            log.warning("request failed over to %s after %.1f s without a first token", self.fallback.id, time.monotonic() - arrival)
+            served = self.fallback
+            gens, req = await self.start(served, parsed, arrival, priority, None)
         if parsed.tools is not None:
             self.metrics.tool_requests.inc()
         if req.grammar is not None:
@@ -384,6 +460,12 @@ class _StreamedChoice:
     calls: list = dataclasses.field(default_factory=list)
 
 
+async def _first_event(gen: Generation, until: float) -> bool:
+    """Whether the generation's first event (a token, or its end) comes before `until`."""
+    done, _ = await asyncio.wait({gen.first}, timeout=max(0.0, until - time.monotonic()))
+    return bool(done)
+
+
 def _build(served: _Served, parsed: ParsedRequest) -> tuple[ChatRequest, object]:
     req = served.request(parsed)
     return req, served.engine.prepare(req)
@@ -448,7 +530,7 @@ def create_app(settings: ServerSettings, engine, fallback=None) -> Starlette:
     ]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(BearerAuth, api_key=settings.api_key)],
+        middleware=[Middleware(BearerAuth, api_key=settings.api_key, key_classes=settings.key_classes)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
     )
     app.state.server = server

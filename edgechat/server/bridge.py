@@ -39,10 +39,15 @@ class Generation:
         self._buffer: list[Event] = []
         self._last_signal = 0.0
         self.finished: asyncio.Future[Finished] = loop.create_future()
+        #: done at the first event (a token or the end): the failover watches it
+        self.first: asyncio.Future[None] = loop.create_future()
         self.timed_out = False
         self.handle = None
         #: the id of the model serving it (the fallback's while degraded), for the metrics
         self.model: str | None = None
+        #: its priority class, and the units of that class's share it holds (None: no classes)
+        self.priority = "default"
+        self.ticket = None
         self.submitted = time.monotonic()
 
     def on_event(self, event: Event) -> None:
@@ -69,6 +74,8 @@ class Generation:
 
     def _deliver(self, event: Event) -> None:
         self.events.put_nowait((self.index, event))
+        if not self.first.done():
+            self.first.set_result(None)
         if isinstance(event, Finished) and not self.finished.done():
             self.finished.set_result(event)
             self._on_finished(self, event)

@@ -19,16 +19,16 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.queue_wait = Histogram(
-            "edgechat_queue_wait_seconds", "Time from arrival to the start of prefill.", buckets=_LATENCY_BUCKETS, labelnames=["model"], registry=r
+            "edgechat_queue_wait_seconds", "Time from arrival to the start of prefill.", buckets=_LATENCY_BUCKETS, labelnames=["model", "priority"], registry=r
         )
         self.ttft = Histogram(
-            "edgechat_time_to_first_token_seconds", "Time from arrival to the first output token.", buckets=_LATENCY_BUCKETS, labelnames=["model"], registry=r
+            "edgechat_time_to_first_token_seconds", "Time from arrival to the first output token.", buckets=_LATENCY_BUCKETS, labelnames=["model", "priority"], registry=r
         )
         self.tpot = Histogram(
-            "edgechat_time_per_output_token_seconds", "Mean gap between output tokens after the first, per request.", buckets=_TPOT_BUCKETS, labelnames=["model"], registry=r
+            "edgechat_time_per_output_token_seconds", "Mean gap between output tokens after the first, per request.", buckets=_TPOT_BUCKETS, labelnames=["model", "priority"], registry=r
         )
         self.e2e = Histogram(
-            "edgechat_request_duration_seconds", "Time from arrival to the last token (end to end).", buckets=_LATENCY_BUCKETS, labelnames=["model"], registry=r
+            "edgechat_request_duration_seconds", "Time from arrival to the last token (end to end).", buckets=_LATENCY_BUCKETS, labelnames=["model", "priority"], registry=r
         )
         self.prompt_tokens = Counter("edgechat_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.cached_tokens = Counter("edgechat_prompt_cached_tokens", "Prompt tokens taken from the KV cache instead of prefilled.", registry=r)
@@ -53,15 +53,20 @@ class ServerMetrics:
         self.fallback_requests = Counter("edgechat_fallback_requests", "Requests routed to the fallback model while degraded.", registry=r)
         self.tool_requests = Counter("edgechat_tool_requests", "Chat requests that offered tools the model may call.", registry=r)
         self.tool_calls = Counter("edgechat_tool_calls", "Tool calls returned to clients.", registry=r)
+        self.failovers = Counter("edgechat_failovers", "Requests moved to the fallback model after no first token within their failover time.", registry=r)
+        self.class_running = Gauge("edgechat_priority_running", "Sequences held by each priority class.", ["priority"], registry=r)
+        self.class_queued = Gauge("edgechat_priority_queued", "Requests waiting for their priority class's share.", ["priority"], registry=r)
         self.grammar_requests = Counter("edgechat_grammar_requests", "Requests held to a grammar (response_format or tool calls).", registry=r)
 
-    def add_model(self, model: str) -> None:
+    def add_model(self, model: str, classes: list[str]) -> None:
         """Export a served model's latency series from the start (at zero), as the outcomes are."""
         for histogram in (self.queue_wait, self.ttft, self.tpot, self.e2e):
-            histogram.labels(model)
+            for priority in classes:
+                histogram.labels(model, priority)
 
-    def observe_finished(self, m: RequestMetrics, outcome: str, model: str) -> None:
-        """Count a finished request; latencies by the model that served it (primary or fallback)."""
+    def observe_finished(self, m: RequestMetrics, outcome: str, model: str, priority: str) -> None:
+        """Count a finished request; latencies by the model that served it (primary or fallback)
+        and its priority class."""
         self.requests.labels(outcome).inc()
         self.prompt_tokens.inc(m.prompt_tokens)
         self.cached_tokens.inc(m.cached_tokens)
@@ -74,14 +79,14 @@ class ServerMetrics:
         if outcome != "ok":
             # a cancelled request's latencies describe the client, not the server
             return
-        self.queue_wait.labels(model).observe(m.queue_wait)
+        self.queue_wait.labels(model, priority).observe(m.queue_wait)
         if m.completion_tokens > 0:
-            self.ttft.labels(model).observe(m.ttft)
+            self.ttft.labels(model, priority).observe(m.ttft)
         if m.completion_tokens > 1:
-            self.tpot.labels(model).observe(m.tpot_mean)
-        self.e2e.labels(model).observe(m.total)
+            self.tpot.labels(model, priority).observe(m.tpot_mean)
+        self.e2e.labels(model, priority).observe(m.total)
 
-    def render(self, stats: dict, degraded: bool) -> bytes:
+    def render(self, stats: dict, degraded: bool, classes: dict[str, dict[str, int]]) -> bytes:
         """The text exposition, with the gauges read from the engine at scrape time."""
         self.running.set(stats.get("running", 0))
         self.queued.set(stats.get("waiting", 0))
@@ -91,4 +96,7 @@ class ServerMetrics:
         self.prompt_cache_bytes.set(stats.get("prompt_cache_bytes", 0))
         self.prompt_cache_entries.set(stats.get("prompt_cache_entries", 0))
         self.degraded.set(1 if degraded else 0)
+        for name, state in classes.items():
+            self.class_running.labels(name).set(state["running"])
+            self.class_queued.labels(name).set(state["waiting"])
         return generate_latest(self.registry)

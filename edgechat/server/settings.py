@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from edgechat.server.priority import PriorityClass
 
 
 @dataclass(frozen=True)
@@ -30,3 +32,13 @@ class ServerSettings:
     #: a stream with nothing to send for this long gets an SSE comment (waiting in the queue,
     #: a long prefill), so proxies and clients with read timeouts keep the connection
     keepalive_s: float = 15.0
+    #: priority classes, each with its own share of the sequences and its own queue (priority.py);
+    #: empty: one queue for everyone, in arrival order
+    priority_classes: tuple[PriorityClass, ...] = ()
+    #: API key -> its priority class; these keys are accepted besides api_key
+    key_classes: dict[str, str] = field(default_factory=dict)
+    #: the class of a request whose key has none and that names none in X-Priority
+    default_class: str | None = None
+    #: a request with no first token after this many seconds moves to the fallback model instead
+    #: of waiting on (X-Failover-After overrides it per request); None: only if a request asks
+    failover_after: float | None = None
