@@ -165,3 +165,22 @@ def test_serve_passes_cache_ram_in_mib_to_the_engine(monkeypatch):
         assert isinstance(result.exception, Stop) and seen[-1] == budget
     result = CliRunner().invoke(cli, ["serve", "--cache-ram", "-1"])
     assert result.exit_code == 2 and "--cache-ram" in result.output
+
+
+def test_gemma_states_restore_within_the_sliding_window(isolated_dirs):
+    """Gemma 3's sliding layers: a sequence state holds only their last window (512) of cells, so
+    a state longer than that could not be cut back to a prompt; it is never used, while shorter
+    ones are."""
+    long = [{"role": "user", "content": "Tell me a story. " + "The river runs past the mill and the old bridge. " * 45}]
+    prompts = [*PROMPTS[:2], long]
+    config = EngineConfig(model="gemma3-270m", n_ctx=1024, n_threads=2, n_parallel=1, paths=isolated_dirs, prompt_cache_budget=64 << 20, speculative="off")
+    with Engine(config) as engine:
+        assert engine.plan.swa_full
+        first = [engine.submit(request(p)).result(timeout=300) for p in prompts]
+        second = [engine.submit(request(p)).result(timeout=300) for p in prompts]
+        assert first[2].metrics.prompt_tokens + ANSWER_TOKENS > 512
+        assert [r.metrics.prompt_cache_hit for r in second] == [True, True, False]
+        assert engine.kv_problems() == []
+        for messages, before, after in zip(prompts, first, second, strict=True):
+            prompt = engine.prompt_tokens(ChatRequest(messages=messages))
+            assert_same_tokens_or_near_tie(engine, prompt, before.token_ids, after.token_ids)

@@ -372,11 +372,14 @@ class KVManager:
 
     def restore_prompt(self, slot: Slot, entry: CachedPrompt) -> bool:
         """Load a prompt cache entry into the slot; False leaves the slot empty and drops the
-        entry (a state llama.cpp refuses, or cells that are not at 0..n-1, is never used)."""
+        entry: a state llama.cpp refuses, or whose cells are not at 0..n-1, is never used. That
+        includes a sliding-window model's state longer than its window: llama.cpp leaves the
+        sliding layers' older cells out of it, so it could not be cut back to a shorter prompt
+        (their oldest cell is then past 0)."""
         self.clear(slot)
         n = len(entry.tokens)
         if not self.backend.state_seq_set(slot.seq, entry.data) or self.backend.seq_pos_range(slot.seq) != (0, n - 1):
-            log.warning("a prompt cache entry of %d tokens did not restore; it is dropped", n)
+            log.info("a prompt cache entry of %d tokens could not be used; it is dropped", n)
             self.clear(slot)
             self.prompt_cache.drop(entry)
             return False
