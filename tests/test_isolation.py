@@ -1,7 +1,6 @@
 """Agent traffic kept apart from interactive chat: priority classes with their own share of the
-sequences and their own queue; a request that gets no first token in time moves to the
-fallback model. Checked on state (queues, who holds what, which model answered), never on
-wall-clock timing, so a loaded machine cannot make them flaky."""
+sequences and their own queue. Checked on state (queues, who holds what), never on wall-clock
+timing, so a loaded machine cannot make them flaky."""
 
 from __future__ import annotations
 
@@ -94,7 +93,7 @@ def engine(models_root):
 
 
 def _gauges(url: str, key: str) -> dict[str, tuple[int, int]]:
-    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}).text
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=60).text
     running = dict(re.findall(r'edgechat_priority_running\{priority="(\w+)"\} (\d+)', text))
     queued = dict(re.findall(r'edgechat_priority_queued\{priority="(\w+)"\} (\d+)', text))
     return {k: (int(running[k]), int(queued[k])) for k in running}
@@ -132,57 +131,29 @@ def test_an_agent_burst_does_not_hold_up_a_chat(engine):
             # two hold the agents' share, four wait in their queue
             _wait_for(lambda: _gauges(url, CHAT_KEY)["agent"] == (2, 4), "the agents' share and queue never filled")
             # a seventh agent call finds the queue full: 429 with an estimate of the wait
-            r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 2}, headers={"Authorization": f"Bearer {AGENT_KEY}"})
+            r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 2}, headers={"Authorization": f"Bearer {AGENT_KEY}"}, timeout=60)
             assert r.status_code == 429 and 1 <= int(r.headers["Retry-After"]) <= 60
             # the chat is admitted at once and answered while every agent call still runs or waits
             headers = {"Authorization": f"Bearer {CHAT_KEY}"}
-            r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 4}, headers=headers, timeout=120)
+            r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 4}, headers=headers, timeout=600)
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
             assert _gauges(url, CHAT_KEY) == {"interactive": (0, 0), "agent": (2, 4)}
             assert not any(a.done() for a in agents)
             # a key's class is its own: X-Priority cannot lift an agent key
-            r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 2}, headers={"Authorization": f"Bearer {AGENT_KEY}", "X-Priority": "interactive"})
+            r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 2}, headers={"Authorization": f"Bearer {AGENT_KEY}", "X-Priority": "interactive"}, timeout=60)
             assert r.status_code == 429
             # a key without a class takes the one X-Priority names, which must exist
             other = {"Authorization": "Bearer sk-any"}
-            r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": HI}, headers={**other, "X-Priority": "vip"})
+            r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": HI}, headers={**other, "X-Priority": "vip"}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == "X-Priority"
-            r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 2}, headers={**other, "X-Priority": "interactive"}, timeout=120)
+            r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 2}, headers={**other, "X-Priority": "interactive"}, timeout=600)
             assert r.status_code == 200
         finally:
             release.set()
         assert sorted(a.result() for a in agents) == [200] * 6
-        metrics = httpx.get(f"{url}/metrics", headers=headers).text
+        metrics = httpx.get(f"{url}/metrics", headers=headers, timeout=60).text
         # latencies by class: the chat's TTFT is in the interactive series
         assert f'edgechat_time_to_first_token_seconds_count{{model="{MODEL}",priority="interactive"}} 2.0' in metrics
     _wait_for(lambda: engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0, "the agents' answers were not freed")
     assert engine.kv_problems() == []
 
-
-def test_no_first_token_in_time_fails_over_to_the_fallback(engine, models_root):
-    fallback = Engine(EngineConfig(model=MODEL, n_ctx=512, n_threads=2, n_parallel=1, paths=models_root))
-    try:
-        # the primary's three sequences are all busy: a new request waits in its queue
-        settings = ServerSettings(model_id="primary", degrade_queue_wait=None)
-        with serving(create_app(settings, engine, fallback)) as url, ThreadPoolExecutor(4) as pool:
-            release = threading.Event()
-            try:
-                busy = [pool.submit(_hold, url, "", release) for _ in range(3)]
-                _wait_for(lambda: engine.stats()["running"] == 3, "the primary never filled")
-                r = httpx.post(
-                    f"{url}/v1/chat/completions", json={"model": "primary", "messages": HI, "max_tokens": 4}, headers={"X-Failover-After": "0.5"}, timeout=120
-                )
-                body = r.json()
-                assert r.status_code == 200 and body["model"] == fallback.model_info.path.stem, body
-                bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": HI}, headers={"X-Failover-After": "soon"})
-                assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Failover-After"
-            finally:
-                release.set()
-            assert [b.result() for b in busy] == [200] * 3
-            metrics = httpx.get(f"{url}/metrics").text
-            assert "edgechat_failovers_total 1.0" in metrics
-            assert f'edgechat_request_duration_seconds_count{{model="{fallback.model_info.path.stem}",priority="default"}} 1.0' in metrics
-        _wait_for(lambda: engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0, "the primary's answers were not freed")
-        assert engine.kv_problems() == [] and fallback.kv_problems() == []
-    finally:
-        fallback.close()
