@@ -128,6 +128,38 @@ def test_bad_snapshots_are_rebuilt_not_trusted(smollm2_path, gemma3_path, isolat
     assert done.metrics.cached_tokens == 0
 
 
+def test_a_sliding_window_snapshot_restores_into_its_own_cache_kind_and_rewinds_safely(gemma3_path, isolated_dirs, tmp_path):
+    """llama.cpp's state of a long Gemma 3 conversation leaves out the sliding layers' cells older
+    than the window, whatever the cache: restored, it answers as before; a rewind deeper than the
+    window recomputes rather than attending to cells that are not there; and a state is never
+    restored into the other cache kind (the small cache holds only the window)."""
+    from neartie import assert_same_or_near_tie
+
+    from edgechat.config import get_paths
+
+    story = " ".join(f"Line {i}: the river stones are smooth and grey." for i in range(90))  # past the 512 window
+    history = [{"role": "user", "content": story}]
+    with engine_for(gemma3_path, isolated_dirs, n_ctx=2048, swa_cache="full") as engine:
+        turn(engine, history, "What colour are the stones?", "swa", max_tokens=8)
+        engine.release_session("swa")
+    edited = [{"role": "user", "content": story[: len(story) // 3] + " The end."}]
+    for kind, reused in (("full", True), ("small", False)):
+        with engine_for(gemma3_path, isolated_dirs, n_ctx=2048, swa_cache=kind) as engine:
+            done, _ = turn(engine, list(history), "And the river?", "swa", max_tokens=8)
+            assert (done.metrics.cached_tokens > 500) is reused, (kind, done.metrics.cached_tokens)
+            assert engine.kv_problems() == []
+            engine.release_session("swa")
+        if kind == "full":
+            # an edit a third of the way in: the restored sequence cannot rewind that deep
+            with engine_for(gemma3_path, isolated_dirs, n_ctx=2048, swa_cache=kind) as engine:
+                got, _ = turn(engine, list(edited), "What colour are the stones?", "swa", max_tokens=8)
+                assert got.metrics.cached_tokens == 0 and engine.kv_problems() == []
+            with engine_for(gemma3_path, get_paths(tmp_path / "cold"), n_ctx=2048, swa_cache=kind) as engine:
+                cold, _ = turn(engine, list(edited), "What colour are the stones?", "swa", max_tokens=8)
+                assert_same_or_near_tie(engine, [SYSTEM] + list(edited) + [{"role": "user", "content": "What colour are the stones?"}],
+                                        cold.token_ids, got.token_ids)
+
+
 def test_identical_system_prompts_share_their_kv(smollm2_path, isolated_dirs):
     with engine_for(smollm2_path, isolated_dirs, hot_sessions=1) as engine:
         turn(engine, [], "Hello!", "a")

@@ -452,6 +452,9 @@ class Engine(PromptQueries):
                 "model_sha256": model_fingerprint(self.model_path, self.paths.cache),
                 "n_ctx": self.n_ctx,
                 "kv_type": self.config.kv_type,
+                # the small sliding-window cache holds only the window's cells: its states and
+                # the full cache's do not fit each other
+                "swa_full": self.plan.swa_full,
                 "state_version": state_version(),
             }
             self._snapshots = SnapshotStore(self.paths.snapshots, tags, self.config.snapshot_budget)

@@ -162,10 +162,11 @@ class KVManager:
             n = len(slot.tokens)
             lo, hi = self.backend.seq_pos_range(slot.seq)
             want = (0, n - 1) if n else (-1, -1)
-            window = self.backend.small_swa
+            window = self.backend.swa_window
             if window and n and hi == n - 1 and 0 <= lo <= max(n - window, 0):
-                # a small sliding-window cache reports its sliding layers' oldest cell, which
-                # moves on past the window; the full-attention layers' cells are checked below
+                # a sliding-window model reports its sliding layers' oldest cell, which moves on
+                # past the window in a small cache or a restored state; the full-attention
+                # layers' cells are checked below
                 lo = 0
             if (lo, hi) != want:
                 problems.append(f"seq {slot.seq}: llama.cpp holds positions {lo}..{hi}, the mirror {n} tokens")
@@ -197,10 +198,10 @@ class KVManager:
             if not self.backend.seq_rm(slot.seq, -1, -1):
                 raise KVInvariantError(f"llama.cpp refused to clear sequence {slot.seq}")
             n = 0
-            # a small sliding-window cache refuses only rewinds deeper than the window it still
-            # holds (llama.py); a draft's rollback stays inside the batch just decoded, whose
-            # window llama.cpp never overwrites, so speculation goes on
-            if not self.backend.small_swa:
+            # sliding layers refuse only rewinds deeper than the window they still hold
+            # (llama.py); a draft's rollback stays inside the batch just decoded, whose window
+            # llama.cpp never overwrites, so speculation goes on
+            if not self.backend.swa_window:
                 self.can_rewind = False
         del slot.tokens[n:]
         self._limit_sharing(slot, n)

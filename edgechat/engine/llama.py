@@ -196,8 +196,11 @@ class LlamaBackend:
         self.n_batch = L.llama_n_batch(ctx)
         self.n_seq_max = n_seq_max
         self.can_shift = bool(L.llama_memory_can_shift(self.mem))
-        #: sliding window of a small SWA cache (0: every layer keeps every token)
-        self.small_swa = 0 if swa_full else max(L.llama_model_n_swa(model), 0)
+        #: the sliding layers' window (0: no sliding layers). Their cells older than the window
+        #: may be missing even from a full cache: llama.cpp's sequence states leave them out
+        self.swa_window = max(L.llama_model_n_swa(model), 0)
+        #: the window, where the cache itself keeps only the window's cells (0: a full cache)
+        self.small_swa = 0 if swa_full else self.swa_window
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self.bos = L.llama_vocab_bos(self.vocab)
         self.eos = L.llama_vocab_eos(self.vocab)
@@ -288,9 +291,10 @@ class LlamaBackend:
 
     # --- KV memory ------------------------------------------------------------------------------
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
-        if self.small_swa and p0 > 0 and p1 < 0 and L.llama_memory_seq_pos_min(self.mem, seq) > max(0, p0 - self.small_swa):
-            # a small SWA cache may have overwritten cells the window of position p0 needs: a
-            # rewind this deep is refused, as memory that cannot drop part of a sequence does
+        if self.swa_window and p0 > 0 and p1 < 0 and L.llama_memory_seq_pos_min(self.mem, seq) > max(0, p0 - self.swa_window):
+            # the sliding layers lack cells the window of position p0 needs (a small SWA cache
+            # overwrote them, or a restored state left them out): a rewind this deep is refused,
+            # as memory that cannot drop part of a sequence does
             return False
         return bool(L.llama_memory_seq_rm(self.mem, seq, p0, p1))
 
