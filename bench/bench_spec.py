@@ -13,7 +13,8 @@ F16 decoding with speculation off, draft (the draft model only) and auto, accept
 
 With --llama-server, llama.cpp's own speculation (llama-server --spec-type ngram-simple and
 ngram-mod, built by bench/build_llama_bench.sh from the vendored sources) on the same grounded
-tasks and files, beside its plain decoding (target: edgechat auto >= 1.0x of the better).
+tasks and files, given edgechat's own prompt tokens so both sides write the same text, beside its
+plain decoding (target: edgechat auto >= 1.0x of the better).
 
     python -m bench.bench_spec [--rounds 3] [--threads 2] [--llama-server] [--draft] [--json]
 """
@@ -31,6 +32,7 @@ import httpx
 
 from edgechat.config import get_paths
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
+from edgechat.engine.speculative import MAX_DRAFT, NgramDrafter, StepCost
 
 MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
 MODES = ["off", "auto", "lookup"]
@@ -70,6 +72,21 @@ def run_task(engine: Engine, prompt: str, mode: str, max_tokens: int) -> tuple[f
     return m.decode_tps, done.token_ids, rate
 
 
+def lookup_bound(prompt: list[int], answer: list[int], cost: StepCost) -> float:
+    """The most n-gram lookup could gain on this answer on this machine: at each step it drafts
+    exactly the guesses that will be kept (which no real policy knows in advance), each step
+    costing what the engine measured for a batch that wide. Plain decoding is one token a step."""
+    drafter = NgramDrafter(prompt + answer[:1])
+    steps_cost, t = 0.0, 1
+    while t < len(answer):
+        guess = drafter.propose(MAX_DRAFT)
+        kept = next((i for i, tok in enumerate(guess) if t + i >= len(answer) or answer[t + i] != tok), len(guess))
+        steps_cost += cost.seconds(kept + 1)
+        drafter.extend(answer[t : t + kept + 1])
+        t += kept + 1
+    return (len(answer) - 1) * cost.seconds(1) / steps_cost if steps_cost else 1.0
+
+
 def compare_modes(engine: Engine, label: str, modes: list[str], rounds: int, max_tokens: int) -> list[dict]:
     """Every task in every mode, modes alternating within each round; best tok/s of the rounds,
     each mode's ratio to "off" and acceptance, and whether every mode wrote the same text."""
@@ -84,6 +101,11 @@ def compare_modes(engine: Engine, label: str, modes: list[str], rounds: int, max
                 outputs[mode], rates[mode] = tokens, rate
         rows.append({
             "model": label, "task": task, "tokens": len(outputs["off"]),
+            # what llama-server is given and should write, for the same text on both sides
+            "prompt_ids": engine.prompt_tokens(ChatRequest(messages=[{"role": "user", "content": prompt}])),
+            "off_ids": outputs["off"],
+            "lookup_bound": lookup_bound(engine.prompt_tokens(ChatRequest(messages=[{"role": "user", "content": prompt}])),
+                                         outputs["off"], engine.scheduler.cost),
             **{f"{mode}_tps": best[mode] for mode in modes},
             **{f"{mode}_ratio": best[mode] / best["off"] for mode in modes if mode != "off"},
             **{f"{mode}_accept": rates[mode] for mode in modes if mode != "off"},
@@ -127,9 +149,10 @@ def bench_draft(name: str, threads: int, rounds: int, max_tokens: int) -> list[d
             return compare_modes(engine, f"{name} F16", ["off", "draft", "auto"], rounds, max_tokens)
 
 
-def llama_server_run(name: str, threads: int, spec_type: str, prompts: dict[str, str], max_tokens: int, log_dir) -> dict:
-    """llama.cpp's own speculation on the same file and tasks: decode tok/s and acceptance per
-    task, from the timings llama-server returns (one fresh server per spec type)."""
+def llama_server_run(name: str, threads: int, spec_type: str, prompts: dict[str, list[int]], max_tokens: int, log_dir) -> dict:
+    """llama.cpp's own speculation on the same file and the same prompt tokens as edgechat's (so
+    both write the same text): decode tok/s, acceptance and the tokens written, per task, from
+    what llama-server's /completion returns (one fresh server per spec type)."""
     from bench.bench_serve import _free_port, _server
     from bench.llamabench import find_llama_server
     from edgechat.models import resolve_model
@@ -142,28 +165,33 @@ def llama_server_run(name: str, threads: int, spec_type: str, prompts: dict[str,
     out = {}
     with _server(cmd, port, f"llama-server-{spec_type}", log_dir) as url:
         for task, prompt in prompts.items():
-            body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": max_tokens}
-            timings = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600).json()["timings"]
+            body = {"prompt": prompt, "temperature": 0, "n_predict": max_tokens, "return_tokens": True}
+            reply = httpx.post(f"{url}/completion", json=body, timeout=600).json()
+            timings = reply["timings"]
             drafted = timings.get("draft_n", 0)
-            out[task] = (timings["predicted_per_second"], timings.get("draft_n_accepted", 0) / drafted if drafted else 0.0)
+            out[task] = (timings["predicted_per_second"], timings.get("draft_n_accepted", 0) / drafted if drafted else 0.0,
+                         reply["tokens"])
     return out
 
 
 def against_llama_server(rows: list[dict], threads: int, rounds: int, max_tokens: int) -> None:
     """Best of `rounds` for llama-server plain, ngram-simple and ngram-mod, beside edgechat."""
-    grounded = {t: p for t, p in TASKS.items() if t != "open"}
     with tempfile.TemporaryDirectory() as tmp:
         for name in MODELS:
-            best: dict[str, dict[str, tuple[float, float]]] = {}
+            grounded = {r["task"]: r["prompt_ids"] for r in rows if r["model"] == name and r["task"] != "open"}
+            best: dict[str, dict[str, tuple[float, float, list[int]]]] = {}
             for _ in range(rounds):
                 for spec in ("none", "ngram-simple", "ngram-mod"):
-                    for task, (tps, rate) in llama_server_run(name, threads, spec, grounded, max_tokens, Path(tmp)).items():
-                        if tps > best.setdefault(spec, {}).get(task, (0.0, 0.0))[0]:
-                            best[spec][task] = (tps, rate)
+                    for task, (tps, rate, ids) in llama_server_run(name, threads, spec, grounded, max_tokens, Path(tmp)).items():
+                        if tps > best.setdefault(spec, {}).get(task, (0.0, 0.0, []))[0]:
+                            best[spec][task] = (tps, rate, ids)
             for row in rows:
                 if row["model"] == name and row["task"] in grounded:
                     for spec in best:
-                        row[f"llama_{spec}_tps"], row[f"llama_{spec}_accept"] = best[spec][row["task"]]
+                        row[f"llama_{spec}_tps"], row[f"llama_{spec}_accept"], ids = best[spec][row["task"]]
+                        # where llama.cpp's numerics part from ours at a near-tie, the texts differ from there
+                        row[f"llama_{spec}_same_prefix"] = next((i for i, (a, b) in enumerate(zip(ids, row["off_ids"])) if a != b),
+                                                                min(len(ids), len(row["off_ids"])))
                     row["auto_vs_best_llama_spec"] = row["auto_tps"] / max(best[s][row["task"]][0] for s in ("ngram-simple", "ngram-mod"))
 
 
@@ -179,6 +207,7 @@ def _best(a: dict, b: dict) -> dict:
     out["auto_ratio"] = out["auto_tps"] / out["off_tps"]
     out["lookup_ratio"] = out["lookup_tps"] / out["off_tps"]
     out["same_text"] = a["same_text"] and b["same_text"]
+    out["lookup_bound"] = max(a["lookup_bound"], b["lookup_bound"])
     if "auto_vs_best_llama_spec" in out:
         out["auto_vs_best_llama_spec"] = out["auto_tps"] / max(out["llama_ngram-simple_tps"], out["llama_ngram-mod_tps"])
     return out
@@ -213,19 +242,25 @@ def main() -> None:
             against_llama_server(fresh, args.threads, 1, args.max_tokens)
             rows = fresh if not rows else [_best(a, b) for a, b in zip(rows, fresh)]
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([{k: v for k, v in r.items() if not k.endswith("_ids")} for r in rows], indent=2))
         return
-    print(f"{'model':22} {'task':8} {'tokens':>6} {'off t/s':>8} {'auto':>7} {'ratio':>6} {'acc':>5} {'lookup':>7} {'ratio':>6} {'acc':>5} same")
+    # bound: what lookup could gain on this answer, knowing in advance which guesses are kept
+    print(f"{'model':22} {'task':8} {'tokens':>6} {'off t/s':>8} {'auto':>7} {'ratio':>6} {'acc':>5} {'lookup':>7} {'ratio':>6} {'acc':>5} "
+          f"{'bound':>5} same")
     for r in rows:
         print(f"{r['model']:22} {r['task']:8} {r['tokens']:>6} {r['off_tps']:>8.1f} {r['auto_tps']:>7.1f} {r['auto_ratio']:>6.2f} "
-              f"{r['auto_accept']:>5.2f} {r['lookup_tps']:>7.1f} {r['lookup_ratio']:>6.2f} {r['lookup_accept']:>5.2f} {r['same_text']}")
+              f"{r['auto_accept']:>5.2f} {r['lookup_tps']:>7.1f} {r['lookup_ratio']:>6.2f} {r['lookup_accept']:>5.2f} "
+              f"{r['lookup_bound']:>5.2f} {r['same_text']}")
     if args.llama_server:
-        print(f"\n{'model':22} {'task':8} {'llama plain':>11} {'ngram-simple':>12} {'acc':>5} {'ngram-mod':>9} {'acc':>5} {'edgechat auto':>13} {'vs best':>7}")
+        # "same": how many of the tokens llama-server wrote (plain / ngram-simple / ngram-mod) are ours, of ours
+        print(f"\n{'model':22} {'task':8} {'llama plain':>11} {'ngram-simple':>12} {'acc':>5} {'ngram-mod':>9} {'acc':>5} "
+              f"{'edgechat auto':>13} {'vs best':>7} same")
         for r in rows:
             if "auto_vs_best_llama_spec" in r:
+                same = "/".join(str(r[f"llama_{spec}_same_prefix"]) for spec in ("none", "ngram-simple", "ngram-mod"))
                 print(f"{r['model']:22} {r['task']:8} {r['llama_none_tps']:>11.1f} {r['llama_ngram-simple_tps']:>12.1f} "
                       f"{r['llama_ngram-simple_accept']:>5.2f} {r['llama_ngram-mod_tps']:>9.1f} {r['llama_ngram-mod_accept']:>5.2f} "
-                      f"{r['auto_tps']:>13.1f} {r['auto_vs_best_llama_spec']:>7.2f}")
+                      f"{r['auto_tps']:>13.1f} {r['auto_vs_best_llama_spec']:>7.2f} {same} of {r['tokens']}")
 
 
 if __name__ == "__main__":
