@@ -475,3 +475,20 @@ def test_pull_asks_before_a_model_that_will_not_fit(isolated_dirs, monkeypatch):
     # --yes skips the question: the download is attempted (and fails here, with no Hub to reach)
     result = CliRunner().invoke(cli, ["pull", "--yes", "qwen3-4b"], standalone_mode=False)
     assert isinstance(result.exception, ModelNotFoundError) and "will not fit" not in str(result.exception)
+
+
+def test_pull_asks_before_any_hub_file_that_will_not_fit(fake_hub, isolated_dirs, tmp_path, monkeypatch):
+    """Not only catalog entries: a Hub file's size comes from the listing, before the download."""
+    from edgechat.engine import planner
+
+    for key, value in online(fake_hub, tmp_path).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(planner, "available_memory", lambda: 64 << 20)
+    result = CliRunner().invoke(cli, ["pull", f"{TEST_REPO}:Q4_1"], standalone_mode=False)
+    assert isinstance(result.exception, UsageError), result.output
+    assert "will not fit in the memory free here" in str(result.exception) and "pass --yes" in str(result.exception)
+    assert not any("/resolve/" in path for _, path in fake_hub.requests)  # nothing downloaded
+    result = CliRunner().invoke(cli, ["pull", "--yes", f"{TEST_REPO}:Q4_1"], standalone_mode=False)
+    assert result.exception is None, result.output
+    assert "ready: " in result.output

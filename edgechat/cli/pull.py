@@ -35,6 +35,9 @@ def pull_cmd(ref: str, yes: bool, data_dir: str | None) -> None:
         hub_ref = hub.parse_hub_ref(ref)
         if hub_ref is None:
             raise UsageError(f"'{ref}' is neither a catalog name nor a Hub reference; see: edgechat models --catalog")
+        # any Hub file: the listing gives its size before a byte is downloaded
+        if not yes and not hub.offline() and (size := hub.download_size(hub_ref, paths)) and not planner.weights_fit(size):
+            _confirm_too_large(ref, size)
     path = hub.resolve_hub(hub_ref, paths)
     # reading the header proves the download is a whole, loadable GGUF
     info = read_model_info(path)

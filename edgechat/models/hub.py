@@ -184,6 +184,17 @@ def resolve_hub(ref: HubRef, paths: Paths) -> Path:
     return [found or _download(ref.repo, part, ref.text, paths) for part, found in zip(split_part_names(file), parts)][0]
 
 
+def download_size(ref: HubRef, paths: Paths) -> int | None:
+    """The bytes resolve_hub would download for ref, from the Hub's listing (every part of a
+    split model); None when the file is already here or the listing does not give them."""
+    file = ref.file or _catalog_file_for(ref) or _pick(ref, _list_repo_files(ref))
+    missing = [part for part in split_part_names(file) if cached_file(ref.repo, part, paths) is None]
+    listed = [listed_file(ref.repo, part, ref.text) for part in missing]
+    if not missing or None in listed:
+        return None
+    return sum(entry.size for entry in listed)
+
+
 def resolve_catalog(entry: CatalogEntry, cfile: CatalogFile, paths: Paths) -> Path:
     text = entry.name if cfile is entry.default else f"{entry.name}:{cfile.quant}"
     return resolve_hub(HubRef(entry.repo, cfile.file, cfile.quant, text), paths)
