@@ -484,6 +484,9 @@ def test_pull_asks_before_any_hub_file_that_will_not_fit(fake_hub, isolated_dirs
     for key, value in online(fake_hub, tmp_path).items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # read once, at its import
     monkeypatch.setattr(planner, "available_memory", lambda: 64 << 20)
     result = CliRunner().invoke(cli, ["pull", f"{TEST_REPO}:Q4_1"], standalone_mode=False)
     assert isinstance(result.exception, UsageError), result.output
