@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import enum
 
-#: the most tokens drafted for one sequence in one step
-MAX_DRAFT = 8
+#: the most tokens drafted for one sequence in one step (llama.cpp's default too): on a long
+#: quote, Gemma 3 gained 2.2x with 16 against 1.9x with 8; the policy keeps SmolLM2's drafts short
+MAX_DRAFT = 16
 #: n-gram lengths matched, longest first: a longer match predicts its continuation better
 NGRAM_SIZES = (4, 3, 2)
 
