@@ -99,13 +99,13 @@ def compare_modes(engine: Engine, label: str, modes: list[str], rounds: int, max
                 tps, tokens, rate = run_task(engine, prompt, mode, max_tokens)
                 best[mode] = max(best[mode], tps)
                 outputs[mode], rates[mode] = tokens, rate
+        prompt_ids = engine.prompt_tokens(ChatRequest(messages=[{"role": "user", "content": prompt}]))
         rows.append({
             "model": label, "task": task, "tokens": len(outputs["off"]),
             # what llama-server is given and should write, for the same text on both sides
-            "prompt_ids": engine.prompt_tokens(ChatRequest(messages=[{"role": "user", "content": prompt}])),
+            "prompt_ids": prompt_ids,
             "off_ids": outputs["off"],
-            "lookup_bound": lookup_bound(engine.prompt_tokens(ChatRequest(messages=[{"role": "user", "content": prompt}])),
-                                         outputs["off"], engine.scheduler.cost),
+            "lookup_bound": lookup_bound(prompt_ids, outputs["off"], engine.scheduler.cost),
             **{f"{mode}_tps": best[mode] for mode in modes},
             **{f"{mode}_ratio": best[mode] / best["off"] for mode in modes if mode != "off"},
             **{f"{mode}_accept": rates[mode] for mode in modes if mode != "off"},
