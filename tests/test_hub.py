@@ -495,3 +495,18 @@ def test_pull_asks_before_any_hub_file_that_will_not_fit(fake_hub, isolated_dirs
     result = CliRunner().invoke(cli, ["pull", "--yes", f"{TEST_REPO}:Q4_1"], standalone_mode=False)
     assert result.exception is None, result.output
     assert "ready: " in result.output
+
+
+def test_pull_of_a_model_already_here_needs_no_hub(fake_hub, isolated_dirs, tmp_path, monkeypatch):
+    """Asking whether a download fits must not turn a cached model's pull into a Hub call."""
+    import huggingface_hub.constants
+
+    for key, value in online(fake_hub, tmp_path).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # read once, at its import
+    assert CliRunner().invoke(cli, ["pull", f"{TEST_REPO}:Q4_1"], standalone_mode=False).exception is None
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the Hub is gone; the file is here
+    result = CliRunner().invoke(cli, ["pull", f"{TEST_REPO}:Q4_1"], standalone_mode=False)
+    assert result.exception is None, result.exception
+    assert "ready: " in result.output

@@ -165,13 +165,8 @@ def resolve_hub(ref: HubRef, paths: Paths) -> Path:
     """Local GGUF for a Hub reference: from the cache, else downloaded (unless offline)."""
     file = ref.file or _catalog_file_for(ref)
     if file is None:
-        if cached := _cached_snapshot(ref.repo, paths):
-            snapshot, names = cached
-            # only other quants of this repo (or some parts of a split one) are cached: ask the Hub's listing instead
-            with contextlib.suppress(ModelNotFoundError):
-                picked = _pick(ref, names)
-                if set(split_part_names(picked)) <= set(names):
-                    return snapshot / picked
+        if picked := _cached_pick(ref, paths):
+            return picked
         if offline():
             raise ModelNotFoundError(_pull_hint(ref.text))
         file = _pick(ref, _list_repo_files(ref))
@@ -184,10 +179,26 @@ def resolve_hub(ref: HubRef, paths: Paths) -> Path:
     return [found or _download(ref.repo, part, ref.text, paths) for part, found in zip(split_part_names(file), parts)][0]
 
 
+def _cached_pick(ref: HubRef, paths: Paths) -> Path | None:
+    """The cached file for a reference without one (picked by quant), every part of it here."""
+    if cached := _cached_snapshot(ref.repo, paths):
+        snapshot, names = cached
+        # only other quants of this repo (or some parts of a split one) are cached: the Hub's listing decides
+        with contextlib.suppress(ModelNotFoundError):
+            picked = _pick(ref, names)
+            if set(split_part_names(picked)) <= set(names):
+                return snapshot / picked
+    return None
+
+
 def download_size(ref: HubRef, paths: Paths) -> int | None:
     """The bytes resolve_hub would download for ref, from the Hub's listing (every part of a
     split model); None when the file is already here or the listing does not give them."""
-    file = ref.file or _catalog_file_for(ref) or _pick(ref, _list_repo_files(ref))
+    file = ref.file or _catalog_file_for(ref)
+    if file is None:
+        if _cached_pick(ref, paths):
+            return None  # here already: no Hub call
+        file = _pick(ref, _list_repo_files(ref))
     missing = [part for part in split_part_names(file) if cached_file(ref.repo, part, paths) is None]
     listed = [listed_file(ref.repo, part, ref.text) for part in missing]
     if not missing or None in listed:
