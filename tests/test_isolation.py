@@ -1,6 +1,7 @@
 """Agent traffic kept apart from interactive chat: priority classes with their own share of the
-sequences and their own queue. Checked on state (queues, who holds what), never on wall-clock
-timing, so a loaded machine cannot make them flaky."""
+sequences and their own queue; a request that gets no first token in time moves to the
+fallback model. Checked on state (queues, who holds what, which model answered), never on
+wall-clock timing, so a loaded machine cannot make them flaky."""
 
 from __future__ import annotations
 
@@ -99,9 +100,10 @@ def _gauges(url: str, key: str) -> dict[str, tuple[int, int]]:
     return {k: (int(running[k]), int(queued[k])) for k in running}
 
 
-def _hold(url: str, key: str, release: threading.Event) -> int:
+def _hold(url: str, key: str | None, release: threading.Event) -> int:
     """One endless streamed answer, held open until `release`; returns the HTTP status."""
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json={"model": MODEL, **ENDLESS}, headers={"Authorization": f"Bearer {key}"}, timeout=300) as r:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={"model": MODEL, **ENDLESS}, headers=headers, timeout=300) as r:
         if r.status_code == 200:
             lines = r.iter_lines()  # kept: a dropped iterator closes the connection
             next(lines)
@@ -157,3 +159,33 @@ def test_an_agent_burst_does_not_hold_up_a_chat(engine):
     _wait_for(lambda: engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0, "the agents' answers were not freed")
     assert engine.kv_problems() == []
 
+
+def test_no_first_token_in_time_fails_over_to_the_fallback(engine, models_root):
+    fallback = Engine(EngineConfig(model=MODEL, n_ctx=512, n_threads=2, n_parallel=1, paths=models_root))
+    try:
+        # the primary's three sequences are all busy: a new request waits in its queue
+        settings = ServerSettings(model_id="primary", degrade_queue_wait=None)
+        with serving(create_app(settings, engine, fallback)) as url, ThreadPoolExecutor(4) as pool:
+            release = threading.Event()
+            try:
+                busy = [pool.submit(_hold, url, None, release) for _ in range(3)]
+                _wait_for(lambda: engine.stats()["running"] == 3 or any(b.done() for b in busy), "the primary never filled")
+                # a hold that ended already failed: show its error now, not after the wait
+                assert not [b.result() for b in busy if b.done()]
+                r = httpx.post(
+                    f"{url}/v1/chat/completions", json={"model": "primary", "messages": HI, "max_tokens": 4}, headers={"X-Failover-After": "0.5"}, timeout=120
+                )
+                body = r.json()
+                assert r.status_code == 200 and body["model"] == fallback.model_info.path.stem, body
+                bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": HI}, headers={"X-Failover-After": "soon"})
+                assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Failover-After"
+            finally:
+                release.set()
+            assert [b.result() for b in busy] == [200] * 3
+            metrics = httpx.get(f"{url}/metrics").text
+            assert "edgechat_failovers_total 1.0" in metrics
+            assert f'edgechat_request_duration_seconds_count{{model="{fallback.model_info.path.stem}",priority="default"}} 1.0' in metrics
+        _wait_for(lambda: engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0, "the primary's answers were not freed")
+        assert engine.kv_problems() == [] and fallback.kv_problems() == []
+    finally:
+        fallback.close()
