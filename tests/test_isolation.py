@@ -6,12 +6,14 @@ wall-clock timing, so a loaded machine cannot make them flaky."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 
 from edgechat.engine import Engine, EngineConfig
@@ -160,11 +162,47 @@ def test_an_agent_burst_does_not_hold_up_a_chat(engine):
     assert engine.kv_problems() == []
 
 
+def test_a_stream_waiting_for_its_class_share_gets_keepalive_comments(engine):
+    settings = ServerSettings(
+        api_key="sk-any", model_id=MODEL, degrade_queue_wait=None, keepalive_s=0.1, priority_classes=(PriorityClass("agent", 1, queue=2),), key_classes={AGENT_KEY: "agent"}
+    )
+    headers = {"Authorization": f"Bearer {AGENT_KEY}"}
+    body = {"model": MODEL, "messages": HI, "max_tokens": 5, "temperature": 0}
+    lines: list[str] = []
+
+    def queued_stream() -> None:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, headers=headers, timeout=300) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+
+    with serving(create_app(settings, engine)) as url, ThreadPoolExecutor(2) as pool:
+        expected = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=300).json()["choices"][0]["message"]["content"]
+        release = threading.Event()
+        try:
+            hold = pool.submit(_hold, url, AGENT_KEY, release)
+            _wait_for(lambda: _gauges(url, AGENT_KEY)["agent"] == (1, 0), "the agents' share never filled")
+            stream = pool.submit(queued_stream)
+            # the stream is open and kept alive while it waits in its class's queue
+            _wait_for(lambda: lines or stream.done(), "no keep-alive came")
+            assert _gauges(url, AGENT_KEY)["agent"] == (1, 1) and lines[0] == ": keep-alive"
+        finally:
+            release.set()
+        assert hold.result() == 200
+        stream.result()
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+    assert all(line == ": keep-alive" for line in lines[:first_data]) and lines[-1] == "data: [DONE]"
+    deltas = [json.loads(line[len("data: ") :])["choices"][0] for line in lines[first_data:-1]]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == expected and deltas[-1]["finish_reason"] == "length"
+    _wait_for(lambda: engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0, "the answers were not freed")
+
+
 def test_no_first_token_in_time_fails_over_to_the_fallback(engine, models_root):
     fallback = Engine(EngineConfig(model=MODEL, n_ctx=512, n_threads=2, n_parallel=1, paths=models_root))
     try:
         # the primary's three sequences are all busy: a new request waits in its queue
-        settings = ServerSettings(model_id="primary", degrade_queue_wait=None)
+        settings = ServerSettings(model_id="primary", degrade_queue_wait=None, keepalive_s=0.1)
         with serving(create_app(settings, engine, fallback)) as url, ThreadPoolExecutor(4) as pool:
             release = threading.Event()
             try:
@@ -177,14 +215,20 @@ def test_no_first_token_in_time_fails_over_to_the_fallback(engine, models_root):
                 )
                 body = r.json()
                 assert r.status_code == 200 and body["model"] == fallback.model_info.path.stem, body
+                # a stream opens with keep-alive comments while it waits; the official client
+                # reads past them to the fallback's answer
+                client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+                chunks = list(client.chat.completions.create(model="primary", messages=HI, max_tokens=4, stream=True, extra_headers={"X-Failover-After": "0.5"}))
+                assert {c.model for c in chunks} == {fallback.model_info.path.stem}
+                assert "".join(c.choices[0].delta.content or "" for c in chunks) and chunks[-1].choices[0].finish_reason
                 bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": HI}, headers={"X-Failover-After": "soon"})
                 assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Failover-After"
             finally:
                 release.set()
             assert [b.result() for b in busy] == [200] * 3
             metrics = httpx.get(f"{url}/metrics").text
-            assert "edgechat_failovers_total 1.0" in metrics
-            assert f'edgechat_request_duration_seconds_count{{model="{fallback.model_info.path.stem}",priority="default"}} 1.0' in metrics
+            assert "edgechat_failovers_total 2.0" in metrics
+            assert f'edgechat_request_duration_seconds_count{{model="{fallback.model_info.path.stem}",priority="default"}} 2.0' in metrics
         _wait_for(lambda: engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0, "the primary's answers were not freed")
         assert engine.kv_problems() == [] and fallback.kv_problems() == []
     finally:

@@ -338,16 +338,38 @@ def test_langchain_tool_round_trip_and_structured_output(base_url):
     assert isinstance(person, Person)
 
 
-def test_a_queued_stream_gets_keepalive_comments(engine):
+def _stream_lines(url: str, body: dict, headers: dict) -> list[str]:
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200
+        return [line for line in r.iter_lines() if line]
+
+
+def test_a_queued_stream_gets_keepalive_comments_before_its_first_chunk(engine):
     app = create_app(ServerSettings(api_key=KEY, model_id=MODEL, degrade_queue_wait=None, keepalive_s=0.1), engine)
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 5, "temperature": 0}
     with serving(app) as url:
-        # both sequences busy for a while: the streamed request waits in the queue
-        busy = [engine.submit(ChatRequest(messages=ASK, max_tokens=40, ignore_eos=True, speculative="off")) for _ in range(2)]
-        body = {"model": MODEL, "messages": ASK, "max_tokens": 3, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as r:
-            lines = [line for line in r.iter_lines() if line]
-        for handle in busy:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        expected = client.chat.completions.create(**body).choices[0].message.content
+
+        def busy():
+            # both sequences busy for a while: the streamed request waits in the engine's queue
+            return [engine.submit(ChatRequest(messages=ASK, max_tokens=40, ignore_eos=True, speculative="off")) for _ in range(2)]
+
+        held = busy()
+        lines = _stream_lines(url, {**body, "stream": True}, {"Authorization": f"Bearer {KEY}"})
+        for handle in held:
+            assert handle.result(120).reason == "length"
+        # the official client reads past the comments
+        held = busy()
+        chunks = list(client.chat.completions.create(**body, stream=True))
+        for handle in held:
             handle.result(120)
-    first_content = next(i for i, line in enumerate(lines) if '"content": "' in line and '"content": ""' not in line)
-    assert any(line.startswith(":") for line in lines[:first_content])
+    # comments only until the answer starts, then the whole answer
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+    assert first_data > 0 and all(line == ": keep-alive" for line in lines[:first_data])
     assert lines[-1] == "data: [DONE]"
+    deltas = [json.loads(line[len("data: ") :])["choices"][0] for line in lines if line.startswith("data: {")]
+    assert deltas[0]["delta"]["role"] == "assistant" and deltas[-1]["finish_reason"] == "length"
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == expected
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert_idle(engine)

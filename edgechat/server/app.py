@@ -227,26 +227,32 @@ class _Server:
             return None
         return arrival + after
 
-    async def start(self, served: _Served, parsed: ParsedRequest, arrival: float, priority: str, failover_at: float | None):
-        """Admit and submit every choice; the request and its Generations, or no Generations if
-        its class's share did not come free before `failover_at`."""
+    async def prepare(self, served: _Served, parsed: ParsedRequest, priority: str):
+        """Build and fit the request for `served` and take its place in the priority class's
+        share or queue: (request, built prompt, ticket or None). Every refusal comes from here,
+        before any waiting, so it is an HTTP status even for a stream."""
         try:
             req, prepared = await self.admit(served, parsed)
         except EdgechatError as exc:
             raise self.reject(from_engine_error(exc, self.retry_after())) from None
-        ticket = None
-        if self.gate is not None and served is self.primary:
+        if self.gate is None or served is not self.primary:
+            return req, prepared, None
+        try:
+            return req, prepared, self.gate.reserve(priority, parsed.n)
+        except ClassFull as full:
+            raise self.reject(overloaded(full.retry_after)) from None
+
+    async def submit(self, served: _Served, parsed: ParsedRequest, req: ChatRequest, prepared, ticket, arrival: float, priority: str, until: float | None):
+        """Wait for the class's share (if queued) and submit every choice: their Generations, or
+        None if the share did not come free before `until` (the failover's time)."""
+        if ticket is not None:
+            deadline = until if until is not None else arrival + self.settings.request_timeout
             try:
-                ticket = self.gate.reserve(priority, parsed.n)
-            except ClassFull as full:
-                raise self.reject(overloaded(full.retry_after)) from None
-            until = failover_at if failover_at is not None else arrival + self.settings.request_timeout
-            try:
-                await asyncio.wait_for(asyncio.shield(ticket.admitted), max(0.0, until - time.monotonic()))
+                await asyncio.wait_for(asyncio.shield(ticket.admitted), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 self.gate.release_all(ticket)
-                if failover_at is not None:
-                    return None, req
+                if until is not None:
+                    return None
                 raise ApiError(504, f"the request waited {self.settings.request_timeout:g} s for its class's share and was dropped", type="timeout", code="timeout") from None
             except asyncio.CancelledError:
                 self.gate.release_all(ticket)
@@ -269,7 +275,29 @@ class _Server:
             if ticket is not None:
                 self.gate.release(ticket, parsed.n - len(gens))  # the submitted ones give theirs back as they end
             raise self.reject(from_engine_error(exc, self.retry_after())) from None
-        return gens, req
+        return gens
+
+    async def start(self, served: _Served, parsed: ParsedRequest, ready: tuple, arrival: float, priority: str, failover_at: float | None):
+        """Submit the request `prepare` made `ready` and, with a failover time, wait for its
+        first token, moving to the fallback model if none comes in time: (the model answering,
+        its request, its Generations)."""
+        req, prepared, ticket = ready
+        gens = await self.submit(served, parsed, req, prepared, ticket, arrival, priority, failover_at)
+        if failover_at is None:
+            return served, req, gens
+        try:
+            first = gens is not None and await _done_within(gens[0].first, max(0.0, failover_at - time.monotonic()))
+        except asyncio.CancelledError:
+            _cancel(gens)  # the client left while the primary had not answered yet
+            raise
+        if first:
+            return served, req, gens
+        # no first token in time: the fallback answers instead of the client timing out
+        _cancel(gens or [])
+        self.metrics.failovers.inc()
+        log.warning("request failed over to %s after %.1f s without a first token", self.fallback.id, time.monotonic() - arrival)
+        req, prepared, _ = await self.prepare(self.fallback, parsed, priority)
+        return self.fallback, req, await self.submit(self.fallback, parsed, req, prepared, None, arrival, priority, None)
 
     async def admit(self, served: _Served, parsed: ParsedRequest):
         """Build the request for the model and its prompt once, enforce --max-input-tokens and
@@ -310,19 +338,14 @@ class _Server:
                 bad_request(f"'n' is {parsed.n}, more than the {parallel} answers this server generates at once for this request", param="n", code="invalid_value")
             )
         failover_at = self.failover_at(request, arrival, served)
-        gens, req = await self.start(served, parsed, arrival, priority, failover_at)
-        if failover_at is not None and not (gens and await _first_event(gens[0], failover_at)):
-            # no first token in time: the fallback answers instead of the client timing out
-            _cancel(gens or [])
-            self.metrics.failovers.inc()
-            log.warning("request failed over to %s after %.1f s without a first token", self.fallback.id, time.monotonic() - arrival)
-            served = self.fallback
-            gens, req = await self.start(served, parsed, arrival, priority, None)
-        if parsed.tools is not None:
-            self.metrics.tool_requests.inc()
-        if req.grammar is not None:
-            self.metrics.grammar_requests.inc()
-        ids = ResponseIds.new(kind, served.id)
+        ready = await self.prepare(served, parsed, priority)
+        start = asyncio.ensure_future(self.start(served, parsed, ready, arrival, priority, failover_at))
+        if parsed.stream and not await _done_within(start, self.settings.keepalive_s):
+            # still waiting (its class's share, the failover's first token): the stream opens
+            # now with keep-alive comments, so clients and proxies with read timeouts hold on
+            return StreamingResponse(self.stream_once_started(start, parsed, kind), media_type="text/event-stream", headers=responses.SSE_HEADERS)
+        served, req, gens = await start
+        ids = self.opened(served, parsed, req, kind)
         if parsed.stream:
             return StreamingResponse(
                 self.stream(gens, parsed, kind, ids, served), media_type="text/event-stream", headers=responses.SSE_HEADERS
@@ -333,6 +356,14 @@ class _Server:
             return Response(status_code=499)
         choices = [self.choice(f, parsed, served) for f in finished]
         return JSONResponse(responses.completion_body(choices, kind, ids))
+
+    def opened(self, served: _Served, parsed: ParsedRequest, req: ChatRequest, kind: str) -> ResponseIds:
+        """Count a request that got under way; the ids its response carries."""
+        if parsed.tools is not None:
+            self.metrics.tool_requests.inc()
+        if req.grammar is not None:
+            self.metrics.grammar_requests.inc()
+        return ResponseIds.new(kind, served.id)
 
     def choice(self, finished: Finished, parsed: ParsedRequest, served: _Served) -> responses.Choice:
         if parsed.tools is None:
@@ -376,13 +407,34 @@ class _Server:
             code="timeout",
         )
 
+    async def stream_once_started(self, start: asyncio.Future, parsed: ParsedRequest, kind: str) -> AsyncIterator[str]:
+        """Keep-alive comments until the request is under way, then its answer; a refusal
+        after the response opened comes as an SSE error, as a timeout mid-stream does."""
+        try:
+            yield KEEPALIVE
+            while not await _done_within(start, self.settings.keepalive_s):
+                yield KEEPALIVE
+        except BaseException:
+            # the client left while the request waited: it leaves its class's queue, or, if it
+            # had just started, its answer is cancelled
+            if not start.cancel() and not start.cancelled() and start.exception() is None:
+                _cancel(start.result()[2])
+            raise
+        try:
+            served, req, gens = start.result()
+        except ApiError as exc:
+            yield sse(exc.body())
+            return
+        async for out in self.stream(gens, parsed, kind, self.opened(served, parsed, req, kind), served):
+            yield out
+
     async def stream(self, gens: list[Generation], parsed: ParsedRequest, kind: str, ids: ResponseIds, served: _Served) -> AsyncIterator[str]:
         events = gens[0].events
         choices = [_StreamedChoice(ToolCallParser(served.tool_family) if parsed.tools is not None else None) for _ in gens]
         try:
-            if kind == "chat":
-                for i in range(len(gens)):
-                    yield sse(responses.chunk(kind, ids, None, None, role=True, index=i))
+            # the role chunk waits for the first event: until then only keep-alive comments
+            # go out, so a client sees its first data when the answer starts
+            role_sent = kind != "chat"
             while not all(c.finished for c in choices):
                 remaining = gens[0].remaining()
                 try:
@@ -395,6 +447,10 @@ class _Server:
                         gen.time_out()
                     yield sse(ApiError(504, "the request timed out and was cancelled", type="timeout", code="timeout").body())
                     return
+                if not role_sent:
+                    role_sent = True
+                    for i in range(len(gens)):
+                        yield sse(responses.chunk(kind, ids, None, None, role=True, index=i))
                 # under load several tokens queue up between two writes: send them as one chunk
                 texts: dict[int, list[TextDelta]] = {}
                 while True:
@@ -460,9 +516,14 @@ class _StreamedChoice:
     calls: list = dataclasses.field(default_factory=list)
 
 
-async def _first_event(gen: Generation, until: float) -> bool:
-    """Whether the generation's first event (a token, or its end) comes before `until`."""
-    done, _ = await asyncio.wait({gen.first}, timeout=max(0.0, until - time.monotonic()))
+async def _done_within(task: asyncio.Future, timeout: float) -> bool:
+    """Whether `task` (or a future) is done within `timeout` seconds; it runs on if not, and
+    is cancelled with the caller."""
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
     return bool(done)
 
 
