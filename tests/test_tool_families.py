@@ -17,7 +17,7 @@ from edgechat.engine.request import SamplingParams
 from edgechat.engine.templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, choose_format
 from edgechat.server import ServerSettings, create_app
 from edgechat.server.schemas import parse_chat
-from edgechat.server.toolfamilies import GENERIC, HERMES, LLAMA3, MISTRAL, PHI4, family_for, native_messages
+from edgechat.server.toolfamilies import GENERIC, HERMES, LLAMA3, MISTRAL, MISTRAL_V11, PHI4, family_for, native_messages
 from edgechat.server.tools import ToolCallParser, _trigger, parse_tools, render_messages, tool_grammar
 from serving import serving
 
@@ -94,6 +94,17 @@ MISTRAL_T = """{% set ns = namespace(last=-1, sys='') %}{% for m in messages %}{
 {%- elif m.role == 'assistant' %} {{ m.content }}{{ eos_token }}
 {%- endif %}{% endfor %}"""
 
+# Mistral with a v11+ tokenizer (Small 3.1+, Devstral): the system prompt in its own block, each
+# call as [TOOL_CALLS]name[ARGS]arguments, results in [TOOL_RESULTS] blocks without ids
+MISTRAL_V11_T = """{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}
+{{- bos_token }}{% for m in messages %}
+{%- if m.role == 'system' %}[SYSTEM_PROMPT]{{ m.content }}[/SYSTEM_PROMPT]
+{%- elif m.role == 'user' %}{% if loop.index0 == ns.last and tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[INST]{{ m.content }}[/INST]
+{%- elif m.tool_calls %}{{ m.content or '' }}{% for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}{% endfor %}{{ eos_token }}
+{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]
+{%- elif m.role == 'assistant' %}{{ m.content }}{{ eos_token }}
+{%- endif %}{% endfor %}"""
+
 # Phi-4-mini: the tools are a JSON string in the system message's `tools` field
 PHI = """{% for m in messages %}{% if m.role == 'system' and 'tools' in m and m.tools is not none %}<|system|>{{ m.content }}<|tool|>{{ m.tools }}<|/tool|><|end|>{% else %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% else %}{{ eos_token }}{% endif %}"""
 
@@ -112,12 +123,20 @@ HISTORY = [
     {"role": "tool", "content": "cold", "tool_call_id": "call_abc"},
 ]
 
-FAMILIES = {"qwen": (QWEN, HERMES), "llama3": (LLAMA, LLAMA3), "mistral": (MISTRAL_T, MISTRAL), "phi4": (PHI, PHI4)}
+FAMILIES = {
+    "qwen": (QWEN, HERMES),
+    "llama3": (LLAMA, LLAMA3),
+    "mistral": (MISTRAL_T, MISTRAL),
+    "mistral-v11": (MISTRAL_V11_T, MISTRAL_V11),
+    "phi4": (PHI, PHI4),
+}
 #: what each family's models write when they call (their published examples' shape)
 REAL_CALLS = {
     "qwen": 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
     "llama3": '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
     "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "a1b2c3d4e"}, {"name": "get_weather", "arguments": {"city": "Rome"}, "id": "f5g6h7i8j"}]',
+    # the second call with v11's optional call id
+    "mistral-v11": '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Rome"}',
     "phi4": 'functools[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]',
 }
 
@@ -151,6 +170,8 @@ def test_tools_calls_and_results_render_through_the_familys_template(name):
     elif name == "mistral":
         [call_id] = re.findall(r'"id": "(\w+)"', prompt)
         assert len(call_id) == 9 and f'"call_id": "{call_id}"' in prompt  # the call and its result agree
+    elif name == "mistral-v11":
+        assert '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}</s>[TOOL_RESULTS]cold[/TOOL_RESULTS]' in prompt
     else:
         assert '<|tool|>[{"name": "get_weather"' in prompt and prompt.startswith("<|system|>Be brief.")
 
@@ -184,6 +205,7 @@ def test_text_that_only_looks_like_a_call_stays_content():
         (LLAMA3, 'The answer is {"name": "x"}'),  # a call is the whole answer, not a quote in one
         (PHI4, "Python's functools module caches."),  # the opener's word in prose
         (MISTRAL, "No [TOOL_CALL] here"),
+        (MISTRAL_V11, "No [TOOL_CALL] or [ARGS] here"),
     ]
     for family, text in cases:
         for step in (1, len(text)):
@@ -196,6 +218,9 @@ def test_text_that_only_looks_like_a_call_stays_content():
     assert parser.finish() == "" and parser.calls[0].name == "get_weather"
     parser = ToolCallParser(MISTRAL)
     assert parser.feed('Sure [TOOL_CALLS] [{"name": "get_weather", "argu')[0] == "Sure " and parser.finish() == "" and not parser.calls
+    for cut in ("[TOOL_CALLS]get_wea", '[TOOL_CALLS]get_weather[ARGS]{"ci', "[TOOL_CALLS]no name here[ARGS]{}"):
+        parser = ToolCallParser(MISTRAL_V11)
+        assert parser.feed("Sure " + cut)[0] == "Sure " and parser.finish() == "" and not parser.calls, cut
 
 
 def test_lazy_triggers_are_each_familys_opener():
@@ -203,6 +228,7 @@ def test_lazy_triggers_are_each_familys_opener():
         (HERMES, "Sure.\n<tool_call>\n{", "Sure, <tool"),
         (LLAMA3, '\n {"name', 'Hi {"name'),
         (MISTRAL, "ok [TOOL_CALLS] [", "ok [TOOL"),
+        (MISTRAL_V11, "ok [TOOL_CALLS]get", "ok [TOOL"),
         (PHI4, "functools[{", "functool"),
     ):
         triggers = tool_grammar(parse_tools({"tools": [WEATHER]}), family).triggers

@@ -7,7 +7,9 @@ prompt (tools.py). What each family's models write when they call:
 
 - hermes (Qwen 2.5 / 3, Hermes, and the generic format): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call
 - llama3 (Llama 3.1-3.3): the whole answer is `{"name": ..., "parameters": {...}}`, or it follows `<|python_tag|>`
-- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`; call ids are 9 letters or digits
+- mistral (tokenizers up to v7: Mistral 7B v0.3, Nemo, Small 2409): `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`; call ids are 9 letters or digits
+- mistral-v11 (tokenizers v11 on: Mistral Small 3.1+, Magistral, Devstral): `[TOOL_CALLS]name[ARGS]{...}` per call, one after
+  another; v11 may put `[CALL_ID]id` before `[ARGS]`
 - phi4 (Phi-4-mini): `functools[{"name": ..., "arguments": {...}}, ...]`; the tools go in the system message's `tools` field
 
 Gemma 3's template takes no tools, so Gemma gets the generic format.
@@ -29,6 +31,11 @@ class CallSyntax:
     closer: str = ""
     #: the calls are one JSON list, not one object per opener
     listed: bool = False
+    #: set where a call is the function's name, this text, then the arguments object (not one
+    #: JSON object with both)
+    args_marker: str = ""
+    #: the text that may follow the name with the call's id, before args_marker
+    id_marker: str = ""
 
 
 @dataclass(frozen=True)
@@ -49,9 +56,11 @@ GENERIC = ToolFamily("generic", (HERMES_CALL,), native=False)
 HERMES = ToolFamily("hermes", (HERMES_CALL,), ("<tool_call>",))
 LLAMA3 = ToolFamily("llama3", (CallSyntax(""), CallSyntax("<|python_tag|>")), ("<|python_tag|>", "ipython"), args_key="parameters")
 MISTRAL = ToolFamily("mistral", (CallSyntax("[TOOL_CALLS]", listed=True),), ("[TOOL_CALLS]",))
+MISTRAL_V11 = ToolFamily("mistral-v11", (CallSyntax("[TOOL_CALLS]", args_marker="[ARGS]", id_marker="[CALL_ID]"),), ("[ARGS]",))
 PHI4 = ToolFamily("phi4", (CallSyntax("functools", listed=True), CallSyntax("<|tool_call|>", "<|/tool_call|>", listed=True)), ("functools", "<|tool|>"))
 #: checked in this order: Mistral's and Llama's templates may also mention other families' texts
-FAMILIES = (MISTRAL, LLAMA3, PHI4, HERMES)
+#: (a v11 Mistral template writes [TOOL_CALLS] too)
+FAMILIES = (MISTRAL_V11, MISTRAL, LLAMA3, PHI4, HERMES)
 
 
 def family_for(template: str | None) -> ToolFamily:
@@ -111,7 +120,7 @@ def native_messages(messages: list[dict], functions: list[dict] | None, family: 
 
 
 def _call_id(call_id: str, family: ToolFamily) -> str:
-    if family is not MISTRAL:
+    if family not in (MISTRAL, MISTRAL_V11):
         return call_id
     # Mistral's templates refuse any id but 9 letters or digits; the same id maps the same way
     # in the call and in its result

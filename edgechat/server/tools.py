@@ -130,17 +130,20 @@ def tool_grammar(tools: Tools, family: ToolFamily = GENERIC) -> Grammar:
     offered = tools.offered
     # checked per tool: each tool's $refs point into its own parameters
     rules = schema_rules([(f"args-{i}", f["parameters"]) for i, f in enumerate(offered)], "tools")
-    key = family.args_key
-    calls = []
-    for i, f in enumerate(offered):
-        calls.append(
-            f'call-{i} ::= "{{" " "? "\\"name\\"" " "? ":" " "? "\\"{f["name"]}\\"" " "? "," " "? "\\"{key}\\"" " "? ":" " "? args-{i} "}}"'
-        )
-    many = tools.parallel and tools.named is None
+    key, many = family.args_key, tools.parallel and tools.named is None
     lines = ["tool-calls ::= " + " | ".join(f"calls-{k}" for k in range(len(family.syntaxes)))]
     for k, syntax in enumerate(family.syntaxes):
         lines.append(f"calls-{k} ::= " + _syntax_rule(syntax, many))
-    lines += ["call ::= " + " | ".join(f"call-{i}" for i in range(len(offered))), *calls]
+    if any(not s.args_marker for s in family.syntaxes):  # a JSON object with the name and the arguments
+        lines.append("call ::= " + " | ".join(f"call-{i}" for i in range(len(offered))))
+        for i, f in enumerate(offered):
+            lines.append(
+                f'call-{i} ::= "{{" " "? "\\"name\\"" " "? ":" " "? "\\"{f["name"]}\\"" " "? "," " "? "\\"{key}\\"" " "? ":" " "? args-{i} "}}"'
+            )
+    marker = next((s.args_marker for s in family.syntaxes if s.args_marker), "")
+    if marker:  # the name, the marker, the arguments
+        lines.append("named-call ::= " + " | ".join(f"named-call-{i}" for i in range(len(offered))))
+        lines += [f'named-call-{i} ::= "{f["name"]}" {_literal(marker)} args-{i}' for i, f in enumerate(offered)]
     lazy = tools.choice == "auto"
     # the text from the opener on follows the grammar; what comes before it is the content
     triggers = tuple(_trigger(s) for s in family.syntaxes) if lazy else ()
@@ -154,6 +157,9 @@ def _literal(text: str) -> str:
 def _syntax_rule(syntax: CallSyntax, many: bool) -> str:
     """One syntax's calls: one JSON list after the opener, or one block per call."""
     repeat = f"{{0,{MAX_PARALLEL_CALLS - 1}}}" if many else ""
+    if syntax.args_marker:
+        block = _literal(syntax.opener) + " named-call"
+        return f"{block} ({block}){repeat}" if many else block
     if syntax.listed:
         parts = [_literal(syntax.opener), f'"[" call ("," " "? call){repeat} "]"' if many else '"[" call "]"', _literal(syntax.closer)]
         return " ".join(p for p in parts if p != '""')
@@ -303,7 +309,21 @@ class ToolCallParser:
     def _read_call(self, new: list[ToolCall], out: list[str], final: bool) -> bool:
         """Read the call after an opener from the held text; False if it is not all there yet."""
         syntax = self._syntax
-        if syntax.closer:
+        if syntax.args_marker:
+            # name [id marker, id] args marker {arguments}: one call per opener
+            head, found, tail = self._held.partition(syntax.args_marker)
+            tail = tail.lstrip()
+            try:
+                arguments, used = _DECODER.raw_decode(tail) if found else (None, -1)
+            except json.JSONDecodeError:
+                arguments, used = None, -1
+            if used < 0 and not final:
+                return False  # not all there yet (or malformed: dropped at the end)
+            rest = tail[used:] if used >= 0 else ""
+            body = self._held[: len(self._held) - len(rest)]
+            called = (head.partition(syntax.id_marker)[0] if syntax.id_marker else head).strip()
+            value = {"name": called, "arguments": arguments} if _NAME.fullmatch(called) else None
+        elif syntax.closer:
             end = self._held.find(syntax.closer)
             if end < 0 and not final:
                 return False
