@@ -31,21 +31,46 @@ def test_ngram_drafter_proposes_what_followed_the_longest_recent_match():
     assert d.propose(4) == [3, 4, 5, 9]  # the 4-gram 4 1 2 is new, the 2-gram 1 2 was followed by 3 4 5 9
 
 
+def measured(*steps: tuple[int, float]) -> StepCost:
+    """A StepCost that has seen each (size, seconds) often enough to trust it."""
+    cost = StepCost()
+    for n, seconds in steps:
+        for _ in range(StepCost.TRUSTED):
+            cost.observe(n, seconds)
+    return cost
+
+
 def test_step_cost_interpolates_and_starts_from_a_prior():
     cost = StepCost()
     assert cost.ratio(1, 4) == pytest.approx(2.0)
-    cost.observe(1, 0.010)
-    cost.observe(9, 0.018)
+    cost = measured((1, 0.010), (9, 0.018))
     assert cost.ratio(1, 4) == pytest.approx(0.014 / 0.010)
     cost.observe(600, 2.0)  # a prefill chunk: compute-bound, says nothing of a decode step's cost
     assert cost.ratio(9, 4) == pytest.approx(1 + 0.25 * 4 / (1 + 0.25 * 8))
     assert cost.ratio(1, 0) == 1.0
 
 
+def test_a_stalled_step_does_not_turn_drafting_off():
+    """Another process took the CPU for one step (measured here: a step 40-120x its usual time
+    while tests ran next door): before, that size's cost jumped to the stall, the policy never
+    drafted that many again, so never measured it again, and stayed short or off for good."""
+    cost = measured(*((n, 0.010 * (1 + 0.3 * (n - 1))) for n in (1, 2, 3, 5, 9, 17)))
+    policy = DraftPolicy()
+    policy.rate = 0.98  # a copied run: nearly every guess kept
+    before = policy.length(cost, 1, 1, 16)
+    assert before >= 8
+    cost.observe(before + 1, 1.2)  # one stall on the size the policy drafts
+    assert cost.ratio(1, before) == pytest.approx(1 + 0.3 * before)
+    assert policy.length(cost, 1, 1, 16) == before
+    cost.observe(13, 0.9)  # a size seen once, stalled: its neighbours estimate it until it is known
+    assert cost.ratio(1, 12) == pytest.approx(1 + 0.3 * 12)
+    for _ in range(StepCost.WINDOW):  # a size that really got slower is believed, and avoided
+        cost.observe(before + 1, 1.2)
+    assert cost.ratio(1, before) > 100 and policy.length(cost, 1, 1, 16) != before
+
+
 def test_draft_policy_drafts_when_it_pays_and_backs_off_when_it_misses():
-    cost = StepCost()
-    cost.observe(1, 0.010)
-    cost.observe(9, 0.040)  # a wide batch is 4x a single token: only a good guess pays
+    cost = measured((1, 0.010), (9, 0.040))  # a wide batch is 4x a single token: only a good guess pays
     policy = DraftPolicy()
     policy.rate = 0.95
     assert policy.length(cost, 1, 1, 8) >= 4
@@ -57,9 +82,7 @@ def test_draft_policy_drafts_when_it_pays_and_backs_off_when_it_misses():
     assert (policy.drafted, policy.accepted) == (4, 0)
     # a guess right 60% of the time pays for one sequence alone (a token more costs 5%), but not
     # in a step of four where every sequence waits for the wider batch (a token more costs 17%)
-    costs = StepCost()
-    for n, seconds in ((1, 0.009), (2, 0.0095), (4, 0.024), (5, 0.028)):
-        costs.observe(n, seconds)
+    costs = measured((1, 0.009), (2, 0.0095), (4, 0.024), (5, 0.028))
     fair = DraftPolicy()
     fair.rate = 0.6
     assert fair.length(costs, 4, 4, 8) == 0

@@ -13,6 +13,8 @@ tokens as the sequence's recent acceptance makes worth it, backing off when noth
 from __future__ import annotations
 
 import enum
+import statistics
+from collections import deque
 
 #: the most tokens drafted for one sequence in one step (llama.cpp's default too): on a long
 #: quote, Gemma 3 gained 2.2x with 16 against 1.9x with 8; the policy keeps SmolLM2's drafts short
@@ -60,9 +62,14 @@ class NgramDrafter:
 
 
 class StepCost:
-    """Seconds one llama_decode takes for a batch of n tokens, measured as the engine runs
-    (moving averages per batch size; sizes not seen yet are interpolated, with a prior that a
-    token more costs 25% of a one-token step, until they are).
+    """Seconds one llama_decode takes for a batch of n tokens, measured as the engine runs: the
+    median of each size's recent steps, once it has TRUSTED of them; other sizes are
+    interpolated, with a prior that a token more costs 25% of a one-token step.
+
+    A median, not a mean: one step stalled by another process (a phone's background task, a
+    test run next door took a step 100x its usual time here) would otherwise make its size look
+    too dear to draft, and a size never drafted is never measured again, so speculation stayed
+    off for good. Until a size has TRUSTED steps, it is estimated from its neighbours.
 
     Only batches the size of decode steps are kept: a prefill chunk is compute-bound and says
     nothing of what a few more tokens cost a memory-bound decode step. Measured here (2 cores):
@@ -72,18 +79,23 @@ class StepCost:
     purpose: a size is tried, then known."""
 
     PRIOR = 0.25
-    ALPHA = 0.2
+    #: recent steps kept per size, and how many make a size's median trusted
+    WINDOW = 9
+    TRUSTED = 3
     #: the largest batch whose cost is tracked (decoding sequences plus their drafts)
     MAX_TRACKED = 64
 
     def __init__(self) -> None:
-        self._seconds: dict[int, float] = {}
+        self._steps: dict[int, deque[float]] = {}
+        self._seconds: dict[int, float] = {}  # the median of each trusted size
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         if n_tokens > self.MAX_TRACKED:
             return
-        old = self._seconds.get(n_tokens)
-        self._seconds[n_tokens] = seconds if old is None else old + self.ALPHA * (seconds - old)
+        steps = self._steps.setdefault(n_tokens, deque(maxlen=self.WINDOW))
+        steps.append(seconds)
+        if len(steps) >= self.TRUSTED:
+            self._seconds[n_tokens] = statistics.median(steps)
 
     def ratio(self, base: int, extra: int) -> float:
         """How much longer a step of base + extra tokens takes than one of base tokens."""
