@@ -193,7 +193,8 @@ def test_a_stream_waiting_for_its_class_share_gets_keepalive_comments(engine):
         stream.result()
     first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
     assert all(line == ": keep-alive" for line in lines[:first_data]) and lines[-1] == "data: [DONE]"
-    deltas = [json.loads(line[len("data: ") :])["choices"][0] for line in lines[first_data:-1]]
+    # (comments may come between chunks too: on a loaded machine a token can take keepalive_s)
+    deltas = [json.loads(line[len("data: ") :])["choices"][0] for line in lines if line.startswith("data: {")]
     assert "".join(d["delta"].get("content") or "" for d in deltas) == expected and deltas[-1]["finish_reason"] == "length"
     _wait_for(lambda: engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0, "the answers were not freed")
 
