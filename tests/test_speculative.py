@@ -56,7 +56,7 @@ def test_a_stalled_step_does_not_turn_drafting_off():
     drafted that many again, so never measured it again, and stayed short or off for good."""
     cost = measured(*((n, 0.010 * (1 + 0.3 * (n - 1))) for n in (1, 2, 3, 5, 9, 17)))
     policy = DraftPolicy()
-    policy.rate = 0.98  # a copied run: nearly every guess kept
+    policy.first = policy.follow = 0.98  # a copied run: nearly every guess kept
     before = policy.length(cost, 1, 1, 16)
     assert before >= 8
     cost.observe(before + 1, 1.2)  # one stall on the size the policy drafts
@@ -69,14 +69,31 @@ def test_a_stalled_step_does_not_turn_drafting_off():
     assert cost.ratio(1, before) > 100 and policy.length(cost, 1, 1, 16) != before
 
 
+def test_a_copy_that_ends_mid_draft_keeps_the_next_draft_long():
+    """Grounded text: drafts are copies of a passage, kept whole until the answer leaves it."""
+    cost = measured(*((n, 0.010 * (1 + 0.3 * (n - 1))) for n in (1, 2, 3, 5, 9, 17)))
+    policy = DraftPolicy()
+    for _ in range(12):
+        k = policy.length(cost, 1, 1, 16)
+        policy.update(k, k)
+    before = policy.length(cost, 1, 1, 16)
+    assert before >= 8, (policy.first, policy.follow)
+    policy.update(before, before // 2)  # the answer left the passage halfway through the draft
+    # one token missed after a run of kept ones, not a rate of 1/2: the next draft stays useful
+    assert policy.follow > 0.85 and policy.length(cost, 1, 1, 16) >= 4
+    follow = policy.follow
+    policy.update(8, 0)  # a guess from the wrong passage: its first token is wrong
+    assert policy.follow == follow and policy.first < 0.9
+
+
 def test_draft_policy_drafts_when_it_pays_and_backs_off_when_it_misses():
     cost = measured((1, 0.010), (9, 0.040))  # a wide batch is 4x a single token: only a good guess pays
     policy = DraftPolicy()
-    policy.rate = 0.95
+    policy.first = policy.follow = 0.95
     assert policy.length(cost, 1, 1, 8) >= 4
-    policy.rate = 0.1
+    policy.first = policy.follow = 0.1
     assert policy.length(cost, 1, 1, 8) == 0
-    policy.rate = 0.9
+    policy.first = policy.follow = 0.9
     policy.update(4, 0)  # a miss: skip the next step, then two, ...
     assert policy.length(cost, 1, 1, 8) == 0 and policy.length(cost, 1, 1, 8) > 0
     assert (policy.drafted, policy.accepted) == (4, 0)
@@ -84,13 +101,13 @@ def test_draft_policy_drafts_when_it_pays_and_backs_off_when_it_misses():
     # in a step of four where every sequence waits for the wider batch (a token more costs 17%)
     costs = measured((1, 0.009), (2, 0.0095), (4, 0.024), (5, 0.028))
     fair = DraftPolicy()
-    fair.rate = 0.6
+    fair.first = fair.follow = 0.6
     assert fair.length(costs, 4, 4, 8) == 0
     assert fair.length(costs, 1, 1, 1) == 1
     assert DraftPolicy(forced=True).length(cost, 1, 1, 5) == 5
     # steps where the drafter has nothing to offer do not use up (and so postpone) the probes
     idle = DraftPolicy()
-    idle.rate = 0.1
+    idle.first = idle.follow = 0.1
     for _ in range(20):
         assert idle.length(cost, 1, 1, 0) == 0
     assert [idle.length(cost, 1, 1, 8) for _ in range(4)] == [0, 0, 0, DraftPolicy.PROBE]
