@@ -12,7 +12,9 @@ import pytest
 from pydantic import BaseModel, Field
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
+from edgechat.engine.llama import Batch, LlamaBackend
 from edgechat.engine.request import Grammar, SamplingParams
+from edgechat.engine.sampling import SamplerChain
 from edgechat.server import ServerSettings, create_app
 from edgechat.server.structured import schema_rules
 from edgechat.server.tools import ToolCallParser, parse_tools, render_messages
@@ -139,6 +141,43 @@ def test_a_lazy_grammar_holds_the_text_from_its_trigger_on(engine):
     assert held.text[:start] == free.text[:start]  # free until the trigger
     assert set(json.loads(held.text[start:])) == {"city"} and held.reason == "stop"
     assert free.text[start:] != held.text[start:]
+
+
+def test_greedy_under_a_grammar_tries_the_top_token_first_and_chooses_as_the_whole_chain(smollm2_path):
+    """The top token is checked alone against the grammar; the whole chain runs only when it is
+    refused. Step by step on the real model, beside a chain that always runs whole: the same
+    token at every step, and both paths taken."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city", "days"]}
+    grammar = Grammar(schema_rules([("", schema)], "test"))
+    be = LlamaBackend(smollm2_path, n_ctx_total=512, n_seq_max=1, n_threads=2)
+    fast, whole = (SamplerChain(SamplingParams(temperature=0), be.n_vocab, be.vocab, grammar) for _ in range(2))
+    batch = Batch(512, 1)
+    try:
+        prompt = be.tokenize("<|im_start|>user\nThe weather in Paris for 3 days, as JSON.<|im_end|>\n<|im_start|>assistant\n")
+        for i, tok in enumerate(prompt):
+            index = batch.add(tok, i, 0, i == len(prompt) - 1)
+        be.decode(batch)
+        tried, refused, out = 0, 0, []
+        for pos in range(len(prompt), len(prompt) + 40):
+            token = fast.allowed_argmax(be.logits(index))
+            tried += 1
+            if token is None:
+                refused += 1
+                token = be.sample(fast.chain, index)
+            assert token == be.sample(whole.chain, index), (be.detokenize(out), token)
+            if be.is_eog(token):
+                break
+            out.append(token)
+            batch.clear()
+            index = batch.add(token, pos, 0, True)
+            be.decode(batch)
+        assert set(json.loads(be.detokenize(out))) == {"city", "days"}
+        assert 0 < refused < tried, (refused, tried)
+    finally:
+        fast.free()
+        whole.free()
+        batch.close()
+        be.close()
 
 
 # ---------------------------------------------------------------- tools

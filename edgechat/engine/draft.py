@@ -88,7 +88,7 @@ class DraftModel:
         mirror = self.tokens[seq]
         out: list[int] = []
         while True:
-            logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self.backend.ctx, index), (self.backend.n_vocab,))
+            logits = self.backend.logits(index)
             best = int(logits.argmax())
             # the probability of the best token: 1 / sum(exp(l - max))
             if 1.0 / np.exp(logits - logits[best]).sum() < MIN_CONFIDENCE:

@@ -355,6 +355,8 @@ class OnnxEngine(PromptQueries):
     def _sample(self, sampler: SamplerChain, logits: np.ndarray) -> int:
         if sampler.plain_greedy:
             return int(logits.argmax())
+        if sampler.grammar_greedy and (token := sampler.allowed_argmax(logits)) is not None:
+            return token
         # llama.cpp's own chain over these logits, as llama_sampler_sample runs it over its own
         cand = self._cand
         cand["id"] = self._ids

@@ -6,6 +6,7 @@ import ctypes
 import random
 
 import llama_cpp as L
+import numpy as np
 
 from edgechat.engine.request import Grammar, SamplingParams
 from edgechat.errors import UsageError
@@ -53,6 +54,7 @@ class SamplerChain:
         if constrain is not None:
             # before any truncation: top-k of the raw distribution may hold no allowed token
             add(constrain)
+        self._grammar = constrain  # owned by the chain
         if params.temperature == 0:
             add(L.llama_sampler_init_greedy())
         else:
@@ -69,6 +71,8 @@ class SamplerChain:
         self.penalised = uses_penalties(params)
         #: plain greedy needs no chain at all: the engine takes the argmax of the logits
         self.plain_greedy = params.temperature == 0 and not self.penalised and grammar is None
+        #: greedy under a grammar: the top token is tried against the grammar first
+        self.grammar_greedy = params.temperature == 0 and not self.penalised and grammar is not None
         self.penalty_last_n = params.penalty_last_n
 
     def accept_prompt(self, tokens: list[int]) -> None:
@@ -77,6 +81,21 @@ class SamplerChain:
         if self._penalties is not None:
             for tok in tokens[-self.penalty_last_n :]:
                 L.llama_sampler_accept(self._penalties, tok)
+
+    def allowed_argmax(self, logits: np.ndarray) -> int | None:
+        """Greedy under a grammar: when the model's top token is one the grammar allows, it is the
+        grammar's greedy choice too, found without running the grammar over the whole vocabulary
+        (llama.cpp's own tools check the sampled token first the same way; structured output ran
+        at 0.48x plain decoding on SmolLM2). The token is accepted, as the chain would; None when
+        the grammar refuses it, and the whole chain must choose."""
+        token = int(logits.argmax())
+        cand = L.llama_token_data(token, float(logits[token]), 0.0)
+        arr = L.llama_token_data_array(ctypes.pointer(cand), 1, -1, False)
+        L.llama_sampler_apply(self._grammar, ctypes.byref(arr))
+        if cand.logit == -np.inf:
+            return None
+        L.llama_sampler_accept(self.chain, token)
+        return token
 
     def free(self) -> None:
         if self.chain is not None:

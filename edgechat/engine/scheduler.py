@@ -231,8 +231,11 @@ class Scheduler:
                 self.finish(run, status)
 
     def _sample(self, run: Running, index: int) -> int:
-        smp = run.sampler
-        token = self.backend.argmax(index) if smp.plain_greedy else self.backend.sample(smp.chain, index)
+        smp, be = run.sampler, self.backend
+        if smp.plain_greedy:
+            token = be.argmax(index)
+        elif not smp.grammar_greedy or (token := smp.allowed_argmax(be.logits(index))) is None:
+            token = be.sample(smp.chain, index)
         if run.request.logprobs is not None:
             self._record_logprob(run, index, token)
         return token
