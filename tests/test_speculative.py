@@ -105,6 +105,10 @@ def test_draft_policy_drafts_when_it_pays_and_backs_off_when_it_misses():
     assert fair.length(costs, 4, 4, 8) == 0
     assert fair.length(costs, 1, 1, 1) == 1
     assert DraftPolicy(forced=True).length(cost, 1, 1, 5) == 5
+    # forced: always a draft, of the length that pays best if all is kept (Gemma 3's measured steps)
+    gemma = measured((1, 0.0135), (16, 0.077), (15, 0.089), (17, 0.095))
+    assert DraftPolicy(forced=True).length(gemma, 1, 1, 16) == 15
+    assert DraftPolicy(forced=True).length(gemma, 1, 1, 3) == 3
     # steps where the drafter has nothing to offer do not use up (and so postpone) the probes
     idle = DraftPolicy()
     idle.first = idle.follow = 0.1
