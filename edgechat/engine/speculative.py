@@ -147,8 +147,12 @@ class DraftPolicy:
     def __init__(self, forced: bool = False):
         #: draft as much as is offered, whatever it costs (a mode the user chose)
         self.forced = forced
-        self.first = 0.5  # starts undecided
-        self.follow = 0.8  # a guess right once is usually right for a while
+        # optimistic starts: a guess offered at all was usually right (the first token of 124 of
+        # 145 lookup proposals on the bench's recorded answers), and an answer copying a passage
+        # is short enough that a slow start costs much of the gain (measured against 0.5 and
+        # 0.8: Gemma 3 1.93 vs 1.76 on a rewrite, SmolLM2 open chat 1.14 vs 1.03)
+        self.first = 0.7
+        self.follow = 0.9
         self.cooldown = 0  # steps to skip drafting after misses
         self._backoff = 1
         self._probe_every = 4
