@@ -116,24 +116,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _listening(proc: subprocess.Popen, port: int) -> bool:
+    """The server is up on its port, and it is the one listening there (it has not exited)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and proc.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                time.sleep(0.2)  # a server that failed to bind exits at once: look again
+                return proc.poll() is None
+        time.sleep(0.1)
+    return False
+
+
 @contextlib.contextmanager
 def rpc_servers(build: Path, n: int, tmp_path: Path):
     procs, endpoints = [], []
     try:
         for i in range(n):
-            port = free_port()
-            log = open(tmp_path / f"rpc-{i}.log", "w")  # noqa: SIM115 (closed with the process)
-            procs.append((subprocess.Popen([str(build / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port)],
-                                           stdout=log, stderr=subprocess.STDOUT), log))
-            endpoints.append(f"127.0.0.1:{port}")
-        for endpoint in endpoints:
-            deadline = time.monotonic() + 30
-            while True:
-                with socket.socket() as s:
-                    if s.connect_ex(("127.0.0.1", int(endpoint.rsplit(":", 1)[1]))) == 0:
-                        break
-                assert time.monotonic() < deadline, f"ggml-rpc-server at {endpoint} did not start"
-                time.sleep(0.1)
+            # each server listens before the next port is picked: picked earlier, the port of a
+            # server not yet bound can come back (once in a full suite run here: the second server
+            # failed to bind, both endpoints reached the first, and it took every layer); a port
+            # taken by anything else makes the server exit, and the next free port is tried
+            for _attempt in range(3):
+                port = free_port()
+                log = open(tmp_path / f"rpc-{i}.log", "w")  # noqa: SIM115 (closed with the process)
+                proc = subprocess.Popen([str(build / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port)],
+                                        stdout=log, stderr=subprocess.STDOUT)
+                procs.append((proc, log))
+                if _listening(proc, port):
+                    endpoints.append(f"127.0.0.1:{port}")
+                    break
+            else:
+                pytest.fail(f"ggml-rpc-server {i} did not start; see {tmp_path}")
         yield endpoints
     finally:
         for proc, log in procs:
