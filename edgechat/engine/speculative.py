@@ -145,7 +145,8 @@ class DraftPolicy:
     MAX_PROBE_INTERVAL = 64
 
     def __init__(self, forced: bool = False):
-        #: draft as much as is offered, whatever it costs (a mode the user chose)
+        #: draft at every step whatever the acceptance (a mode the user chose), as much as pays
+        #: if every guess is kept
         self.forced = forced
         # optimistic starts: a guess offered at all was usually right (the first token of 124 of
         # 145 lookup proposals on the bench's recorded answers), and an answer copying a passage
