@@ -324,6 +324,10 @@ async def test_switching_models_twice_quickly_leaves_one_engine(paths, gemma3_pa
         await send(pilot, "/model smollm2-135m-instruct")
         switched_back.set()
         await until(pilot, lambda: app.client is not first and len(made) == 3, what="both loads")
+        # the stale load's close starts from its worker's state message, which can come after
+        # every worker has stopped running: wait for the outcome itself (a full suite run once
+        # asserted in between)
+        await until(pilot, lambda: [c for c in made if c not in closed] == [app.client], what="the stale model closed")
         await until(pilot, lambda: not any(w.is_running for w in app.workers if "model" in (w.group or "")))
         assert app.client.model_name.lower().startswith("smollm2") and screen.status.state == "ready"
         assert [c for c in made if c not in closed] == [app.client]
