@@ -69,7 +69,7 @@ class StepCost:
     A median, not a mean: one step stalled by another process (a phone's background task, a
     test run next door took a step 100x its usual time here) would otherwise make its size look
     too dear to draft, and a size never drafted is never measured again, so speculation stayed
-    off for good. Until a size has TRUSTED steps, it is estimated from its neighbours.
+    off for good.
 
     Only batches the size of decode steps are kept: a prefill chunk is compute-bound and says
     nothing of what a few more tokens cost a memory-bound decode step. Measured here (2 cores):
@@ -107,7 +107,7 @@ class StepCost:
         return max(w / b, 1.0)
 
     def seconds(self, n: int) -> float | None:
-        """The estimated time of a step of n tokens, None before any step was measured."""
+        """The estimated time of a step of n tokens, None until some size is trusted."""
         return self._estimate(n)
 
     def _estimate(self, n: int) -> float | None:
@@ -176,8 +176,8 @@ class DraftPolicy:
         if limit == 0:
             return 0  # nothing offered is no reason to count towards a probe
         if self.forced:
-            # always a draft, of the length that pays best if every guess is kept: batches of a
-            # multiple of 16 run faster on the CPU's kernels (Gemma 3: 16 tokens cost 5.7
+            # always a draft, of the length that pays best if every guess is kept: the cost is
+            # not smooth in the batch size on the CPU's kernels (Gemma 3: 16 tokens cost 5.7
             # one-token steps, 15 cost 6.6 and 17 cost 7.1), so up to 16 is not always 16
             return max(range(1, limit + 1), key=lambda k: ((1 + k) / (cost.ratio(batch, k) + draft_cost * k), k))
         best_k, best_gain = 0, 1.0
