@@ -66,6 +66,18 @@ def test_greedy_text_is_the_same_with_a_draft_model(drafted, name, text):
         assert engine.kv_problems() == []
 
 
+def test_the_draft_reads_the_prompt_with_the_model(drafted):
+    """Its first guess does not wait for it: a draft model that had to read the prompt
+    mid-answer cost a probe of 2 tokens 20 decode steps."""
+    engine = drafted["smol"]
+    messages = [{"role": "user", "content": "Name three rivers of France, one per line."}]
+    prompt = engine.prompt_tokens(ChatRequest(messages=messages))
+    done = engine.submit(ChatRequest(messages=messages, sampling=GREEDY, max_tokens=1, speculative="auto")).result()
+    assert done.metrics.drafted_tokens == 0  # one token: nothing was ever guessed
+    assert prompt in [held[: len(prompt)] for held in engine.scheduler.draft.tokens]
+    assert engine.kv_problems() == []
+
+
 def test_seeded_sampling_is_the_same_with_a_draft_model(drafted):
     hot = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=5, repeat_penalty=1.1)
     engine = drafted["smol"]

@@ -117,6 +117,23 @@ def test_draft_policy_drafts_when_it_pays_and_backs_off_when_it_misses():
     assert [idle.length(cost, 1, 1, 8) for _ in range(4)] == [0, 0, 0, DraftPolicy.PROBE]
 
 
+
+def test_no_probe_where_even_a_draft_kept_whole_would_not_pay():
+    """A draft model as slow as the model itself (SmolLM2's Q4_K_M guessing for its F16 on 2
+    cores: 8.0 ms a guess against 8.9 ms a step, and 2 tokens cost 2.1 steps) never pays, so
+    auto must not spend steps asking whether it would; a cheap drafter is still probed."""
+    f16 = measured((1, 0.0089), (2, 0.0186), (3, 0.0211), (5, 0.0238), (9, 0.0323), (17, 0.0492))
+    slow = DraftPolicy()
+    slow.first = slow.follow = 0.1
+    assert [slow.length(f16, 1, 1, 16, draft_cost=0.9) for _ in range(200)] == [0] * 200
+    cheap = DraftPolicy()
+    cheap.first = cheap.follow = 0.1
+    assert DraftPolicy.PROBE in [cheap.length(f16, 1, 1, 16, draft_cost=0.05) for _ in range(8)]
+    # a cheap draft model that must first catch up on 150 tokens: 20 steps before any guess
+    behind = DraftPolicy()
+    behind.first = behind.follow = 0.1
+    assert [behind.length(f16, 1, 1, 16, draft_cost=0.05, setup=20) for _ in range(200)] == [0] * 200
+
 # ---------------------------------------------------------------- on the real models
 @pytest.fixture(scope="module")
 def smol(smollm2_path, models_root):

@@ -18,6 +18,7 @@ import llama_cpp as L
 import numpy as np
 
 from edgechat.engine.llama import Batch, LlamaBackend
+from edgechat.engine.speculative import StepCost
 from edgechat.errors import UsageError
 
 log = logging.getLogger("edgechat.engine")
@@ -58,8 +59,6 @@ def check_vocab(target: LlamaBackend, draft: LlamaBackend) -> None:
 
 
 class DraftModel:
-    ALPHA = 0.2
-
     def __init__(self, path: Path, target: LlamaBackend, n_ctx: int, n_threads: int, flash_attn: str = "auto"):
         self.backend = LlamaBackend(
             path,
@@ -77,14 +76,14 @@ class DraftModel:
         self.path = Path(path)
         #: per sequence, the tokens its cells hold, as for the target's slots
         self.tokens: list[list[int]] = [[] for _ in range(target.n_seq_max)]
-        #: seconds one single-token draft decode takes, measured (None until one ran)
-        self.seconds_per_token: float | None = None
+        #: what the draft's own decodes cost: a guess is a one-token step, catching up a batch
+        self.cost = StepCost()
         self._batch = Batch(512, target.n_seq_max)
 
     def propose(self, seq: int, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens the draft model expects after `tokens` (the target slot's whole
         sequence), stopping early at an unsure one."""
-        index = self._follow(seq, tokens)
+        index = self.follow(seq, tokens)
         mirror = self.tokens[seq]
         out: list[int] = []
         while True:
@@ -96,10 +95,19 @@ class DraftModel:
             out.append(best)
             if len(out) == k:
                 break
-            started = time.perf_counter()
             index = self._decode(seq, [best], len(mirror), logits_last=True)
-            self._observe(time.perf_counter() - started)
         return out
+
+    def behind(self, seq: int, tokens: list[int]) -> int:
+        """How many tokens the sequence must decode before it can guess what follows `tokens`."""
+        return len(tokens) - self._shared(seq, tokens)
+
+    def follow(self, seq: int, tokens: list[int]) -> int:
+        """Make the sequence hold `tokens`; returns the batch index of the last one's logits.
+        The last token is always decoded again if need be: its logits are what guesses next."""
+        same = self._shared(seq, tokens)
+        self._truncate(seq, same)
+        return self._decode(seq, tokens[same:], same, logits_last=True)
 
     def drop(self, seq: int, a: int, b: int) -> None:
         """The target dropped positions [a, b) of this sequence and shifted the rest back: do the
@@ -127,16 +135,14 @@ class DraftModel:
         self.backend.close()
 
     # ------------------------------------------------------------------ following the target
-    def _follow(self, seq: int, tokens: list[int]) -> int:
-        """Make the sequence hold `tokens`; returns the batch index of the last one's logits.
-        The last token is always decoded again if need be: its logits are what guesses next."""
+    def _shared(self, seq: int, tokens: list[int]) -> int:
+        """The prefix of `tokens` the sequence holds, short of the last token."""
         mirror = self.tokens[seq]
         limit = min(len(mirror), len(tokens) - 1)
         same = 0
         while same < limit and mirror[same] == tokens[same]:
             same += 1
-        self._truncate(seq, same)
-        return self._decode(seq, tokens[same:], same, logits_last=True)
+        return same
 
     def _truncate(self, seq: int, n: int) -> None:
         mirror = self.tokens[seq]
@@ -156,6 +162,7 @@ class DraftModel:
             chunk = tokens[i : i + batch.capacity]
             for j, tok in enumerate(chunk):
                 idx = batch.add(tok, pos + i + j, seq, logits_last and i + j == len(tokens) - 1)
+            started = time.perf_counter()
             try:
                 be.decode(batch)
             except Exception:
@@ -163,9 +170,6 @@ class DraftModel:
                 be.seq_rm(seq, -1, -1)
                 mirror.clear()
                 raise
+            self.cost.observe(batch.n, time.perf_counter() - started)
             mirror.extend(chunk)
         return idx
-
-    def _observe(self, seconds: float) -> None:
-        old = self.seconds_per_token
-        self.seconds_per_token = seconds if old is None else old + self.ALPHA * (seconds - old)

@@ -223,6 +223,8 @@ class Scheduler:
         self.cost.observe(batch.n, time.perf_counter() - started)
         self.decode_calls += 1
         for run in sampling:
+            if run.model_policy is not None and run not in decoding:
+                self._draft_prompt(run)
             if run.draft:
                 self._verify(run)
                 continue
@@ -289,7 +291,7 @@ class Scheduler:
                 run.drafted_by = run.policy
                 return guess[:k]
         if run.model_policy is not None:
-            k = run.model_policy.length(self.cost, width, sequences, room, self._draft_cost(width))
+            k = run.model_policy.length(self.cost, width, sequences, room, *self._draft_cost(run, width))
             if k > 0:
                 try:
                     guess = self.draft.propose(run.slot.seq, run.slot.tokens, k)
@@ -300,13 +302,25 @@ class Scheduler:
                 return guess
         return []
 
-    def _draft_cost(self, width: int) -> float:
-        """What the draft model takes to guess one token, in steps of `width` tokens: measured
-        once both have run, until then a guess that it is a third of the model's step."""
-        step, guess = self.cost.seconds(width), self.draft.seconds_per_token
+    def _draft_prompt(self, run: Running) -> None:
+        """The draft model reads the prompt with the model, so its first guess does not wait for
+        it: the prompt's cost goes to the time to first token, as a prefill's does."""
+        try:
+            self.draft.follow(run.slot.seq, run.slot.tokens)
+        except Exception:  # the draft is an aid: its failure costs a guess, never the answer
+            log.exception("the draft model failed to read the prompt")
+
+    def _draft_cost(self, run: Running, width: int) -> tuple[float, float]:
+        """What the draft model takes to guess one token, and to catch up with the tokens this
+        sequence gained since its last guess, in steps of `width` tokens: measured once both
+        have run, until then a guess that a token is a third of the model's step. The catch-up
+        counts beyond the one token any guess decodes: after a pause it decodes every token of
+        the pause, which cost a probe of 2 tokens 20 steps of SmolLM2."""
+        step, guess = self.cost.seconds(width), self.draft.cost.seconds(1)
+        behind = self.draft.behind(run.slot.seq, run.slot.tokens)
         if step is None or guess is None:
-            return 1 / 3
-        return guess / step
+            return 1 / 3, (behind - 1) / 3
+        return guess / step, (self.draft.cost.seconds(behind) - guess) / step
 
     def _verify(self, run: Running) -> None:
         """Sample at each drafted position, in order, with the sequence's own sampler: drafted

@@ -161,10 +161,12 @@ class DraftPolicy:
         self.drafted = 0
         self.accepted = 0
 
-    def length(self, cost: StepCost, batch: int, sequences: int, available: int, draft_cost: float = 0.0) -> int:
+    def length(self, cost: StepCost, batch: int, sequences: int, available: int, draft_cost: float = 0.0,
+               setup: float = 0.0) -> int:
         """Tokens to draft now, 0 for none. `batch` is the step's width so far, `sequences` how
         many sequences it decodes (each emits a token), `available` what the drafter offers,
-        `draft_cost` what guessing one token costs the drafter, in steps of `batch` tokens.
+        `draft_cost` what guessing one token costs the drafter and `setup` what it must do
+        before any guess (a draft model catching up), both in steps of `batch` tokens.
 
         Every sequence in the step waits for the wider batch, so a draft is scored over the
         whole step: (sequences + expected kept) / sequences per unit of step cost. Alone, that
@@ -179,13 +181,13 @@ class DraftPolicy:
             # always a draft, of the length that pays best if every guess is kept: the cost is
             # not smooth in the batch size on the CPU's kernels (Gemma 3: 16 tokens cost 5.7
             # one-token steps, 15 cost 6.6 and 17 cost 7.1), so up to 16 is not always 16
-            return max(range(1, limit + 1), key=lambda k: ((1 + k) / (cost.ratio(batch, k) + draft_cost * k), k))
+            return max(range(1, limit + 1), key=lambda k: ((1 + k) / (cost.ratio(batch, k) + draft_cost * k + setup), k))
         best_k, best_gain = 0, 1.0
         expected, kept = 0.0, self.first
         for k in range(1, limit + 1):
             expected += kept  # the k-th drafted token is kept only if all before it were
             kept *= self.follow
-            gain = (sequences + expected) / sequences / (cost.ratio(batch, k) + draft_cost * k)
+            gain = (sequences + expected) / sequences / (cost.ratio(batch, k) + draft_cost * k + setup)
             if gain > best_gain * 1.02:
                 best_k, best_gain = k, gain
         if best_k:
@@ -193,6 +195,10 @@ class DraftPolicy:
             return best_k
         self._since_probe += 1
         if self._since_probe < self._probe_every:
+            return 0
+        if all((sequences + k) / sequences / (cost.ratio(batch, k) + draft_cost * k + setup) <= 1 for k in range(1, limit + 1)):
+            # not even a draft kept whole would pay (a draft model as slow as the model or far
+            # behind it, a wide batch): a probe could only lose
             return 0
         # a probe; if it misses too, the next one waits twice as long
         self._since_probe = 0
