@@ -118,6 +118,16 @@ def test_draft_policy_drafts_when_it_pays_and_backs_off_when_it_misses():
 
 
 
+def test_a_draft_starts_only_where_it_is_expected_to_gain_a_tenth():
+    """The rates are estimates (optimistic at a request's start): a draft expected to gain 7%
+    lost on SmolLM2's code and open tasks (0.91-0.96x of plain), so drafting starts at 10%."""
+    cost = measured((1, 0.010), (2, 0.015))  # a token more costs half a step
+    policy = DraftPolicy()
+    policy.first, policy.follow = 0.6, 0.1  # one token, expected to gain (1 + 0.6) / 1.5 = 1.07
+    assert policy.length(cost, 1, 1, 4) == 0
+    policy.first = 0.8  # 1.2
+    assert policy.length(cost, 1, 1, 4) == 1
+
 def test_no_probe_where_even_a_draft_kept_whole_would_not_pay():
     """A draft model as slow as the model itself (SmolLM2's Q4_K_M guessing for its F16 on 2
     cores: 8.0 ms a guess against 8.9 ms a step, and 2 tokens cost 2.1 steps) never pays, so
