@@ -128,7 +128,7 @@ def test_a_draft_starts_only_where_it_is_expected_to_gain_a_tenth():
     policy.first = 0.8  # 1.2
     assert policy.length(cost, 1, 1, 4) == 1
 
-def test_no_probe_where_even_a_draft_kept_whole_would_not_pay():
+def test_no_probe_where_even_the_probe_kept_whole_would_not_pay():
     """A draft model as slow as the model itself (SmolLM2's Q4_K_M guessing for its F16 on 2
     cores: 8.0 ms a guess against 8.9 ms a step, and 2 tokens cost 2.1 steps) never pays, so
     auto must not spend steps asking whether it would; a cheap drafter is still probed."""
@@ -143,6 +143,13 @@ def test_no_probe_where_even_a_draft_kept_whole_would_not_pay():
     behind = DraftPolicy()
     behind.first = behind.follow = 0.1
     assert [behind.length(f16, 1, 1, 16, draft_cost=0.05, setup=20) for _ in range(200)] == [0] * 200
+    # a server's step of 4 sequences (SmolLM2, measured): a probe of 2 would make all 4 wait 37%
+    # longer for at most 2 tokens more; the same probe for one sequence alone is worth asking
+    server = measured((1, 0.0092), (3, 0.0229), (4, 0.0244), (6, 0.0335))
+    wide = DraftPolicy()
+    wide.first = wide.follow = 0.1
+    assert [wide.length(server, 4, 4, 16) for _ in range(200)] == [0] * 200
+    assert DraftPolicy.PROBE in [wide.length(server, 1, 1, 16) for _ in range(8)]
 
 # ---------------------------------------------------------------- on the real models
 @pytest.fixture(scope="module")

@@ -201,14 +201,15 @@ class DraftPolicy:
         self._since_probe += 1
         if self._since_probe < self._probe_every:
             return 0
-        if all((sequences + k) / sequences / (cost.ratio(batch, k) + draft_cost * k + setup) <= 1 for k in range(1, limit + 1)):
-            # not even a draft kept whole would pay (a draft model as slow as the model or far
-            # behind it, a wide batch): a probe could only lose
+        k = min(self.PROBE, limit)
+        if (sequences + k) / sequences / (cost.ratio(batch, k) + draft_cost * k + setup) < START_GAIN:
+            # not even the probe kept whole would gain a tenth (a draft model as slow as the model
+            # or far behind it; a wide batch, where every sequence waits for the probe's tokens)
             return 0
         # a probe; if it misses too, the next one waits twice as long
         self._since_probe = 0
         self._probe_every = min(self._probe_every * 2, self.MAX_PROBE_INTERVAL)
-        return min(self.PROBE, limit)
+        return k
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
