@@ -320,7 +320,7 @@ class Scheduler:
         behind = self.draft.behind(run.slot.seq, run.slot.tokens)
         if step is None or guess is None:
             return 1 / 3, (behind - 1) / 3
-        return guess / step, (self.draft.cost.seconds(behind) - guess) / step
+        return guess / step, max(self.draft.cost.seconds(behind) - guess, 0.0) / step
 
     def _verify(self, run: Running) -> None:
         """Sample at each drafted position, in order, with the sequence's own sampler: drafted
