@@ -179,17 +179,21 @@ class DraftPolicy:
         limit = min(available, MAX_DRAFT)
         if limit == 0:
             return 0  # nothing offered is no reason to count towards a probe
+
+        def step_cost(k: int) -> float:  # of a step with k drafted tokens, in steps without
+            return cost.ratio(batch, k) + draft_cost * k + setup
+
         if self.forced:
             # always a draft, of the length that pays best if every guess is kept: the cost is
             # not smooth in the batch size on the CPU's kernels (Gemma 3: 16 tokens cost 5.7
             # one-token steps, 15 cost 6.6 and 17 cost 7.1), so up to 16 is not always 16
-            return max(range(1, limit + 1), key=lambda k: ((1 + k) / (cost.ratio(batch, k) + draft_cost * k + setup), k))
+            return max(range(1, limit + 1), key=lambda k: ((1 + k) / step_cost(k), k))
         best_k, best_gain = 0, 1.0
         expected, kept = 0.0, self.first
         for k in range(1, limit + 1):
             expected += kept  # the k-th drafted token is kept only if all before it were
             kept *= self.follow
-            gain = (sequences + expected) / sequences / (cost.ratio(batch, k) + draft_cost * k + setup)
+            gain = (sequences + expected) / sequences / step_cost(k)
             # a draft at all must be expected to gain a tenth: the rates are estimates, optimistic
             # at a request's start, and a 7% hope lost on SmolLM2's code and open chat (0.91-0.96x
             # of plain; 0.98-1.03x with the tenth, Gemma 3 no worse); a longer one, 2% more
@@ -202,7 +206,7 @@ class DraftPolicy:
         if self._since_probe < self._probe_every:
             return 0
         k = min(self.PROBE, limit)
-        if (sequences + k) / sequences / (cost.ratio(batch, k) + draft_cost * k + setup) < START_GAIN:
+        if (sequences + k) / sequences / step_cost(k) < START_GAIN:
             # not even the probe kept whole would gain a tenth (a draft model as slow as the model
             # or far behind it; a wide batch, where every sequence waits for the probe's tokens)
             return 0
