@@ -17,6 +17,7 @@ from pathlib import Path
 import llama_cpp as L
 import numpy as np
 
+from edgechat.engine.kvcache import common_prefix
 from edgechat.engine.llama import Batch, LlamaBackend
 from edgechat.engine.speculative import StepCost
 from edgechat.errors import UsageError
@@ -137,12 +138,7 @@ class DraftModel:
     # ------------------------------------------------------------------ following the target
     def _shared(self, seq: int, tokens: list[int]) -> int:
         """The prefix of `tokens` the sequence holds, short of the last token."""
-        mirror = self.tokens[seq]
-        limit = min(len(mirror), len(tokens) - 1)
-        same = 0
-        while same < limit and mirror[same] == tokens[same]:
-            same += 1
-        return same
+        return common_prefix(self.tokens[seq], tokens[:-1])
 
     def _truncate(self, seq: int, n: int) -> None:
         mirror = self.tokens[seq]
