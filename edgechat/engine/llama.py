@@ -310,11 +310,15 @@ class LlamaBackend:
     def seq_pos_range(self, seq: int) -> tuple[int, int]:
         return L.llama_memory_seq_pos_min(self.mem, seq), L.llama_memory_seq_pos_max(self.mem, seq)
 
-    def state_seq_get(self, seq: int) -> bytes:
+    def state_seq_get(self, seq: int) -> bytearray:
+        """The sequence's serialized state, written by llama.cpp straight into the returned
+        buffer: a zeroed ctypes array copied into bytes took 12 ms for a 10 MB state here, while
+        every sequence waits."""
         size = L.llama_state_seq_get_size(self.ctx, seq)
-        buf = (ctypes.c_uint8 * size)()
-        n = L.llama_state_seq_get_data(self.ctx, buf, size, seq)
-        return bytes(memoryview(buf)[:n])
+        data = bytearray(size)
+        n = L.llama_state_seq_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(data), size, seq)
+        del data[n:]
+        return data
 
     def seq_cell_positions(self, seq: int) -> list[int]:
         """The positions of every cell the sequence holds, sorted, read from its serialized state
@@ -339,8 +343,12 @@ class LlamaBackend:
             off += 8 + 4 * n_ids
         return sorted(positions)
 
-    def state_seq_set(self, seq: int, data: bytes) -> bool:
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    def state_seq_set(self, seq: int, data: bytes | bytearray) -> bool:
+        # llama.cpp only reads the state: it gets the buffer itself, not a copy
+        if isinstance(data, bytearray):
+            buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
+        else:
+            buf = ctypes.cast(data, ctypes.POINTER(ctypes.c_uint8))
         return L.llama_state_seq_set_data(self.ctx, buf, len(data), seq) == len(data)
 
     def close(self) -> None:
