@@ -26,7 +26,7 @@ __all__ = ["CachedPrompt", "PromptCache"]
 @dataclass
 class CachedPrompt:
     tokens: list[int]
-    data: bytes
+    data: bytearray  # as LlamaBackend.state_seq_get returns it
     tags: dict
 
 
@@ -68,7 +68,7 @@ class PromptCache:
     def touch(self, entry: CachedPrompt) -> None:
         self._entries.move_to_end(id(entry))
 
-    def put(self, tokens: list[int], data: bytes) -> None:
+    def put(self, tokens: list[int], data: bytearray) -> None:
         """Keep a sequence's state; entries it extends (their tokens are a prefix of these) go."""
         if len(data) > self.budget:
             return

@@ -68,7 +68,7 @@ class SnapshotStore:
     def path_for(self, session: str) -> Path:
         return snapshot_path(self.root, session)
 
-    def save(self, session: str, tokens: list[int], session_state: dict, data: bytes) -> Path:
+    def save(self, session: str, tokens: list[int], session_state: dict, data: bytes | bytearray) -> Path:
         header = json.dumps({"session": session, "tags": self.tags, "tokens": tokens, "state": session_state, "saved": time.time()}).encode()
         path = self.path_for(session)
         atomic_write(path, [SNAPSHOT_MAGIC, struct.pack("<Q", len(header)), header, data])
