@@ -12,7 +12,9 @@ starts fresh servers (an idle one sleeps) and runs the cold passes, then the war
 so a machine whose load drifts weighs on all alike. The ratios compare the median pass of each
 side: on 2 cores, another process can stall llama.cpp's threads for seconds (a warm pass of
 either server fell to a quarter of its speed once here), and one such pass must not decide a
-target. Prints output tok/s (median pass, and all passes pooled) and TTFT p50, and the targets:
+target. Prints output tok/s (median pass, and all passes pooled) and TTFT p50, the median of the
+warm passes' ratios to llama-server's pass next to each (the machine's drift cancels within a pair),
+and the targets:
 
     edgechat warm pass >= 1.0x llama-server's warm pass
     edgechat cold pass with the cache ~ 1.0x without it (saving states costs the first pass nothing)
@@ -120,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
 
     ratios = {
         "warm_vs_llama_server_warm": tps("edgechat", "warm") / tps("llama-server", "warm"),
+        # each warm pass against llama-server's pass run next to it: the machine's drift over a
+        # run (here a pass of either server swung 15%) weighs on both sides of each pair alike
+        "warm_vs_llama_server_warm_paired": statistics.median(
+            pass_tps(a) / pass_tps(b) for a, b in zip(runs["edgechat"]["warm"], runs["llama-server"]["warm"])
+        ),
         "cold_with_cache_vs_without": tps("edgechat", "cold") / tps("edgechat-off", "cold"),
         "edgechat_warm_vs_cold": tps("edgechat", "warm") / tps("edgechat", "cold"),
         "llama_server_warm_vs_cold": tps("llama-server", "warm") / tps("llama-server", "cold"),
