@@ -63,5 +63,5 @@ def test_only_a_streams_start_and_end_wake_the_loop_and_nothing_is_lost_or_late(
     # the engine thread wakes the loop for each stream's first event and its end, no more (each
     # wake-up hands the GIL to the loop's thread); the tokens between go on the loop's timer
     assert len(wakes) <= 2 * 4, len(wakes)
-    # on the loop's timer a token waits about STREAM_FLUSH_S; held to the end, it would wait ~0.4 s
-    assert max(late) < 8 * STREAM_FLUSH_S, max(late)
+    # on the loop's timer a token waits up to STREAM_FLUSH_S; held to the end, the first would wait ~0.4 s
+    assert max(late) < 4 * STREAM_FLUSH_S, max(late)
