@@ -115,7 +115,7 @@ class Generation:
 
     def on_event(self, event: Event) -> None:
         """Called on the engine thread: hand over and return at once. The first event (the time
-        to first token) and Finished wake the loop now; the others go with the next wake-up."""
+        to first token) and Finished wake the loop now; the others wait for the loop's timer."""
         urgent = not self._started or isinstance(event, Finished)
         self._started = True
         self._waker.post(self, event, urgent)
