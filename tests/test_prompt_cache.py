@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 
 import httpx
+import pytest
 from click.testing import CliRunner
 from neartie import assert_same_tokens_or_near_tie
 from serving import serving
@@ -57,14 +58,51 @@ def test_a_second_pass_restores_every_prompt_and_answers_as_a_cold_run(isolated_
         for done in second:
             m = done.metrics
             assert m.prompt_cache_hit is True, m
-            # all but the last prompt token, whose logits are computed again
-            assert m.restored_tokens == m.cached_tokens == m.prompt_tokens - 1
+            # the whole prompt: the logits after it were kept with its state
+            assert m.restored_tokens == m.cached_tokens == m.prompt_tokens
         assert engine.stats()["prompt_cache_bytes"] <= 64 << 20
         for messages, done in zip(PROMPTS, second, strict=True):
             prompt = engine.prompt_tokens(ChatRequest(messages=messages))
             cold = engine.greedy_continuation(ANSWER_TOKENS, tokens=prompt)
             assert_same_tokens_or_near_tie(engine, prompt, cold, done.token_ids)
         assert engine.kv_problems() == []
+
+
+@pytest.mark.parametrize("held_in", ["sequence", "prompt cache"])
+def test_the_same_prompt_again_needs_no_decode_before_its_first_token(isolated_dirs, held_in):
+    """A prompt sent again (a retry, a regenerate, an agent's repeated call) whose whole prompt is
+    held, in its sequence or in the prompt cache, starts from the logits kept after it: its
+    first token comes without a llama_decode (llama-server decodes the last prompt token again),
+    and the answer is a cold run's."""
+    with engine_for(isolated_dirs, 64 << 20, n_parallel=1) as engine:
+        ask_all(engine, PROMPTS[:1] if held_in == "sequence" else PROMPTS[:2])
+        prompt = engine.prompt_tokens(ChatRequest(messages=PROMPTS[0]))
+        before = engine.stats()["decode_calls"]
+        one = engine.submit(ChatRequest(messages=PROMPTS[0], sampling=SamplingParams(temperature=0), max_tokens=1)).result(timeout=300)
+        assert engine.stats()["decode_calls"] == before
+        assert one.metrics.cached_tokens == len(prompt)
+        assert one.metrics.prompt_cache_hit is (held_in == "prompt cache")
+        (done,) = ask_all(engine, PROMPTS[:1])
+        assert done.token_ids[:1] == one.token_ids
+        assert engine.kv_problems() == []
+        cold = engine.greedy_continuation(ANSWER_TOKENS, tokens=prompt)
+        assert_same_tokens_or_near_tie(engine, prompt, cold, done.token_ids)
+
+
+def test_a_sampled_first_token_from_kept_logits_is_the_one_a_decode_gives(isolated_dirs):
+    """The kept logits go through the request's own sampler chain as llama_sampler_sample takes
+    a context's: with the same seed, the same tokens and log probabilities as when the prompt's
+    last token was decoded."""
+    req = lambda: ChatRequest(messages=PROMPTS[3], sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7),
+                              max_tokens=ANSWER_TOKENS, ignore_eos=True, logprobs=3)
+    with engine_for(isolated_dirs, 64 << 20, n_parallel=1) as engine:
+        decoded = engine.submit(req()).result(timeout=300)
+        kept = engine.submit(req()).result(timeout=300)
+        assert kept.metrics.cached_tokens == kept.metrics.prompt_tokens > decoded.metrics.cached_tokens
+        assert kept.token_ids == decoded.token_ids
+        for a, b in zip(decoded.logprobs, kept.logprobs, strict=True):
+            assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-3
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
 def test_a_prompt_a_few_tokens_past_what_the_slots_hold_is_restored(isolated_dirs):
@@ -79,7 +117,7 @@ def test_a_prompt_a_few_tokens_past_what_the_slots_hold_is_restored(isolated_dir
         assert 2 <= len(prompt) - held < 16, (len(prompt), held)
         (done,) = ask_all(engine, short[:1])
         assert done.metrics.prompt_cache_hit is True, done.metrics
-        assert done.metrics.cached_tokens == len(prompt) - 1
+        assert done.metrics.cached_tokens == len(prompt)
         cold = engine.greedy_continuation(ANSWER_TOKENS, tokens=prompt)
         assert_same_tokens_or_near_tie(engine, prompt, cold, done.token_ids)
         assert engine.kv_problems() == []
@@ -89,7 +127,7 @@ def test_the_budget_keeps_the_most_recently_used_states(isolated_dirs):
     with engine_for(isolated_dirs, 64 << 20, n_parallel=1) as engine:
         ask_all(engine, PROMPTS[:2])
         (entry,) = engine.prompt_cache.entries()
-        size = len(entry.data)
+        size = entry.nbytes
         # room for two states of this size, not three
         engine.prompt_cache.budget = budget = int(size * 2.5)
         ask_all(engine, PROMPTS[2:])
@@ -138,8 +176,7 @@ def test_serve_counts_hits_misses_restored_tokens_and_bytes(isolated_dirs):
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("edgechat_prompt_cache")}
     assert values["edgechat_prompt_cache_hits_total"] == len(PROMPTS)
     assert values["edgechat_prompt_cache_misses_total"] == len(PROMPTS)
-    # all but the last prompt token, whose logits are computed again
-    assert values["edgechat_prompt_cache_restored_tokens_total"] == sum(len(p) - 1 for p in prompts)
+    assert values["edgechat_prompt_cache_restored_tokens_total"] == sum(len(p) for p in prompts)
     assert 0 < values["edgechat_prompt_cache_bytes"] <= 64 << 20
     # one state per prompt, and a second where a second answer parted from the first (a near-tie
     # decided otherwise in another batch)

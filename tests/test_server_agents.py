@@ -351,7 +351,8 @@ def test_the_second_choice_takes_the_prompt_from_the_first(engine):
     first = engine.submit(ChatRequest(messages=prompt, max_tokens=4))
     second = engine.submit(ChatRequest(messages=prompt, max_tokens=4, prompt_shared_with=first))
     a, b = first.result(60), second.result(60)
-    assert b.metrics.cached_tokens == b.metrics.prompt_tokens - 1 > 100
+    # the prompt's cells and the logits after them: nothing to decode before its first token
+    assert b.metrics.cached_tokens == b.metrics.prompt_tokens > 100
     assert a.metrics.prompt_tokens == b.metrics.prompt_tokens
     assert engine.kv_problems() == []
 

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from edgechat.engine.llama import LlamaBackend
 from edgechat.engine.snapshots import SnapshotStore
 
@@ -44,6 +46,17 @@ ALIGNED_PREFILL_MIN = 64
 MIN_RESTORE_GAIN = 2
 
 
+@dataclass(frozen=True)
+class NextLogits:
+    """The model's logits for the token after a sequence's first n tokens, kept from the decode
+    that computed them: a prompt the cache already holds whole (sent again: a retry, a
+    regenerate, the n choices of one request) then needs no decode before its first token.
+    llama.cpp keeps only the last batch's logits, and its state holds none."""
+
+    n: int
+    values: np.ndarray  # read-only, shared by the slots and prompt cache entries that keep it
+
+
 @dataclass
 class Slot:
     seq: int
@@ -56,6 +69,8 @@ class Slot:
     #: at its last admission: prompt tokens restored from the prompt cache (0: it had nothing
     #: longer than the slots; None: not consulted)
     cache_restored: int | None = None
+    #: the logits after its first next_logits.n tokens, while those tokens are unchanged
+    next_logits: NextLogits | None = None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -169,6 +184,8 @@ class KVManager:
                 # past the window in a small cache or a restored state; the full-attention
                 # layers' cells are checked below
                 lo = 0
+            if slot.next_logits is not None and slot.next_logits.n > n:
+                problems.append(f"seq {slot.seq}: logits kept for position {slot.next_logits.n}, past its {n} tokens")
             if (lo, hi) != want:
                 problems.append(f"seq {slot.seq}: llama.cpp holds positions {lo}..{hi}, the mirror {n} tokens")
                 continue
@@ -205,6 +222,8 @@ class KVManager:
             if not self.backend.swa_window:
                 self.can_rewind = False
         del slot.tokens[n:]
+        if slot.next_logits is not None and slot.next_logits.n > n:
+            slot.next_logits = None
         self._limit_sharing(slot, n)
         return n
 
@@ -216,6 +235,8 @@ class KVManager:
         self.clear(dst)
         self.backend.seq_cp(src.seq, dst.seq, 0, n)
         dst.tokens = src.tokens[:n]
+        if src.next_logits is not None and src.next_logits.n <= n:
+            dst.next_logits = src.next_logits
         for other in self.slots:
             if other is not dst:
                 s = n if other is src else min(self._shared[src.seq][other.seq], n)
@@ -236,6 +257,8 @@ class KVManager:
         if b < len(slot.tokens):
             self.backend.seq_add(slot.seq, b, -1, -(b - a))
         slot.tokens[a:b] = []
+        if slot.next_logits is not None and slot.next_logits.n > a:
+            slot.next_logits = None
         self._limit_sharing(slot, a)
         slot.dirty = slot.session is not None
         return True
@@ -301,7 +324,8 @@ class KVManager:
 
     def reuse(self, slot: Slot, prompt: list[int], realign: bool) -> int:
         """Make the slot's cache a prefix of the prompt, keeping as much as possible; returns how
-        many prompt tokens are cached. With `realign`, messages that left the prompt leave the
+        many prompt tokens are cached (the whole prompt only where the slot kept the logits after it:
+        else its last token is decoded again for them). With `realign`, messages that left the prompt leave the
         cache by a shift (the rest of the cache moves down) instead of a recompute."""
         n = common_prefix(slot.tokens, prompt)
         if n < len(slot.tokens) and realign:
@@ -312,7 +336,7 @@ class KVManager:
         n = len(slot.tokens)
         if short_prefix(n, len(prompt)):
             n = self.truncate(slot, 0)
-        if n == len(prompt):
+        if n == len(prompt) and (slot.next_logits is None or slot.next_logits.n != n):
             # everything is cached, but the logits are not: recompute the last prompt token
             n = self.truncate(slot, n - 1)
         return n
@@ -365,12 +389,12 @@ class KVManager:
         if (stash := self._state_to_stash(slot)) is not None:
             self.prompt_cache.put(*stash)
 
-    def _state_to_stash(self, slot: Slot) -> tuple[list[int], bytes] | None:
-        """The tokens and state of an idle slot for the prompt cache (prompt and answer: a
-        follow-up request starts with both), unless an entry already holds them."""
+    def _state_to_stash(self, slot: Slot) -> tuple[list[int], bytearray, NextLogits | None] | None:
+        """The tokens, state and kept logits of an idle slot for the prompt cache (prompt and
+        answer: a follow-up request starts with both), unless an entry already holds them."""
         if slot.busy or not slot.tokens or not self._prompt_cache_usable() or self.prompt_cache.covers(slot.tokens):
             return None
-        return list(slot.tokens), self.backend.state_seq_get(slot.seq)
+        return list(slot.tokens), self.backend.state_seq_get(slot.seq), slot.next_logits
 
     def restore_prompt(self, slot: Slot, entry: CachedPrompt) -> bool:
         """Load a prompt cache entry into the slot; False leaves the slot empty and drops the
@@ -386,6 +410,7 @@ class KVManager:
             self.prompt_cache.drop(entry)
             return False
         slot.tokens = list(entry.tokens)
+        slot.next_logits = entry.next_logits
         self.prompt_cache.touch(entry)
         return True
 

@@ -219,8 +219,6 @@ class OnnxEngine(PromptQueries):
                                      voc.bos if voc.add_bos else None, self.n_ctx)
         #: tokens whose keys and values the cache holds, at positions 0..n-1
         self.cached: list[int] = []
-        self._cand = np.zeros(voc.n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
-        self._ids = np.arange(voc.n_vocab, dtype=np.int32)
         self._inbox: queue.Queue = queue.Queue()
         self._waiting = 0
         self._running = 0
@@ -352,22 +350,6 @@ class OnnxEngine(PromptQueries):
         self.cached.append(token)
         return logits
 
-    def _sample(self, sampler: SamplerChain, logits: np.ndarray) -> int:
-        if sampler.plain_greedy:
-            return int(logits.argmax())
-        if sampler.grammar_greedy and (token := sampler.allowed_argmax(logits)) is not None:
-            return token
-        # llama.cpp's own chain over these logits, as llama_sampler_sample runs it over its own
-        cand = self._cand
-        cand["id"] = self._ids
-        cand["logit"] = logits
-        cand["p"] = 0.0
-        arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), len(cand), -1, False)
-        L.llama_sampler_apply(sampler.chain, ctypes.byref(arr))
-        token = int(cand["id"][arr.selected])
-        L.llama_sampler_accept(sampler.chain, token)
-        return token
-
     def _make_room(self, run: _Run) -> None:
         """Context full mid-answer: drop the older half after the pinned prefix, recompute the rest."""
         keep = min(run.prep.keep, len(self.cached) - 2)
@@ -398,7 +380,7 @@ class OnnxEngine(PromptQueries):
             logits = self._prefill(prep.tokens, handle)
             status = RequestStatus.FINISHED_CANCELLED
             while logits is not None and not handle.cancelled:
-                token = self._sample(sampler, logits)
+                token = sampler.choose(logits)
                 clock.token()
                 if self.vocab.is_eog(token) and not req.ignore_eos:
                     status = RequestStatus.FINISHED_STOPPED

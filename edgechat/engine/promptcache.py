@@ -3,9 +3,10 @@
 Agents and apps re-send the same long contexts (system prompt, tool definitions, the
 conversation so far) across more distinct prompts than there are sequences. When an idle slot
 is taken over, the KV manager saves what it holds here (`llama_state_seq_get_data`: the
-prompt and the answer, whose cells a follow-up request starts with); on admission, the entry
-sharing the longest prefix with the new prompt is restored into the slot if it beats what the
-slots hold, and only the rest is prefilled.
+prompt and the answer, whose cells a follow-up request starts with, and the logits after the
+prompt); on admission, the entry sharing the longest prefix with the new prompt is restored into
+the slot if it beats what the slots hold, and only the rest is prefilled (nothing at all for the
+same prompt again: its first token comes from the kept logits).
 
 Entries carry the snapshot store's tags (model hash, context size, KV type, state version):
 one whose tags differ from the engine's is never restored. The budget is in bytes; the least
@@ -18,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from edgechat.engine.kvcache import common_prefix
+from edgechat.engine.kvcache import NextLogits, common_prefix
 
 __all__ = ["CachedPrompt", "PromptCache"]
 
@@ -28,6 +29,11 @@ class CachedPrompt:
     tokens: list[int]
     data: bytearray  # as LlamaBackend.state_seq_get returns it
     tags: dict
+    next_logits: NextLogits | None = None  # the slot's, kept with its state
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) + (self.next_logits.values.nbytes if self.next_logits is not None else 0)
 
 
 class PromptCache:
@@ -44,7 +50,7 @@ class PromptCache:
 
     @property
     def bytes(self) -> int:
-        return sum(len(e.data) for e in self._entries.values())
+        return sum(e.nbytes for e in self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -68,18 +74,18 @@ class PromptCache:
     def touch(self, entry: CachedPrompt) -> None:
         self._entries.move_to_end(id(entry))
 
-    def put(self, tokens: list[int], data: bytearray) -> None:
+    def put(self, tokens: list[int], data: bytearray, next_logits: NextLogits | None = None) -> None:
         """Keep a sequence's state; entries it extends (their tokens are a prefix of these) go."""
-        if len(data) > self.budget:
+        entry = CachedPrompt(list(tokens), data, self._tags(), next_logits)
+        if entry.nbytes > self.budget:
             return
-        for key, entry in list(self._entries.items()):
-            if len(entry.tokens) <= len(tokens) and tokens[: len(entry.tokens)] == entry.tokens:
+        for key, old in list(self._entries.items()):
+            if len(old.tokens) <= len(tokens) and tokens[: len(old.tokens)] == old.tokens:
                 del self._entries[key]
-        entry = CachedPrompt(list(tokens), data, self._tags())
         self._entries[id(entry)] = entry
         total = self.bytes
         while total > self.budget:
-            total -= len(self._entries.pop(next(iter(self._entries))).data)
+            total -= self._entries.pop(next(iter(self._entries))).nbytes
 
     def drop(self, entry: CachedPrompt) -> None:
         self._entries.pop(id(entry), None)

@@ -74,6 +74,7 @@ class SamplerChain:
         #: greedy under a grammar: the top token is tried against the grammar first
         self.grammar_greedy = params.temperature == 0 and not self.penalised and grammar is not None
         self.penalty_last_n = params.penalty_last_n
+        self._candidates: np.ndarray | None = None  # choose()'s llama_token_data array, made on first use
 
     def accept_prompt(self, tokens: list[int]) -> None:
         """Penalties count the recent prompt tokens too, as llama.cpp's own tools do (only the
@@ -94,6 +95,25 @@ class SamplerChain:
         L.llama_sampler_apply(self._grammar, ctypes.byref(arr))
         if cand.logit == -np.inf:
             return None
+        L.llama_sampler_accept(self.chain, token)
+        return token
+
+    def choose(self, logits: np.ndarray) -> int:
+        """The next token from logits held in Python (kept from an earlier decode, or the ONNX
+        engine's), chosen and accepted as llama_sampler_sample does with a context's own."""
+        if self.plain_greedy:
+            return int(logits.argmax())
+        if self.grammar_greedy and (token := self.allowed_argmax(logits)) is not None:
+            return token
+        if self._candidates is None or len(self._candidates) != len(logits):
+            self._candidates = np.zeros(len(logits), dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+        cand = self._candidates
+        cand["id"] = np.arange(len(logits), dtype=np.int32)
+        cand["logit"] = logits
+        cand["p"] = 0.0
+        arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), len(cand), -1, False)
+        L.llama_sampler_apply(self.chain, ctypes.byref(arr))
+        token = int(arr.data[arr.selected].id)
         L.llama_sampler_accept(self.chain, token)
         return token
 

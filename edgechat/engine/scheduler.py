@@ -17,8 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edgechat.engine.draft import DraftModel
-from edgechat.engine.kvcache import KVManager, Slot
-from edgechat.engine.llama import Batch, LlamaBackend
+import numpy as np
+
+from edgechat.engine.kvcache import KVManager, NextLogits, Slot
+from edgechat.engine.llama import Batch, LlamaBackend, token_logprobs
 from edgechat.engine.metrics import RequestClock
 from edgechat.engine.prompt import Prepared
 from edgechat.engine.request import (
@@ -181,6 +183,13 @@ class Scheduler:
             run.policy = DraftPolicy(forced=mode is SpeculativeMode.LOOKUP)
         if self.draft is not None and mode in (SpeculativeMode.AUTO, SpeculativeMode.DRAFT):
             run.model_policy = DraftPolicy(forced=mode is SpeculativeMode.DRAFT)
+        if run.cached == len(prompt):
+            # the whole prompt is cached with the logits after it (KVManager.reuse): the first
+            # token is chosen now, and the next step decodes it with the others
+            self._prompt_read(run)
+            status = self._on_token(run, self._sample(run, -1, slot.next_logits.values))
+            if status is not None:
+                self.finish(run, status)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
@@ -223,8 +232,9 @@ class Scheduler:
         self.cost.observe(batch.n, time.perf_counter() - started)
         self.decode_calls += 1
         for run in sampling:
-            if run.model_policy is not None and run not in decoding:
-                self._draft_prompt(run)
+            if run not in decoding:
+                run.slot.next_logits = NextLogits(len(run.slot.tokens), _frozen(be.logits(run.out_index)))
+                self._prompt_read(run)
             if run.draft:
                 self._verify(run)
                 continue
@@ -232,20 +242,24 @@ class Scheduler:
             if status is not None:
                 self.finish(run, status)
 
-    def _sample(self, run: Running, index: int) -> int:
+    def _sample(self, run: Running, index: int, kept: np.ndarray | None = None) -> int:
+        """The next token from the logits at a batch index, or from logits kept from an earlier
+        decode (`kept`, index unused)."""
         smp, be = run.sampler, self.backend
-        if smp.plain_greedy:
+        if kept is not None:
+            token = smp.choose(kept)
+        elif smp.plain_greedy:
             token = be.argmax(index)
         elif not smp.grammar_greedy or (token := smp.allowed_argmax(be.logits(index))) is None:
             token = be.sample(smp.chain, index)
         if run.request.logprobs is not None:
-            self._record_logprob(run, index, token)
+            self._record_logprob(run, be.logits(index) if kept is None else kept, token)
         return token
 
-    def _record_logprob(self, run: Running, index: int, token: int) -> None:
+    def _record_logprob(self, run: Running, logits: np.ndarray, token: int) -> None:
         """Only for requests that ask: the others never read their logits in Python."""
         be = self.backend
-        logprob, top = be.logprobs(index, token, run.request.logprobs)
+        logprob, top = token_logprobs(logits, token, run.request.logprobs)
         run.logprobs.append(TokenLogprob(be.piece(token), logprob, [(be.piece(t), lp) for t, lp in top]))
 
     def _emit_text(self, run: Running, text: str) -> None:
@@ -302,9 +316,12 @@ class Scheduler:
                 return guess
         return []
 
-    def _draft_prompt(self, run: Running) -> None:
-        """The draft model reads the prompt with the model, so its first guess does not wait for
-        it: the prompt's cost goes to the time to first token, as a prefill's does."""
+    def _prompt_read(self, run: Running) -> None:
+        """The prompt is in the cache and its first token about to be chosen. The draft model
+        reads the prompt now, with the model, so its first guess does not wait for it: the
+        prompt's cost goes to the time to first token, as a prefill's does."""
+        if run.model_policy is None:
+            return
         try:
             self.draft.follow(run.slot.seq, run.slot.tokens)
         except Exception:  # the draft is an aid: its failure costs a guess, never the answer
@@ -509,3 +526,10 @@ class Scheduler:
         self.kv.save_snapshot(slot)
         self.kv.forget(slot)
         return slot
+
+
+def _frozen(logits: np.ndarray) -> np.ndarray:
+    """A read-only copy: the view llama.cpp lends lasts only until the next decode."""
+    kept = logits.copy()
+    kept.flags.writeable = False
+    return kept
