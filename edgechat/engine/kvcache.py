@@ -324,9 +324,10 @@ class KVManager:
 
     def reuse(self, slot: Slot, prompt: list[int], realign: bool) -> int:
         """Make the slot's cache a prefix of the prompt, keeping as much as possible; returns how
-        many prompt tokens are cached (the whole prompt only where the slot kept the logits after it:
-        else its last token is decoded again for them). With `realign`, messages that left the prompt leave the
-        cache by a shift (the rest of the cache moves down) instead of a recompute."""
+        many prompt tokens are cached (all of them only where the slot kept the logits after the
+        prompt; else its last token is decoded again for them). With `realign`, messages that
+        left the prompt leave the cache by a shift (the rest of the cache moves down) instead of
+        a recompute."""
         n = common_prefix(slot.tokens, prompt)
         if n < len(slot.tokens) and realign:
             b, m = find_realign(slot.tokens, prompt, n)

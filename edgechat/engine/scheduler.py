@@ -16,9 +16,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from edgechat.engine.draft import DraftModel
 import numpy as np
 
+from edgechat.engine.draft import DraftModel
 from edgechat.engine.kvcache import KVManager, NextLogits, Slot
 from edgechat.engine.llama import Batch, LlamaBackend, token_logprobs
 from edgechat.engine.metrics import RequestClock
