@@ -281,11 +281,6 @@ class LlamaBackend:
         a candidate array, which costs ~0.4 ms a token on a 262k vocabulary."""
         return int(self.logits(index).argmax())
 
-    def logprobs(self, index: int, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
-        """The log probability of `token` at a batch index under the model's own distribution,
-        and the n most likely tokens there with theirs, most likely first."""
-        return token_logprobs(self.logits(index), token, n)
-
     def top_logits(self, index: int, n: int) -> list[tuple[int, float]]:
         """The n highest logits at a batch index, highest first (for checking near-ties)."""
         logits = self.logits(index)
