@@ -74,7 +74,9 @@ class SamplerChain:
         #: greedy under a grammar: the top token is tried against the grammar first
         self.grammar_greedy = params.temperature == 0 and not self.penalised and grammar is not None
         self.penalty_last_n = params.penalty_last_n
-        self._candidates: np.ndarray | None = None  # choose()'s llama_token_data array, made on first use
+        # choose()'s llama_token_data array and the token ids it starts from, made on first use
+        self._candidates: np.ndarray | None = None
+        self._ids: np.ndarray | None = None
 
     def accept_prompt(self, tokens: list[int]) -> None:
         """Penalties count the recent prompt tokens too, as llama.cpp's own tools do (only the
@@ -107,8 +109,9 @@ class SamplerChain:
             return token
         if self._candidates is None or len(self._candidates) != len(logits):
             self._candidates = np.zeros(len(logits), dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+            self._ids = np.arange(len(logits), dtype=np.int32)
         cand = self._candidates
-        cand["id"] = np.arange(len(logits), dtype=np.int32)
+        cand["id"] = self._ids  # every call: the samplers reorder the array in place
         cand["logit"] = logits
         cand["p"] = 0.0
         arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), len(cand), -1, False)
