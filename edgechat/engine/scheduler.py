@@ -187,7 +187,7 @@ class Scheduler:
             # the whole prompt is cached with the logits after it (KVManager.reuse): the first
             # token is chosen now, and the next step decodes it with the others
             self._prompt_read(run)
-            status = self._on_token(run, self._sample(run, -1, slot.next_logits.values))
+            status = self._on_token(run, self._sample(run, kept=slot.next_logits.values))
             if status is not None:
                 self.finish(run, status)
 
@@ -242,9 +242,9 @@ class Scheduler:
             if status is not None:
                 self.finish(run, status)
 
-    def _sample(self, run: Running, index: int, kept: np.ndarray | None = None) -> int:
+    def _sample(self, run: Running, index: int | None = None, kept: np.ndarray | None = None) -> int:
         """The next token from the logits at a batch index, or from logits kept from an earlier
-        decode (`kept`, index unused)."""
+        decode (`kept`)."""
         smp, be = run.sampler, self.backend
         if kept is not None:
             token = smp.choose(kept)
