@@ -1,28 +1,56 @@
 #!/usr/bin/env bash
 # Build llama.cpp's own llama-bench, llama-server, llama-quantize and llama-imatrix from the llama.cpp
 # sources vendored in the pinned llama-cpp-python sdist, so reference numbers come from exactly the code our engine runs.
-# Usage: bench/build_llama_bench.sh [TOOL...]   (default: all four; prints the llama-bench path on its last line)
-# Env:   EDGECHAT_BENCH_CACHE  cache root (default ~/.cache/edgechat-bench)
+# Usage: bench/build_llama_bench.sh [--check] [TOOL...]
+#          default: all four; prints the llama-bench path on its last line (the folder of every tool).
+#          --check builds nothing: prints that path and exits 0 if every TOOL is built, 1 if not.
+# Env:   EDGECHAT_BENCH_CACHE  cache root (default ${XDG_CACHE_HOME:-~/.cache}/edgechat-bench): kept
+#        between runs like pip's wheel cache, one build per pinned version shared by the test suite
+#        (tests/conftest.py builds what it needs before the first test) and the benchmarks.
 set -euo pipefail
+
+check=0
+if [[ ${1:-} == --check ]]; then
+    check=1
+    shift
+fi
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=packaging/llama_sources.sh
 source "$repo_root/packaging/llama_sources.sh"
 ver="$(llama_pin "$repo_root")"
 
-prefix="${EDGECHAT_BENCH_CACHE:-$HOME/.cache/edgechat-bench}/llama.cpp-$ver"
+prefix="${EDGECHAT_BENCH_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/edgechat-bench}/llama.cpp-$ver"
 bin="$prefix/bin"
 tools=("$@")
 if [[ ${#tools[@]} == 0 ]]; then
     tools=(llama-bench llama-server llama-quantize llama-imatrix)
 fi
-missing=0
-for tool in "${tools[@]}"; do
-    [[ -x "$bin/$tool" ]] || missing=1
-done
-if [[ $missing == 0 ]]; then
+all_built() {
+    local tool
+    for tool in "${tools[@]}"; do
+        [[ -x "$bin/$tool" ]] || return 1
+    done
+}
+if all_built; then
     echo "$bin/llama-bench"
     exit 0
+fi
+if [[ $check == 1 ]]; then
+    echo "$bin/llama-bench"
+    exit 1
+fi
+
+# One build at a time per cache (two test runs on one machine would otherwise share a build tree);
+# whoever waited finds the tools the first one built.
+mkdir -p "$prefix"
+if command -v flock >/dev/null; then
+    exec 9>"$prefix/.lock"
+    flock 9
+    if all_built; then
+        echo "$bin/llama-bench"
+        exit 0
+    fi
 fi
 
 # The work tree lives in the cache, not /tmp, so an interrupted build resumes where it stopped.

@@ -9,30 +9,42 @@ the pinned llama-cpp-python sdist, so both sides run the same ggml code.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 BUILD_SCRIPT = Path(__file__).resolve().with_name("build_llama_bench.sh")
+ALL_TOOLS = ("llama-bench", "llama-server", "llama-quantize", "llama-imatrix")
+
+
+def llama_tools_dir(*tools: str, build: bool = True, timeout: float | None = None, log=None) -> Path:
+    """The folder holding llama.cpp's `tools` (default: llama-bench, llama-server, llama-quantize,
+    llama-imatrix), building any the cache lacks first (about 10 minutes on 2 cores, once per
+    machine and pinned version). With build=False, raises FileNotFoundError instead of building.
+    The build's output goes to `log` (a file object; default: this process's stderr)."""
+    tools = tools or ALL_TOOLS
+    # The script alone knows the pinned version and cache layout; when the binaries exist it only
+    # prints the path, so calling it every time costs milliseconds.
+    cmd = ["bash", str(BUILD_SCRIPT), *([] if build else ["--check"]), *tools]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 1 and not build and lines:
+        folder = Path(lines[-1]).parent
+        raise FileNotFoundError(errno.ENOENT, f"{', '.join(tools)} not all built", str(folder))
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{BUILD_SCRIPT.name} {' '.join(tools)} failed (exit {proc.returncode})")
+    folder = Path(lines[-1]).parent
+    missing = [t for t in tools if not (folder / t).is_file()]
+    if missing:
+        raise RuntimeError(f"{BUILD_SCRIPT.name} reported {folder}, which lacks {', '.join(missing)}")
+    return folder
 
 
 def ensure_llama_bench() -> Path:
-    """Path of llama-bench, building it first if the cache lacks it (about 10 minutes on 2 cores)."""
-    # The script alone knows the pinned version and cache layout; when the binaries exist it only
-    # prints the path, so calling it every time costs milliseconds.
-    out = subprocess.run(
-        ["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True, check=True
-    ).stdout
-    path = Path(out.strip().splitlines()[-1])
-    if not path.is_file():
-        raise RuntimeError(f"{BUILD_SCRIPT.name} reported {path}, which does not exist")
-    return path
-
-
-def find_llama_server() -> Path:
-    """Path of llama-server, installed next to llama-bench by the same build."""
-    return ensure_llama_bench().with_name("llama-server")
+    """Path of llama-bench, building the tools first if the cache lacks them."""
+    return llama_tools_dir() / "llama-bench"
 
 
 def run_llama_bench(
