@@ -47,6 +47,22 @@ def _ensure_backend() -> None:
             _initialised = True
 
 
+def use_extra_buffers() -> bool:
+    """Whether llama.cpp may put weights in its extra CPU buffer types (repacked layouts, AMX
+    tiles). On CPUs with AMX, ggml's AMX matmul takes a general protection fault in some virtual
+    machines (seen here: every prompt of more than a token, both embedded models), killing the
+    process; plain buffers run everywhere. EDGECHAT_EXTRA_BUFFERS=1 or 0 overrides the guess."""
+    forced = os.environ.get("EDGECHAT_EXTRA_BUFFERS", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            flags = next((line for line in fh if line.startswith("flags")), "")
+    except OSError:
+        return True
+    return "amx_tile" not in flags.split()
+
+
 def _progress_callback(report: Callable[[float], None]):
     """A llama_progress_callback that passes the loaded fraction (0..1) on and never aborts:
     an exception escaping into ctypes would return false, which cancels the load."""
@@ -157,6 +173,7 @@ class LlamaBackend:
         _ensure_backend()
         self.path = Path(path)
         mparams = L.llama_model_default_params()
+        mparams.use_extra_bufts = use_extra_buffers()
         if n_gpu_layers is not None:
             mparams.n_gpu_layers = n_gpu_layers
         if on_progress is not None:
