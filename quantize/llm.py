@@ -41,6 +41,22 @@ except ImportError:  # the report says so when it runs; conversion does not need
     _SILENT = None
 
 
+def use_extra_buffers() -> bool:
+    """Whether llama.cpp may put weights in its extra CPU buffer types (repacked layouts, AMX
+    tiles). On CPUs with AMX, ggml's AMX matmul takes a general protection fault in some virtual
+    machines (seen here: every prompt of more than a token, both embedded models), killing the
+    process; plain buffers run everywhere. EDGECHAT_EXTRA_BUFFERS=1 or 0 overrides the guess."""
+    forced = os.environ.get("EDGECHAT_EXTRA_BUFFERS", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            flags = next((line for line in fh if line.startswith("flags")), "")
+    except OSError:
+        return True
+    return "amx_tile" not in flags.split()
+
+
 class Model:
     """A GGUF loaded for evaluation: `tokenize` and `logits` for one sequence."""
 
@@ -53,6 +69,7 @@ class Model:
         self._batch = None
         mparams = lc.llama_model_default_params()
         mparams.vocab_only = vocab_only
+        mparams.use_extra_bufts = use_extra_buffers()
         self.model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self.model:
             raise QuantizeError(f"llama.cpp cannot load {self.path}; is it a complete GGUF?")

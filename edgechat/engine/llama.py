@@ -19,6 +19,7 @@ import llama_cpp as L
 import numpy as np
 
 from edgechat.errors import ModelFormatError
+from quantize.llm import use_extra_buffers
 
 log = logging.getLogger(__name__)
 
@@ -45,22 +46,6 @@ def _ensure_backend() -> None:
             L.llama_log_set(_log_callback, ctypes.c_void_p(0))
             L.llama_backend_init()
             _initialised = True
-
-
-def use_extra_buffers() -> bool:
-    """Whether llama.cpp may put weights in its extra CPU buffer types (repacked layouts, AMX
-    tiles). On CPUs with AMX, ggml's AMX matmul takes a general protection fault in some virtual
-    machines (seen here: every prompt of more than a token, both embedded models), killing the
-    process; plain buffers run everywhere. EDGECHAT_EXTRA_BUFFERS=1 or 0 overrides the guess."""
-    forced = os.environ.get("EDGECHAT_EXTRA_BUFFERS", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
-            flags = next((line for line in fh if line.startswith("flags")), "")
-    except OSError:
-        return True
-    return "amx_tile" not in flags.split()
 
 
 def _progress_callback(report: Callable[[float], None]):
