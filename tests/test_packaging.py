@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import site
 import subprocess
 import sys
 import tomllib
@@ -17,6 +18,9 @@ from setuptools import find_packages
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+# The environment as the suite was started, before conftest's isolated_dirs points XDG_CACHE_HOME
+# (where pip keeps its wheel cache) into each test's temp dir: pip runs with the user's own cache.
+USER_ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
 
 
 def _packages() -> list[str]:
@@ -69,22 +73,38 @@ def test_gguf_has_an_upper_bound_that_admits_the_installed_release():
     assert spec.contains(version("gguf"))
 
 
+def _site_dirs() -> list[str]:
+    """The site-packages folders of the interpreter running the suite (a venv's own, and the
+    system's or the user's where it sees them), in its order."""
+    dirs = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+    return [d for d in dict.fromkeys(dirs) if d in sys.path]
+
+
 @pytest.mark.slow
 def test_the_built_wheel_installs_into_a_fresh_venv_and_answers(tmp_path):
     """What `pip install edgechat-*.whl` (and pipx, which does the same in its own venv) gives a
-    user: the command, the shipped catalog and styles, the embedded model. The venv sees this
-    interpreter's packages, so pip resolves every dependency against the wheel's metadata but
-    installs only edgechat (a venv of its own downloaded ~40 packages: 5 minutes of the suite)."""
+    user: the command, the shipped catalog and styles, the embedded model. The fresh venv sees the
+    packages of the environment running the suite (a .pth naming its site-packages: a venv made
+    from a venv's interpreter would see only the base interpreter's), so pip resolves every
+    dependency against the wheel's metadata but installs only edgechat, offline (`--no-index`:
+    a dependency this environment lacks fails here in seconds instead of being downloaded or
+    compiled; a venv of its own downloaded ~40 packages and built llama-cpp-python)."""
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(ROOT)],
-                   check=True, timeout=600)
+                   check=True, timeout=600, env=USER_ENV)
     wheel = next(wheels.glob("edgechat-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "edgechat/models/catalog.toml" in names and "edgechat/tui/app.tcss" in names
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    # no pip of its own either: this environment's pip, run by the venv's interpreter, installs there
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
     bin_dir = venv / ("Scripts" if sys.platform == "win32" else "bin")
-    subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", str(wheel)], check=True, timeout=1800)
+    purelib = subprocess.run([str(bin_dir / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True, timeout=60, env=USER_ENV).stdout.strip()
+    Path(purelib, "suite-env.pth").write_text("".join(f"{d}\n" for d in _site_dirs()))
+    install = subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "--no-index", "-q", str(wheel)],
+                             capture_output=True, text=True, timeout=600, env=USER_ENV, cwd=tmp_path)
+    assert install.returncode == 0, install.stdout + install.stderr
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(EDGECHAT_DATA_DIR=str(tmp_path / "data"), HF_HUB_OFFLINE="1")
     where = subprocess.run([str(bin_dir / "python"), "-c", "import edgechat; print(edgechat.__file__)"], capture_output=True,
