@@ -175,7 +175,9 @@ def test_session_turns_are_stored_listed_and_removed(isolated_dirs):
     assert second["cached_tokens"] >= first["prompt_tokens"]
     listing = edgechat("sessions")
     assert listing.returncode == 0, listing.stderr
-    assert listing.stdout.startswith("work\t4 messages\t")
+    header, row = listing.stdout.splitlines()
+    assert header.split() == ["ID", "NAME", "MESSAGES", "UPDATED", "TITLE"]
+    assert row.split()[1:3] == ["work", "4"]
     removed = edgechat("sessions", "rm", "work")
     assert removed.returncode == 0 and removed.stdout.strip() == "deleted work"
     assert "no sessions yet" in edgechat("sessions").stdout

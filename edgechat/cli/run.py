@@ -20,10 +20,12 @@ from edgechat.cli.common import (
     speculative_option,
     swa_cache_option,
 )
+from edgechat.cli.sessions import find_session
 from edgechat.config import get_paths
 from edgechat.engine.request import ChatRequest, ContextPolicy, Evicted, SamplingParams, TextDelta
-from edgechat.errors import UsageError
+from edgechat.errors import EdgechatError, UsageError
 from edgechat.store import open_store
+from edgechat.store.answer import StoredAnswer
 from edgechat.store.history import model_messages, with_system_prompt
 
 
@@ -53,7 +55,7 @@ def read_prompt(prompt: str | None) -> str | None:
 @model_options
 @sampling_options
 @click.option("--system", default=None, help="System prompt.")
-@click.option("--session", default=None, help="Continue the stored conversation NAME (created if new).")
+@click.option("--session", default=None, help="Continue the stored conversation with this id or name (a new name starts one).")
 @click.option("--raw", is_flag=True,
               help="Continue PROMPT as plain text, no chat template (base models such as gemma3-270m).")
 @click.option(
@@ -121,13 +123,15 @@ def _warn(engine, raw: bool = False) -> None:
 
 
 def _session_turn(cfg, name: str, text: str, system, context_policy, params: dict, as_json: bool):
-    """One turn of the stored conversation NAME: the question is stored when sent, the answer
-    (partial if interrupted) when it ends. Returns the Finished event."""
+    """One turn of the stored conversation NAME (its id or its name; created if new). The question
+    and an empty "interrupted" answer are stored in one write when it is sent, the answer saved as
+    it streams and when it ends: a killed or failed turn leaves both, marked, and store/history.py
+    decides what of it later prompts carry. Returns the Finished event."""
     from edgechat.engine import open_engine
 
     store = open_store(cfg.paths)
     try:
-        conv = store.conversation_by_name(name, create=True)
+        conv = find_session(store, name, create=True)
         settings = dict(conv.settings or {})
         if system is not None:
             settings["system_prompt"] = system
@@ -138,40 +142,43 @@ def _session_turn(cfg, name: str, text: str, system, context_policy, params: dic
         policy = ContextPolicy(settings.get("context_policy", ContextPolicy.SHIFT.value))
         with open_engine(cfg) as engine:
             _warn(engine)
-            history = with_system_prompt(settings, model_messages(store, conv.id))
-            # stored the moment it is sent: a crash mid-answer still keeps the question
-            store.add_message(conv.id, "user", text)
-            request = ChatRequest(messages=history + [{"role": "user", "content": text}], session=conv.id,
-                                  context_policy=policy, **params)
-            finished, evicted = stream_answer(engine, request, echo=not as_json)
-            store.add_message(
-                conv.id,
-                "assistant",
-                finished.text,
-                status="interrupted" if finished.reason == "cancelled" else "complete",
-                meta={"ttft": finished.metrics.ttft, "decode_tps": finished.metrics.decode_tps, "finish_reason": finished.reason},
-            )
+            answer = StoredAnswer.ask(store, conv.id, text, engine.model_name)
+            request = ChatRequest(messages=with_system_prompt(settings, model_messages(store, conv.id)),
+                                  session=conv.id, context_policy=policy, **params)
+            try:
+                finished, evicted = stream_answer(engine, request, echo=not as_json, answer=answer)
+            except EdgechatError:
+                if not answer.text:
+                    answer.undo()  # nothing came back (too long, failed): the turn was never asked
+                raise
             if as_json:
                 m = finished.metrics
                 click.echo(json.dumps(result_json(engine, finished, session=name, cached_tokens=m.cached_tokens,
                                                   context_tokens=m.context_tokens, evicted_messages=evicted),
                                       ensure_ascii=False))
+            if answer.error is not None:
+                # the answer is printed; the store keeps what it could, marked interrupted
+                raise answer.error
     finally:
         store.close()
     return finished
 
 
-def stream_answer(engine, request: ChatRequest, echo: bool):
-    """Submit and print text as it comes. Ctrl+C cancels the generation and returns the partial
-    answer (reason "cancelled"). Returns (Finished, messages evicted from the context)."""
+def stream_answer(engine, request: ChatRequest, echo: bool, answer: StoredAnswer | None = None):
+    """Submit and print text as it comes, each piece handed to `answer` (the store) before it is
+    printed. Ctrl+C cancels the generation and returns the partial answer (reason "cancelled").
+    Returns (Finished, messages evicted from the context)."""
     handle = engine.submit(request)
     evicted = 0
     try:
         # a terminal needs no more than ~30 updates a second; fewer wake-ups leave the CPU to llama.cpp
         for event in handle.events(every=0.033):
-            if isinstance(event, TextDelta) and echo:
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
+            if isinstance(event, TextDelta):
+                if answer is not None:
+                    answer.append(event.text)
+                if echo:
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
             elif isinstance(event, Evicted):
                 evicted += event.messages
                 click.echo(f"\nedgechat: {event.note}", err=True)
@@ -182,6 +189,8 @@ def stream_answer(engine, request: ChatRequest, echo: bool):
         sys.stdout.write("\n")
         sys.stdout.flush()
     finished = handle.finished
+    if answer is not None:
+        answer.finish(finished)
     if finished.reason == "error":
         raise UsageError(f"generation failed: {finished.error}")
     return finished, evicted

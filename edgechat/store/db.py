@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import sqlite3
 import threading
 import time
@@ -19,6 +20,8 @@ from edgechat.store.migrations import migrate
 DEFAULT_TITLE = "New chat"
 MESSAGE_STATUSES = ("complete", "interrupted", "error")
 _TITLE_CHARS = 60
+#: pages one commit of a message may write besides its text (table, index, FTS and WAL headers)
+_COMMIT_PAGES = 16
 
 
 @dataclass
@@ -91,10 +94,14 @@ def _message(row: sqlite3.Row) -> Message:
 
 
 class Store:
-    """Conversations and their messages. Safe to share between threads (one lock, short writes)."""
+    """Conversations and their messages. Safe to share between threads (one lock, short writes).
 
-    def __init__(self, db: sqlite3.Connection):
+    A write that fails for want of room raises StoreError with one line that says so."""
+
+    def __init__(self, db: sqlite3.Connection, path: Path | None = None):
         self.db = db
+        #: the database file (None in memory): a failed write names the disk that holds it
+        self.path = path
         self._lock = threading.RLock()
 
     # -- lifecycle ---------------------------------------------------------
@@ -116,14 +123,47 @@ class Store:
             migrate(db)
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"cannot open the conversation store {path}: {exc}") from None
-        return cls(db)
+        return cls(db, None if str(path) == ":memory:" else Path(path))
 
     def close(self) -> None:
         with self._lock:
             self.db.close()
 
-    def _tx(self):
-        return _Transaction(self)
+    def _tx(self, size: int = 0):
+        """One write transaction; `size` is roughly how many bytes of text it stores (for the
+        room a disk-full error says is needed)."""
+        return _Transaction(self, size)
+
+    def write_error(self, exc: sqlite3.DatabaseError, size: int = 0) -> StoreError | None:
+        """The one line for a write that failed for want of room, or None for any other failure.
+
+        SQLite says "database or disk is full" when a write hits ENOSPC, but "disk I/O error" when
+        the disk is so full that even its shared-memory file cannot grow: both are checked
+        against the room left where the database lives."""
+        name = getattr(exc, "sqlite_errorname", "")
+        text = str(exc)
+        full = name.startswith("SQLITE_FULL") or "database or disk is full" in text
+        if not (full or name.startswith("SQLITE_IOERR") or "disk I/O error" in text):
+            return None
+        where = self.path.parent if self.path is not None else Path.cwd()
+        try:
+            free = shutil.disk_usage(where).free
+        except OSError:
+            free = 0
+        # The text goes into the table, its search index and the WAL, and each commit writes whole pages.
+        needed = 3 * size + _COMMIT_PAGES * self._page_size()
+        if not full and free >= needed:
+            return StoreError(f"cannot write the conversation store {self.path}: {text}")
+        return StoreError(
+            f"the disk holding {where} is full ({free // 1024} KB free, about {-(-needed // 1024)} KB needed);"
+            " free some space and retry"
+        )
+
+    def _page_size(self) -> int:
+        try:
+            return self.db.execute("PRAGMA page_size").fetchone()[0]
+        except sqlite3.DatabaseError:
+            return 4096
 
     # -- conversations -----------------------------------------------------
 
@@ -150,9 +190,9 @@ class Store:
             parent_id=parent_id,
             parent_message_id=parent_message_id,
         )
-        with self._lock:
+        with self._tx() as db:
             try:
-                self.db.execute(
+                db.execute(
                     "INSERT INTO conversations (id, name, title, model, settings, created_at, updated_at,"
                     " parent_id, parent_message_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (conv.id, name, title, model, json.dumps(conv.settings), now, now, parent_id, parent_message_id),
@@ -172,6 +212,26 @@ class Store:
             if row:
                 return _conversation(row)
             return self.create_conversation(title=name, name=name) if create else None
+
+    def find_conversations(self, ref: str) -> list[Conversation]:
+        """The conversations `ref` names, by id or by name: one namespace for every front end.
+        More than one means a stored name equals another conversation's id."""
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT * FROM conversations WHERE id = ? OR name = ? ORDER BY created_at, rowid", (ref, ref)
+            ).fetchall()
+        return [_conversation(r) for r in rows]
+
+    def rename_conversation(self, conv_id: str, name: str | None) -> None:
+        """Give a conversation a name (None takes it away); a name is never another one's id or name."""
+        with self._tx() as db:
+            taken = db.execute(
+                "SELECT 1 FROM conversations WHERE (id = ? OR name = ?) AND id != ?", (name, name, conv_id)
+            ).fetchone()
+            if taken:
+                raise StoreError(f"'{name}' already names another conversation")
+            if db.execute("UPDATE conversations SET name = ? WHERE id = ?", (name, conv_id)).rowcount == 0:
+                raise StoreError(f"no conversation with id {conv_id}")
 
     def list_conversations(self) -> list[Conversation]:
         """Most recently updated first."""
@@ -196,15 +256,15 @@ class Store:
         if model is not None:
             sets.append("model = ?")
             args.append(model)
-        with self._lock:
-            cur = self.db.execute(f"UPDATE conversations SET {', '.join(sets)} WHERE id = ?", (*args, conv_id))
+        with self._tx() as db:
+            cur = db.execute(f"UPDATE conversations SET {', '.join(sets)} WHERE id = ?", (*args, conv_id))
             if cur.rowcount == 0:
                 raise StoreError(f"no conversation with id {conv_id}")
-            return self.get_conversation(conv_id)
+        return self.get_conversation(conv_id)
 
     def delete_conversation(self, conv_id: str) -> None:
-        with self._lock:
-            self.db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,))
+        with self._tx() as db:
+            db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,))
 
     # -- messages ----------------------------------------------------------
 
@@ -244,7 +304,7 @@ class Store:
         if status not in MESSAGE_STATUSES:
             raise ValueError(f"unknown message status {status!r}")
         now = time.time()
-        with self._tx() as db:
+        with self._tx(len(content.encode())) as db:
             conv = db.execute("SELECT title FROM conversations WHERE id = ?", (conv_id,)).fetchone()
             if conv is None:
                 raise StoreError(f"no conversation with id {conv_id}")
@@ -262,13 +322,22 @@ class Store:
             db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conv_id))
         return Message(cur.lastrowid, conv_id, role, content, status, dict(meta or {}), now)
 
+    def add_turn(self, conv_id: str, question: str, meta: dict | None = None) -> tuple[Message, Message]:
+        """A question and its answer-to-be, stored together or not at all. The answer starts empty
+        and "interrupted": a process killed before the answer ends leaves it marked, and a
+        question whose answer never got any text is left out of later prompts (history.py)."""
+        with self._tx(len(question.encode())):
+            user = self.add_message(conv_id, "user", question)
+            answer = self.add_message(conv_id, "assistant", "", status="interrupted", meta=meta)
+        return user, answer
+
     def update_message(
         self, msg_id: int, content: str | None = None, status: str | None = None, meta: dict | None = None
     ) -> None:
         """Change an answer as it streams or ends; `meta` is merged into what is there."""
         if status is not None and status not in MESSAGE_STATUSES:
             raise ValueError(f"unknown message status {status!r}")
-        with self._tx() as db:
+        with self._tx(len(content.encode()) if content else 0) as db:
             row = db.execute("SELECT meta FROM messages WHERE id = ?", (msg_id,)).fetchone()
             if row is None:
                 raise StoreError(f"no message with id {msg_id}")
@@ -282,9 +351,8 @@ class Store:
 
     def delete_messages_from(self, conv_id: str, msg_id: int) -> int:
         """Drop a message and everything after it (regenerate, edit and resend); returns how many."""
-        with self._lock:
-            cur = self.db.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conv_id, msg_id))
-            return cur.rowcount
+        with self._tx() as db:
+            return db.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conv_id, msg_id)).rowcount
 
     # -- search, branch, export/import ------------------------------------
 
@@ -411,23 +479,46 @@ def _make_private(path: Path) -> None:
 
 
 class _Transaction:
-    """`with store._tx() as db:` one BEGIN IMMEDIATE ... COMMIT under the store lock (re-entrant)."""
+    """`with store._tx() as db:` one BEGIN IMMEDIATE ... COMMIT under the store lock (re-entrant).
+    A write that fails for want of room is rolled back and raised as a one-line StoreError."""
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, size: int = 0):
         self.store = store
+        self.size = size
         self.outer = False
 
     def __enter__(self) -> sqlite3.Connection:
         self.store._lock.acquire()
-        self.outer = not self.store.db.in_transaction
+        db = self.store.db
+        self.outer = not db.in_transaction
         if self.outer:
-            self.store.db.execute("BEGIN IMMEDIATE")
-        return self.store.db
+            try:
+                db.execute("BEGIN IMMEDIATE")
+            except sqlite3.DatabaseError as exc:
+                self.store._lock.release()
+                raise self.store.write_error(exc, self.size) or exc from None
+        return db
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        db = self.store.db
         try:
-            if self.outer:
-                self.store.db.execute("ROLLBACK" if exc_type else "COMMIT")
+            if not self.outer:
+                return
+            if exc_type is None:
+                try:
+                    db.execute("COMMIT")
+                    return
+                except sqlite3.DatabaseError as commit_exc:
+                    exc = commit_exc
+            # SQLite may already have rolled back on a full disk; a failed COMMIT leaves it open.
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.DatabaseError):
+                error = self.store.write_error(exc, self.size)
+                if error is not None:
+                    raise error from None
+                if exc_type is None:
+                    raise exc
         finally:
             self.store._lock.release()
 

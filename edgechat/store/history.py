@@ -1,14 +1,29 @@
-"""A stored conversation as the model is given it, for every front end that continues one."""
+"""A stored conversation as the model is given it, for every front end that continues one.
+
+The rule for turns that did not end well, the same for the CLI, the chat app and anything else
+that continues a stored conversation:
+
+- an answer with text is sent as it is stored, stopped or killed ("interrupted") ones included:
+  the model sees what the user saw;
+- a failed answer ("error") and an answer with no text are left out, and so is the question
+  they belonged to: a question goes into a prompt only with an answer after it, or as the last
+  message (the one being asked now). A killed turn then never changes what the next answer is about.
+"""
 
 from __future__ import annotations
 
 
 def model_messages(store, conv_id: str) -> list[dict]:
-    """Every user and assistant message with text, stopped answers included, failed ones not."""
-    return [
+    """The conversation's user and assistant messages under the rule above, oldest first."""
+    kept = [
         {"role": m.role, "content": m.content}
         for m in store.messages(conv_id)
         if m.role in ("user", "assistant") and m.status != "error" and m.content
+    ]
+    # A question followed by another question got no answer that counts.
+    return [
+        m for m, after in zip(kept, kept[1:] + [None])
+        if not (m["role"] == "user" and after is not None and after["role"] == "user")
     ]
 
 

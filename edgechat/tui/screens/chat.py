@@ -8,15 +8,15 @@ from textual import on, work
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import Button, Label, TextArea
+from textual.widgets import Button, Footer, Label, TextArea
 from textual.worker import Worker, WorkerState
 
-from edgechat.errors import EdgechatError
+from edgechat.errors import EdgechatError, StoreError
 from edgechat.store import Conversation, atomic_write_text, export_conversation
 from edgechat.store import Message as StoredMessage
+from edgechat.store.answer import StoredAnswer
 from edgechat.store.history import model_messages
 from edgechat.tui.actions import ACTIONS, parse_slash, unknown_slash
-from edgechat.tui.answer_store import StoredAnswer
 from edgechat.tui.config import build_request, validate_settings
 from edgechat.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from edgechat.tui.screens.help import HelpScreen
@@ -34,7 +34,10 @@ _CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)```", re.DOTALL)
 
 
 class ChatScreen(Screen):
-    BINDINGS = [Binding(a.key, a.name, a.title, show=False) for a in ACTIONS if a.key and a.name != "quit"]
+    # (quit is the app's own binding)
+    BINDINGS = [
+        Binding(a.key, a.name, a.hint or a.title, show=bool(a.hint)) for a in ACTIONS if a.key and a.name != "quit"
+    ]
 
     def __init__(self):
         super().__init__()
@@ -73,6 +76,7 @@ class ChatScreen(Screen):
                 yield ChatView(id="chat")
                 yield PromptInput(id="prompt", placeholder="Message (Enter sends, Ctrl+J new line, /help)")
         yield StatusBar(id="status")
+        yield Footer()
 
     @property
     def chat(self) -> ChatView:
@@ -247,12 +251,17 @@ class ChatScreen(Screen):
             self.store.delete_messages_from(self.conv.id, self._editing)
             self._editing = None
             await self.open_conversation(self.conv.id)
-        if self.conv is None:
-            self.conv = self.store.create_conversation(
-                model=self.client.model_name if self.client else self.app.model_ref,
-                settings=dict(self.app.config.chat),
-            )
-        user = self.store.add_message(self.conv.id, "user", text)
+        try:
+            if self.conv is None:
+                self.conv = self.store.create_conversation(
+                    model=self.client.model_name if self.client else self.app.model_ref,
+                    settings=dict(self.app.config.chat),
+                )
+            user = self.store.add_message(self.conv.id, "user", text)
+        except StoreError as exc:
+            # Nothing was sent: the text stays in the input for when there is room.
+            self._store_failed(str(exc))
+            return
         self.conv = self.store.get_conversation(self.conv.id)
         self.prompt.clear()
         await self.chat.add(user)
@@ -264,7 +273,12 @@ class ChatScreen(Screen):
         assert self.conv is not None
         history = model_messages(self.store, self.conv.id)
         model = self.client.model_name if self.client else self.app.model_ref
-        turn = StoredAnswer(self.store, self.conv.id, user_id, prompt, model)
+        try:
+            turn = StoredAnswer(self.store, self.conv.id, user_id, prompt, model, on_error=self._store_failed)
+        except StoreError as exc:
+            self._store_failed(str(exc))
+            self._restore_prompt(prompt)
+            return
         box = await self.chat.add(turn.message, streaming=True)
         if self.client is None:
             self._waiting = (self.conv, turn)
@@ -278,7 +292,10 @@ class ChatScreen(Screen):
         self.status.state = "generating"
         request = build_request(conv.settings, history, session=conv.id)
         if self.client.model_name != conv.model:
-            self.store.update_conversation(conv.id, model=self.client.model_name)
+            try:
+                self.store.update_conversation(conv.id, model=self.client.model_name)
+            except StoreError as exc:
+                self._store_failed(str(exc))
         self.chat.generate(self.client, request, box)
 
     def model_ready(self) -> None:
@@ -380,6 +397,10 @@ class ChatScreen(Screen):
                 if box.message.id >= first:
                     await box.remove()
         self._restore_prompt(turn.prompt)
+
+    def _store_failed(self, error: str) -> None:
+        """A write to the conversation store failed (a full disk): say so; what is on screen stays."""
+        self.notify(f"Not saved: {error}", severity="error", timeout=12)
 
     def _restore_prompt(self, text: str) -> None:
         if text and not self.prompt.text.strip():
