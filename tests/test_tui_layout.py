@@ -88,7 +88,8 @@ def fixed_memory(monkeypatch):
 
 def make_app(paths, client=None) -> EdgechatApp:
     client = client or ScriptedClient()
-    return EdgechatApp(paths, client_factory=lambda ref: client)
+    # named as the client names itself: no word about the embedded demo model while it loads
+    return EdgechatApp(paths, model=client.model_name, client_factory=lambda ref: client)
 
 
 def seed(store, n_convs: int = 3):
@@ -133,7 +134,7 @@ async def test_narrow_layout_sidebar_is_a_toggle(isolated_dirs):
         # picking a conversation closes the sidebar again
         options = screen.sidebar.options
         options.focus()
-        options.highlighted = 1
+        options.highlighted = 2  # under the "Today" heading
         await pilot.press("enter")
         await pilot.pause()
         assert screen.conv.id == convs[1].id
@@ -338,7 +339,7 @@ async def test_titles_names_and_errors_are_shown_literally(isolated_dirs):
         await screen.open_conversation(conv.id)
         await pilot.pause()
         assert str(screen.query_one("#conv-title").render()) == MARKUP
-        assert str(screen.sidebar.options.get_option_at_index(0).prompt) == MARKUP
+        assert str(screen.sidebar.options.get_option_at_index(1).prompt) == MARKUP
         user, answer = screen.chat.boxes()
         assert user.text == MARKUP and str(user.query_one(".body").render()) == MARKUP
         assert str(answer.query_one(".stats").render()).endswith(" · " + MARKUP)
@@ -361,6 +362,139 @@ async def test_titles_names_and_errors_are_shown_literally(isolated_dirs):
         dialog.query_one("#save").press()
         await pilot.pause()
         assert MARKUP in str(dialog.query_one("#settings-error").render())
+
+
+def _table_rows(markdown: str) -> list[list[list[str]]]:
+    """Each table of `markdown` as rows of cell texts, parsed as the help screen's Markdown widget does."""
+    from markdown_it import MarkdownIt
+
+    tables, row, cell = [], None, None
+    for token in MarkdownIt("gfm-like").parse(markdown):
+        if token.type == "table_open":
+            tables.append([])
+        elif token.type == "tr_open":
+            row = []
+            tables[-1].append(row)
+        elif token.type in ("th_open", "td_open"):
+            cell = ""
+        elif token.type == "inline" and cell is not None:
+            cell = token.content
+        elif token.type in ("th_close", "td_close"):
+            row.append(cell)
+            cell = None
+    return tables
+
+
+def test_every_help_table_row_parses_into_its_cells():
+    """A | in a cell (/export [json|PATH]) must not end the cell: every row has the header's
+    number of cells, and the action rows say what the action table says."""
+    import re
+
+    from edgechat.tui.actions import ACTIONS, key_label
+    from edgechat.tui.screens.help import help_markdown
+
+    text = help_markdown()
+    tables = _table_rows(text)
+    assert len(tables) == 2
+    # in the source too: each line of a table splits on its unescaped | into the header's cells
+    # (the parser drops the cells past the header's count without a word)
+    for block in re.findall(r"(?:^\|.*\n)+", text, re.MULTILINE):
+        counts = {len(re.split(r"(?<!\\)\|", line.strip())) for line in block.splitlines()}
+        assert len(counts) == 1, block
+    actions = tables[0]
+    assert actions[0] == ["Action", "Key", "Slash"]
+    for a, row in zip(ACTIONS, actions[1:], strict=True):
+        slash = f"`{a.slash}{' ' + a.arg if a.arg else ''}`" if a.slash else ""
+        assert row == [a.title, key_label(a.key), slash]
+    export = next(row for row in actions if row[0] == "Export conversation")
+    assert export[2] == "`/export [json|PATH]`"
+    assert all(len(row) == 2 for row in tables[1])
+
+
+LONG_NAME = "Smollm2 135M 8k Lc100K Mix1 Ep2"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("width", [100, 80, 50])
+async def test_status_bar_parts_are_whole_or_left_out(isolated_dirs, width):
+    """Every figure shown is shown whole (no "│ mem" without its number), the line fits, the
+    speculative share is said in words, and the name gives way before the last answer's figures."""
+    import re
+
+    app = make_app(isolated_dirs)
+    async with app.run_test(size=(width, 30)) as pilot:
+        await until(pilot, lambda: app.client is not None)
+        bar = app.chat_screen.status
+        bar.model, bar.backend, bar.context_size, bar.context_used = LONG_NAME, "CPU", 4096, 150
+        bar.ttft, bar.tok_s, bar.spec = 0.12, 25.3, 27.0
+        for state in ("ready", "generating"):
+            bar.state = state
+            await pilot.pause()
+            line = bar.render()
+            assert line.cell_len <= bar.content_size.width, line.plain
+            name, *parts = line.plain.split(" │ ")
+            whole = r"CPU|(ctx )?[█░]+( 150/4096)?|TTFT 0\.12s|25\.3 tok/s|guessed 27%|mem 200 MB"
+            assert all(re.fullmatch(whole, p) for p in parts), line.plain
+            assert "spec" not in line.plain
+            assert "25.3 tok/s" in parts
+            assert LONG_NAME.startswith(name.removesuffix(" (generating)").rstrip("…"))
+            if state == "ready":
+                assert "guessed 27%" in parts
+            if state == "ready" and width == 100:  # room for nearly everything: the least useful went
+                assert line.plain.startswith(LONG_NAME + " │ ctx ")
+                assert line.plain.endswith(" 150/4096 │ TTFT 0.12s │ 25.3 tok/s │ guessed 27%"), line.plain
+
+
+@pytest.mark.asyncio
+async def test_footer_shows_the_main_keys_except_on_a_phone(isolated_dirs):
+    from textual.widgets import Footer
+
+    app = make_app(isolated_dirs)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.client is not None)
+        footer = app.chat_screen.query_one(Footer)
+        await pilot.pause(0.1)
+        assert footer.region.height == 1 and footer.region.y == 23
+        shown = {(k.key_display, k.description) for k in footer.query("FooterKey")}
+        for key in [("^n", "New"), ("esc", "Stop"), ("^f", "Search"), ("^o", "Model"), ("f1", "Help"), ("^q", "Quit")]:
+            assert key in shown, shown
+        # the keys shown fit the line: none cut off at the right
+        keys = [k for k in footer.query("FooterKey") if "-command-palette" not in k.classes]
+        assert max(k.region.right for k in keys) <= 80
+        # the status bar stays whole above it
+        assert app.chat_screen.status.region.y == 22
+        await pilot.resize_terminal(50, 30)
+        await pilot.pause(0.1)
+        assert footer.region.height == 0
+        assert app.chat_screen.status.region.y == 29
+
+
+@pytest.mark.asyncio
+async def test_sidebar_lists_one_line_per_title_under_day_headings(isolated_dirs):
+    from edgechat.tui.widgets.sidebar import day_label
+
+    app = make_app(isolated_dirs)
+    now = time.time()
+    long = app.store.create_conversation(title="A very long conversation title that would wrap over two lines")
+    old = app.store.create_conversation(title="Older chat")
+    older = app.store.create_conversation(title="Much older chat")
+    for conv, age in ((old, 86400), (older, 30 * 86400)):
+        app.store.db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now - age, conv.id))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause(0.1)
+        options = app.chat_screen.sidebar.options
+        prompts = [str(options.get_option_at_index(i).prompt) for i in range(options.option_count)]
+        assert prompts == [
+            "Today", long.title, "Yesterday", "Older chat", day_label(now - 30 * 86400), "Much older chat"
+        ]
+        headings = [options.get_option_at_index(i) for i in (0, 2, 4)]
+        assert all(h.disabled for h in headings)
+        # one screen line per entry: the long title ends in … instead of wrapping
+        assert options.virtual_size.height == options.option_count
+        line = options.render_line(1).text
+        assert line.rstrip().endswith("…") and line.startswith("A very long")
+    assert day_label(now, now) == "Today" and day_label(now - 86400, now) == "Yesterday"
+    assert day_label(now - 3 * 86400, now) == time.strftime("%A", time.localtime(now - 3 * 86400))
 
 
 # -- snapshots (look at the SVGs in tests/__snapshots__ before accepting changes) -----------

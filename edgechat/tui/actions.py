@@ -15,11 +15,13 @@ class Action:
     slash: str | None = None
     #: what the slash command takes after it, for help ("" = nothing)
     arg: str = ""
+    #: a word for the footer of main keys ("" = not shown there)
+    hint: str = ""
 
 
 ACTIONS: list[Action] = [
-    Action("new", "New conversation", "Start an empty conversation", "ctrl+n", "/new"),
-    Action("stop", "Stop generating", "Stop the answer and put the prompt back in the input", "escape"),
+    Action("new", "New conversation", "Start an empty conversation", "ctrl+n", "/new", hint="New"),
+    Action("stop", "Stop generating", "Stop the answer and put the prompt back in the input", "escape", hint="Stop"),
     Action("regenerate", "Regenerate answer", "Answer the last message again", "ctrl+r", "/regen"),
     Action("edit_last", "Edit and resend", "Edit your last message and send it again", "ctrl+g", "/edit"),
     Action("branch", "Branch conversation", "Fork the conversation at the selected (or last) message", None, "/branch"),
@@ -29,7 +31,13 @@ ACTIONS: list[Action] = [
     ),
     Action("undo", "Undo delete", "Bring back the last deleted conversation", None, "/undo"),
     Action(
-        "search", "Search conversations", "Full-text search across every conversation", "ctrl+f", "/search", "WORDS"
+        "search",
+        "Search conversations",
+        "Full-text search across every conversation",
+        "ctrl+f",
+        "/search",
+        "WORDS",
+        hint="Search",
     ),
     Action(
         "settings",
@@ -39,7 +47,7 @@ ACTIONS: list[Action] = [
         "/settings",
     ),
     Action("system", "Set system prompt", "Set this conversation's system prompt", None, "/system", "TEXT"),
-    Action("model", "Switch model", "Pick or load a model (name or .gguf path)", "ctrl+o", "/model", "NAME"),
+    Action("model", "Switch model", "Pick or load a model (name or .gguf path)", "ctrl+o", "/model", "NAME", hint="Model"),
     Action(
         "export",
         "Export conversation",
@@ -54,8 +62,8 @@ ACTIONS: list[Action] = [
     Action("toggle_sidebar", "Toggle sidebar", "Show or hide the conversation list", "ctrl+b", "/sidebar"),
     Action("toggle_stats", "Toggle stats", "Show timestamps and per-answer TTFT and tok/s", "ctrl+t", "/stats"),
     Action("theme", "Change theme", "Pick a theme (remembered)", None, "/theme", "NAME"),
-    Action("help", "Help", "Keys and slash commands", "f1", "/help"),
-    Action("quit", "Quit", "Leave edgechat (everything is saved)", "ctrl+q", "/quit"),
+    Action("help", "Help", "Keys and slash commands", "f1", "/help", hint="Help"),
+    Action("quit", "Quit", "Leave edgechat (everything is saved)", "ctrl+q", "/quit", hint="Quit"),
 ]
 
 BY_SLASH = {a.slash: a for a in ACTIONS if a.slash}

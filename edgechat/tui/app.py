@@ -8,12 +8,14 @@ from collections.abc import Callable
 
 from textual import work
 from textual.app import App
+from textual.binding import Binding
 from textual.worker import Worker, WorkerState
 
 from edgechat.config import Paths
 from edgechat.errors import EdgechatError
 from edgechat.models import DEFAULT_MODEL
 from edgechat.store import Store, open_store
+from edgechat.tui.actions import ACTIONS
 from edgechat.tui.client import ChatClient
 from edgechat.tui.commands import ChatCommands
 from edgechat.tui.config import load_config, save_tui_setting
@@ -26,6 +28,8 @@ class EdgechatApp(App):
     CSS_PATH = "app.tcss"
     TITLE = "edgechat"
     COMMANDS = App.COMMANDS | {ChatCommands}
+    # Textual's own Ctrl+Q, shown in the footer of main keys like the chat screen's others
+    BINDINGS = [Binding(a.key, a.name, a.hint, priority=True) for a in ACTIONS if a.name == "quit"]
 
     def __init__(
         self,

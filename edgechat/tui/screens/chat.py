@@ -9,7 +9,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Label, TextArea
-from textual.worker import Worker, WorkerState
+from textual.worker import Worker, WorkerState, get_current_worker
 
 from edgechat.errors import EdgechatError, StoreError
 from edgechat.store import Conversation, atomic_write_text, export_conversation
@@ -26,6 +26,7 @@ from edgechat.tui.widgets.chatview import PAGE, ChatView, MessageBox
 from edgechat.tui.widgets.prompt import PromptInput
 from edgechat.tui.widgets.sidebar import Sidebar
 from edgechat.tui.widgets.statusbar import StatusBar
+from edgechat.tui.welcome import welcome_markdown
 
 #: below this width the sidebar becomes a toggle (phones in portrait, split panes)
 NARROW = 70
@@ -100,10 +101,18 @@ class ChatScreen(Screen):
             self.status.model = self.app.model_ref or "model"
             self.status.state = "loading…"
         self.refresh_sidebar()
+        self._welcome(self.app.model_ref)
         draft = self._draft_file()
         if draft.is_file():
             self.prompt.set_text(draft.read_text(encoding="utf-8"))
         self.prompt.focus()
+
+    @work(thread=True, exclusive=True, group="welcome", exit_on_error=False)
+    def _welcome(self, model_ref: str | None) -> None:
+        # Reads free memory and the Hub cache: not on the UI thread, which draws the first frame.
+        text = welcome_markdown(model_ref, self.app.paths)
+        if not get_current_worker().is_cancelled:  # a model loaded since: its own call says what to show
+            self.app.call_from_thread(self.chat.set_welcome, text)
 
     def _draft_file(self):
         return self.app.paths.data / "draft.txt"
@@ -305,6 +314,7 @@ class ChatScreen(Screen):
         self.status.backend = client.backend
         self.status.context_size = client.n_ctx or 0
         self.status.state = "ready"
+        self._welcome(client.model_name)
         if self.conv is not None:
             self._measure_context(self.conv)
         if client.template_warning:
@@ -521,7 +531,10 @@ class ChatScreen(Screen):
                 await self.open_conversation(None)
                 self.notify(f"Deleted “{target.title}”. /undo brings it back.")
 
-        self.app.push_screen(ConfirmScreen(f"Delete “{target.title}”?", yes="Delete"), confirmed)
+        # /undo brings it back: Enter may confirm
+        self.app.push_screen(
+            ConfirmScreen(f"Delete “{target.title}”?", yes="Delete conversation", enter_confirms=True), confirmed
+        )
 
     async def action_undo(self, arg: str = "") -> None:
         if self._deleted is None:

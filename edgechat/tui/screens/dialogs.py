@@ -12,10 +12,13 @@ from textual.widgets import Button, Input, Label
 class ConfirmScreen(ModalScreen[bool]):
     BINDINGS = [Binding("escape", "answer(False)", "Cancel"), Binding("y", "answer(True)", "Yes", show=False)]
 
-    def __init__(self, question: str, yes: str = "Yes"):
+    def __init__(self, question: str, yes: str = "Yes", enter_confirms: bool = False):
         super().__init__(classes="dialog-screen")
         self.question = question
+        #: the confirm button's label: what it does ("Delete conversation"), not "Yes"
         self.yes = yes
+        #: focus starts on the confirm button, so Enter does it; only for what can be undone
+        self.enter_confirms = enter_confirms
 
     def compose(self):
         with Vertical(classes="dialog"):
@@ -25,7 +28,7 @@ class ConfirmScreen(ModalScreen[bool]):
                 yield Button("Cancel", id="no", compact=True)
 
     def on_mount(self) -> None:
-        self.query_one("#no", Button).focus()
+        self.query_one("#yes" if self.enter_confirms else "#no", Button).focus()
 
     @on(Button.Pressed)
     def _pressed(self, event: Button.Pressed) -> None:

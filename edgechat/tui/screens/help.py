@@ -21,11 +21,16 @@ Focus a message (click it, or Tab): **c** copy, **e** edit and resend, **b** bra
 """
 
 
+def _cell(text: str) -> str:
+    # A bare | ends a table cell, even inside `code` (as in /export [json|PATH]).
+    return text.replace("|", r"\|")
+
+
 def help_markdown() -> str:
     rows = ["| Action | Key | Slash |", "|---|---|---|"]
     for a in ACTIONS:
         slash = f"`{a.slash}{' ' + a.arg if a.arg else ''}`" if a.slash else ""
-        rows.append(f"| {a.title} | {key_label(a.key)} | {slash} |")
+        rows.append(f"| {_cell(a.title)} | {_cell(key_label(a.key))} | {_cell(slash)} |")
     return "\n".join(rows) + "\n" + _EXTRA
 
 

@@ -184,6 +184,8 @@ class ChatView(VerticalScroll):
         self._interval = FLUSH_INTERVAL
         #: the UI thread's CPU time at the previous update
         self._mark: float | None = None
+        #: Markdown shown while the conversation is empty ("" for nothing)
+        self.welcome = ""
 
     # -- showing messages ------------------------------------------------
 
@@ -195,6 +197,8 @@ class ChatView(VerticalScroll):
             if total > len(messages):
                 widgets.append(Button(f"▲ {total - len(messages)} earlier messages", id="load-earlier"))
             widgets += [MessageBox(m, streaming=m.id == streaming_id) for m in messages]
+            if not messages and self.welcome:
+                widgets.append(Markdown(self.welcome, classes="welcome"))
             if widgets:
                 await self.mount_all(widgets)
         self.scroll_end(animate=False, immediate=True)
@@ -216,7 +220,14 @@ class ChatView(VerticalScroll):
         event.stop()
         self.post_message(self.LoadEarlier())
 
+    async def set_welcome(self, text: str) -> None:
+        self.welcome = text
+        await self.query(".welcome").remove()
+        if text and not self.boxes():
+            await self.mount(Markdown(text, classes="welcome"))
+
     async def add(self, message: StoredMessage, streaming: bool = False) -> MessageBox:
+        await self.query(".welcome").remove()
         box = MessageBox(message, streaming)
         await self.mount(box)
         self.scroll_end(animate=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.text import Text
 from textual import on
 from textual.containers import Vertical
@@ -10,6 +12,22 @@ from textual.widgets import Button, Input, OptionList
 from textual.widgets.option_list import Option
 
 from edgechat.store import Conversation, SearchHit
+
+
+def day_label(ts: float, now: float | None = None) -> str:
+    """The heading a conversation last touched at `ts` is listed under: Today, Yesterday, a weekday
+    within the week, else the date."""
+    day = time.localtime(ts)
+    today = time.localtime(now)
+    days = (time.mktime((*today[:3], 0, 0, 0, 0, 0, -1)) - time.mktime((*day[:3], 0, 0, 0, 0, 0, -1))) / 86400
+    days = round(days)  # a day across a clock change is 23 or 25 hours
+    if days <= 0:
+        return "Today"
+    if days == 1:
+        return "Yesterday"
+    if days < 7:
+        return time.strftime("%A", day)
+    return time.strftime("%-d %b %Y", day)
 
 
 class Sidebar(Vertical):
@@ -40,10 +58,18 @@ class Sidebar(Vertical):
         return self.query_one("#conversations", OptionList)
 
     def show_conversations(self, conversations: list[Conversation], current: str | None) -> None:
+        # One line per title, under a heading for each day (newest first): where one ends and
+        # the next begins is plain, and so is how old it is.
+        items: list[Option] = []
+        heading = None
+        for c in conversations:
+            label = day_label(c.updated_at)
+            if label != heading:
+                heading = label
+                items.append(Option(Text(label, style="dim italic"), disabled=True))
+            items.append(Option(Text(c.title), id=f"c:{c.id}"))
         options = self.options
-        options.set_options(
-            Option(Text(c.title, no_wrap=True, overflow="ellipsis"), id=f"c:{c.id}") for c in conversations
-        )
+        options.set_options(items)
         if current is not None:
             try:
                 options.highlighted = options.get_option_index(f"c:{current}")
@@ -56,19 +82,31 @@ class Sidebar(Vertical):
             return
         items = []
         for hit in hits:
-            label = Text(hit.conversation.title, style="bold", no_wrap=True, overflow="ellipsis")
+            label = Text(hit.conversation.title, style="bold")
             label.append("\n")
             # snippet() marks matches with [ ]; show them highlighted instead
-            snippet = Text(" ".join(hit.snippet.split()), no_wrap=True, overflow="ellipsis")
+            snippet = Text(" ".join(hit.snippet.split()))
             snippet.highlight_regex(r"\[[^\]]*\]", "reverse")
             label.append_text(snippet)
             items.append(Option(label, id=f"m:{hit.conversation.id}:{hit.message.id}"))
         self.options.set_options(items)
+        # Enter in the search box opens the highlighted hit: the first until the user moves
+        self.options.highlighted = 0
 
     @on(OptionList.OptionSelected, "#conversations")
     def _picked(self, event: OptionList.OptionSelected) -> None:
         event.stop()
-        kind, _, rest = (event.option.id or "").partition(":")
+        self._open(event.option)
+
+    @on(Input.Submitted, "#search")
+    def _search_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        options = self.options
+        if options.highlighted is not None:
+            self._open(options.get_option_at_index(options.highlighted))
+
+    def _open(self, option: Option) -> None:
+        kind, _, rest = (option.id or "").partition(":")
         if kind == "c":
             self.post_message(self.Picked(rest))
         elif kind == "m":

@@ -1,5 +1,5 @@
 """One line at the bottom: model, backend, context gauge, the last answer's TTFT, tok/s and share of
-speculative guesses kept, memory in use."""
+speculative guesses kept, memory in use; what does not fit the width is left out, least useful first."""
 
 from __future__ import annotations
 
@@ -17,6 +17,15 @@ def process_memory() -> int | None:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+#: between the parts of the line
+SEP = " │ "
+#: the fewest columns of the model's name kept before figures are dropped
+NAME_MIN = 12
+#: what gives way first when the line is too wide. A long name's rest ("name") goes before the
+#: figures: on a phone's 50 columns the last answer's speed and guesses matter more.
+DROP_ORDER = ("backend", "memory", "ttft", "name", "context", "guessed", "speed", "gauge", "state")
 
 
 def gauge(used: int, size: int, width: int) -> str:
@@ -46,28 +55,35 @@ class StatusBar(Widget):
 
     def render(self) -> Text:
         narrow = self.size.width < 70
-        out = Text()
+        # The parts in the order shown; when the line is too wide, they go whole in DROP_ORDER
+        # (a part cut mid-way, "mem" with no figure, says nothing).
+        parts: list[tuple[str, Text]] = []
         if self.state and self.state != "ready":
-            out.append(f" ({self.state})", style="italic")
-        sep = " │ "
-        if self.backend and not narrow:
-            out.append(sep + self.backend)
+            parts.append(("state", Text(f" ({self.state})", style="italic")))
+        if self.backend:
+            parts.append(("backend", Text(SEP + self.backend)))
         if self.context_size:
-            out.append(sep + ("" if narrow else "ctx "))
-            out.append(gauge(self.context_used, self.context_size, 6 if narrow else 10), style="bold")
-            out.append(f" {self.context_used}/{self.context_size}")
-        if self.ttft and not narrow:
-            out.append(sep + f"TTFT {self.ttft:.2f}s")
+            bar = Text(SEP + ("" if narrow else "ctx "))
+            bar.append(gauge(self.context_used, self.context_size, 6 if narrow else 10), style="bold")
+            parts.append(("gauge", bar))
+            parts.append(("context", Text(f" {self.context_used}/{self.context_size}")))
+        if self.ttft:
+            parts.append(("ttft", Text(SEP + f"TTFT {self.ttft:.2f}s")))
         if self.tok_s:
-            out.append(sep + f"{self.tok_s:.1f} tok/s")
+            parts.append(("speed", Text(SEP + f"{self.tok_s:.1f} tok/s")))
         if self.spec is not None:
-            out.append(sep + f"spec {self.spec:.0f}%")
-        # A long model name gives way to the figures before memory: on a phone's 50 columns the
-        # last answer's speed and acceptance matter more than the rest of a name the user chose.
+            parts.append(("guessed", Text(SEP + f"guessed {self.spec:.0f}%")))
+        if self.memory:
+            parts.append(("memory", Text(SEP + f"mem {self.memory / 2**20:.0f} MB")))
         name = Text(self.model, style="bold")
-        room = self.content_size.width - out.cell_len
+        floor = min(name.cell_len, NAME_MIN)
+        # the name's columns past NAME_MIN count as one more part
+        parts.append(("name", Text(" " * (name.cell_len - floor))))
+        width = self.content_size.width
+        while parts and floor + sum(t.cell_len for _, t in parts) > width:
+            parts.remove(min(parts, key=lambda p: DROP_ORDER.index(p[0])))
+        shown = [t for key, t in parts if key != "name"]
+        room = width - sum(t.cell_len for t in shown)
         if name.cell_len > room:
-            name.truncate(max(room, 6), overflow="ellipsis")
-        if self.memory and not narrow:
-            out.append(sep + f"mem {self.memory / 2**20:.0f} MB")
-        return Text.assemble(name, out, no_wrap=True, overflow="ellipsis")
+            name.truncate(max(room, floor), overflow="ellipsis")
+        return Text.assemble(name, *shown, no_wrap=True, overflow="ellipsis")
