@@ -157,7 +157,9 @@ def _session_turn(cfg, name: str, text: str, system, context_policy, params: dic
                                                   context_tokens=m.context_tokens, evicted_messages=evicted),
                                       ensure_ascii=False))
             if answer.error is not None:
-                # the answer is printed; the store keeps what it could, marked interrupted
+                # The answer is printed and the store keeps what it could, marked interrupted. The
+                # cells hold an answer the store does not: no snapshot of them (nor its room).
+                engine.forget_session(conv.id)
                 raise answer.error
     finally:
         store.close()

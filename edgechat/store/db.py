@@ -20,7 +20,8 @@ from edgechat.store.migrations import migrate
 DEFAULT_TITLE = "New chat"
 MESSAGE_STATUSES = ("complete", "interrupted", "error")
 _TITLE_CHARS = 60
-#: pages one commit of a message may write besides its text (table, index, FTS and WAL headers)
+#: pages one commit of a message may write besides its text (table, index, FTS and WAL frames);
+#: the text itself goes into the table, its search index and the WAL: three times its size
 _COMMIT_PAGES = 16
 
 
@@ -122,7 +123,9 @@ class Store:
             db.execute("PRAGMA foreign_keys=ON")
             migrate(db)
         except sqlite3.DatabaseError as exc:
-            raise StoreError(f"cannot open the conversation store {path}: {exc}") from None
+            # opening writes too (the WAL and its shared-memory index, migrations)
+            room = _room_error(Path(path), exc, _COMMIT_PAGES * 4096) if str(path) != ":memory:" else None
+            raise room or StoreError(f"cannot open the conversation store {path}: {exc}") from None
         return cls(db, None if str(path) == ":memory:" else Path(path))
 
     def close(self) -> None:
@@ -135,35 +138,12 @@ class Store:
         return _Transaction(self, size)
 
     def write_error(self, exc: sqlite3.DatabaseError, size: int = 0) -> StoreError | None:
-        """The one line for a write that failed for want of room, or None for any other failure.
-
-        SQLite says "database or disk is full" when a write hits ENOSPC, but "disk I/O error" when
-        the disk is so full that even its shared-memory file cannot grow: both are checked
-        against the room left where the database lives."""
-        name = getattr(exc, "sqlite_errorname", "")
-        text = str(exc)
-        full = name.startswith("SQLITE_FULL") or "database or disk is full" in text
-        if not (full or name.startswith("SQLITE_IOERR") or "disk I/O error" in text):
-            return None
-        where = self.path.parent if self.path is not None else Path.cwd()
+        """The one line for a write that failed for want of room, or None for any other failure."""
         try:
-            free = shutil.disk_usage(where).free
-        except OSError:
-            free = 0
-        # The text goes into the table, its search index and the WAL, and each commit writes whole pages.
-        needed = 3 * size + _COMMIT_PAGES * self._page_size()
-        if not full and free >= needed:
-            return StoreError(f"cannot write the conversation store {self.path}: {text}")
-        return StoreError(
-            f"the disk holding {where} is full ({free // 1024} KB free, about {-(-needed // 1024)} KB needed);"
-            " free some space and retry"
-        )
-
-    def _page_size(self) -> int:
-        try:
-            return self.db.execute("PRAGMA page_size").fetchone()[0]
+            page = self.db.execute("PRAGMA page_size").fetchone()[0]
         except sqlite3.DatabaseError:
-            return 4096
+            page = 4096
+        return _room_error(self.path, exc, 3 * size + _COMMIT_PAGES * page)
 
     # -- conversations -----------------------------------------------------
 
@@ -466,6 +446,29 @@ class Store:
                 ],
             )
         return self.get_conversation(data["id"])
+
+
+def _room_error(path: Path | None, exc: sqlite3.DatabaseError, needed: int) -> StoreError | None:
+    """One line for a failed write of about `needed` bytes, or None when it was not an I/O failure.
+
+    SQLite says "database or disk is full" when a write hits ENOSPC, but "disk I/O error" when
+    the disk is so full that even its shared-memory file cannot grow: either is the disk being
+    full when the room left where the database lives is less than the write needs."""
+    name = getattr(exc, "sqlite_errorname", "")  # Python 3.11+
+    text = str(exc)
+    if not (name.startswith(("SQLITE_FULL", "SQLITE_IOERR")) or "disk is full" in text or "disk I/O error" in text):
+        return None
+    where = path.parent if path is not None else Path.cwd()
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        free = 0
+    if free >= needed:
+        return StoreError(f"cannot write the conversation store {path}: {text}")
+    return StoreError(
+        f"the disk holding {where} is full ({free // 1024} KB free, about {-(-needed // 1024)} KB needed);"
+        " free some space and retry"
+    )
 
 
 def _make_private(path: Path) -> None:
