@@ -76,6 +76,11 @@ class EngineConfig:
     speculative: str = "auto"
     #: a smaller model of the same vocabulary that guesses tokens for the model to verify
     draft_model: str | None = None
+    #: the same text for the same prompt, seed and settings whatever else the engine serves or
+    #: holds: one sequence at a time, each prompt prefilled from position 0 of an empty cache, no
+    #: prompt cache, no speculative decoding (llama.cpp's kernels round differently in other
+    #: batch shapes, which decides near-ties). Costs batching, prefix reuse and speculation
+    deterministic: bool = False
     #: a Jinja chat template used instead of the GGUF's own (as llama-server's --chat-template-file)
     chat_template: str | None = None
     ep: str | None = None  # an ONNX folder's onnxruntime execution provider (engine/onnxrt.py)
@@ -104,9 +109,10 @@ class Engine(PromptQueries):
             raise UsageError("--parallel must be at least 1")
         if cfg.flash_attn not in ("auto", "on", "off"):
             raise UsageError(f"flash attention must be auto, on or off (got {cfg.flash_attn!r})")
-        self.speculative_default = _speculative_mode(cfg.speculative)
+        # a verification batch is another shape than one token's step
+        self.speculative_default = SpeculativeMode.OFF if cfg.deterministic else _speculative_mode(cfg.speculative)
         #: the draft model asked for, or the one the catalog names for this model if it is here
-        self.draft_ref = cfg.draft_model
+        self.draft_ref = None if cfg.deterministic else cfg.draft_model
         if self.draft_ref is None and self.speculative_default is not SpeculativeMode.OFF:
             self.draft_ref = catalog_draft(cfg.model, self.paths)
         self._check_draft(self.speculative_default)
@@ -149,13 +155,16 @@ class Engine(PromptQueries):
         self._lock = threading.Lock()
         self.states = ConversationStates()
         self._snapshots: SnapshotStore | None = None
-        self.prompt_cache = PromptCache(cfg.prompt_cache_budget, lambda: self._snapshot_store().tags)
+        # a restored state's cells were computed in other batches than a fresh prefill's
+        budget = 0 if cfg.deterministic else cfg.prompt_cache_budget
+        self.prompt_cache = PromptCache(budget, lambda: self._snapshot_store().tags)
         self.kv = KVManager(
             be, self.n_slots, self._snapshot_store, self._saved_state, self._restored_state, self.prompt_cache
         )
         self.draft, self.draft_warning = self._load_draft()
         self.scheduler = Scheduler(
-            be, self.kv, self.states, self.n_ctx, cfg.n_parallel, self._policy, self._speculative, self.draft
+            be, self.kv, self.states, self.n_ctx, 1 if cfg.deterministic else cfg.n_parallel, self._policy, self._speculative,
+            self.draft, deterministic=cfg.deterministic,
         )
         self.prompts = PromptBuilder(
             self.format,
@@ -337,11 +346,13 @@ class Engine(PromptQueries):
         return draft, None
 
     def _check_draft(self, mode: SpeculativeMode | None) -> None:
-        if mode is SpeculativeMode.DRAFT and self.draft_ref is None:
+        if mode is SpeculativeMode.DRAFT and self.draft_ref is None and not self.config.deterministic:
             raise UsageError("speculative decoding 'draft' needs a draft model (--draft-model)")
 
     def _speculative(self, req: ChatRequest) -> SpeculativeMode:
-        return self.speculative_default if req.speculative is None else SpeculativeMode(req.speculative)
+        if req.speculative is None or self.config.deterministic:
+            return self.speculative_default
+        return SpeculativeMode(req.speculative)
 
     def _restored_state(self, session: str, state: dict) -> None:
         self.states.update(session, **state)
@@ -369,7 +380,7 @@ class Engine(PromptQueries):
                 try:
                     if isinstance(item, Running):
                         sched.waiting.append(item)
-                        if block and self.config.n_parallel > 1:
+                        if block and sched.n_parallel > 1:
                             time.sleep(BATCH_WINDOW_S)
                     elif isinstance(item, _Command):
                         if self._command(item):

@@ -305,6 +305,18 @@ class KVManager:
             self.prompt_cache.put(*stash)
         return slot
 
+    def pick_alone(self, session: str | None) -> Slot:
+        """Deterministic mode: every cell is given up (conversations to their snapshots) and the
+        request gets the first sequence of an empty cache, so its prompt is prefilled into the same
+        cells in the same batches every time it is sent. Cells computed in another shape (another
+        turn's, a batch shared with others) would round differently: none is reused."""
+        for slot in self.slots:
+            self.save_snapshot(slot)
+            self.forget(slot)
+        slot = self.slots[0]
+        slot.session, slot.cache_restored = session, None
+        return slot
+
     def _load_prefix(self, slot: Slot, session: str | None, prompt: list[int], n_ctx: int) -> None:
         slot.cache_restored = None
         if session is not None and self.restore_snapshot(slot, session, n_ctx):

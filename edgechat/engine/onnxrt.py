@@ -369,6 +369,8 @@ class OnnxEngine(PromptQueries):
         if prep.evicted_now:
             n = prep.evicted_now
             handle.emit(Evicted(n, 0, ContextPolicy.TRUNCATE.value, f"{n} oldest message{'s' if n > 1 else ''} left the context"))
+        if self.config.deterministic:
+            self.cached = []  # prefilled from position 0 in the same chunks every time it is sent
         cached = min(_common_prefix(self.cached, prep.tokens), len(prep.tokens) - 1)
         sampler = SamplerChain(req.sampling, self.vocab.n_vocab, self.vocab.vocab, req.grammar)
         proc = OutputProcessor(req.stop)

@@ -88,6 +88,7 @@ class Scheduler:
         policy: Callable[[ChatRequest], ContextPolicy],
         speculative: Callable[[ChatRequest], SpeculativeMode],
         draft: DraftModel | None = None,
+        deterministic: bool = False,
     ):
         self.backend = backend
         self.kv = kv
@@ -97,6 +98,8 @@ class Scheduler:
         self.policy = policy
         self.speculative = speculative
         self.draft = draft
+        #: each request alone on an empty cache (EngineConfig.deterministic; n_parallel is then 1)
+        self.deterministic = deterministic
         #: what a wider batch costs on this machine, measured on every step
         self.cost = StepCost()
         self.waiting: deque[Running] = deque()
@@ -138,7 +141,10 @@ class Scheduler:
                     continue
                 slot = None
                 if len(self.active) < self.n_parallel and not self._awaits_shared_prompt(run):
-                    slot = self.kv.pick(run.request.session, run.prep.tokens, self.n_ctx)
+                    if self.deterministic:
+                        slot = self.kv.pick_alone(run.request.session)
+                    else:
+                        slot = self.kv.pick(run.request.session, run.prep.tokens, self.n_ctx)
                 if slot is None:
                     still.append(run)
                     continue
