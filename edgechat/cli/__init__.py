@@ -7,7 +7,16 @@ import sys
 import click
 
 from edgechat import __version__
-from edgechat.cli.common import data_dir_option, draft_model_option, gpu_layers_note, gpu_layers_option, rpc_option, run_guarded
+from edgechat.cli.common import (
+    data_dir_option,
+    deterministic_option,
+    deterministic_setting,
+    draft_model_option,
+    gpu_layers_note,
+    gpu_layers_option,
+    rpc_option,
+    run_guarded,
+)
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -18,18 +27,22 @@ from edgechat.cli.common import data_dir_option, draft_model_option, gpu_layers_
 @gpu_layers_option
 @rpc_option
 @draft_model_option
+@deterministic_option
 @data_dir_option
 @click.pass_context
-def cli(ctx: click.Context, model: str | None, url: str | None, api_key: str | None, gpu_layers, rpc, draft_model, data_dir: str | None) -> None:
+def cli(ctx: click.Context, model: str | None, url: str | None, api_key: str | None, gpu_layers, rpc, draft_model,
+        deterministic: bool | None, data_dir: str | None) -> None:
     """Offline LLM chat on your own machine. With no command, opens the chat app."""
     if ctx.invoked_subcommand is not None:
         return
     from edgechat.cli.chat import open_app
+    from edgechat.config import get_paths
 
     if url is None:
         gpu_layers_note(gpu_layers, rpc)
     open_app(model=model, url=url, api_key=api_key, data_dir=data_dir,
-             engine_options={"n_gpu_layers": gpu_layers, "rpc_servers": rpc, "draft_model": draft_model})
+             engine_options={"n_gpu_layers": gpu_layers, "rpc_servers": rpc, "draft_model": draft_model,
+                             "deterministic": deterministic_setting(deterministic, get_paths(data_dir))})
 
 
 def _register() -> None:

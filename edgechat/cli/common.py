@@ -54,6 +54,33 @@ def speculative_option(command):
     )(command)
 
 
+#: what --seed promises, and what it does not without --deterministic
+SEED_HELP = ("Sampling seed. With --deterministic, the same seed, prompt and settings give the same text on the same "
+             "machine and build; otherwise the text can differ where two tokens nearly tie, because other requests, "
+             "cached prompts and speculative decoding change llama.cpp's batch shapes, and with them its rounding.")
+
+deterministic_option = click.option(
+    "--deterministic/--no-deterministic",
+    default=None,
+    help="The same text for the same seed, prompt and settings, whatever else runs or is cached: one request at "
+    "a time, every prompt prefilled afresh, no prompt cache, no speculative decoding (slower; see the README). "
+    "Default: deterministic under [engine] in config.toml, else off.",
+)
+
+
+def deterministic_setting(flag: bool | None, paths) -> bool:
+    """--deterministic, else `[engine] deterministic` in config.toml, else off."""
+    from edgechat.config import load_settings
+    from edgechat.errors import UsageError
+
+    if flag is not None:
+        return flag
+    value = (load_settings(paths).get("engine") or {}).get("deterministic", False)
+    if not isinstance(value, bool):
+        raise UsageError(f"{paths.config_file}: [engine] deterministic must be true or false; fix or remove that line")
+    return value
+
+
 def _gpu_layers(ctx, param, value):
     if value is None:
         return None
@@ -123,7 +150,7 @@ def sampling_options(func):
         click.option("--top-k", type=click.IntRange(min=0), default=None),
         click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=None),
         click.option("--repeat-penalty", type=click.FloatRange(min=0.0), default=None),
-        click.option("--seed", type=int, default=None, help="Same seed and prompt give the same text."),
+        click.option("--seed", type=int, default=None, help=SEED_HELP),
         click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Most tokens in the answer."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-text (benchmarks)."),

@@ -13,6 +13,8 @@ import click
 
 from edgechat.cli.common import (
     data_dir_option,
+    deterministic_option,
+    deterministic_setting,
     flash_attn_option,
     gpu_layers_note,
     model_options,
@@ -68,12 +70,14 @@ def read_prompt(prompt: str | None) -> str | None:
 @flash_attn_option
 @swa_cache_option
 @speculative_option
+@deterministic_option
 @click.option("--ep", default=None, metavar="NAME", help="ONNX models: onnxruntime execution provider (cpu, xnnpack, qnn, coreml, cuda).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.argument("prompt", required=False)
 @data_dir_option
 def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
-            system, session, raw, context_policy, kv_type, flash_attn, swa_cache, speculative, draft_model, ep, as_json, prompt, data_dir):
+            system, session, raw, context_policy, kv_type, flash_attn, swa_cache, speculative, draft_model, deterministic, ep, as_json, prompt,
+            data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
     from edgechat.engine import EngineConfig, open_engine
 
@@ -94,7 +98,8 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
     paths = get_paths(data_dir)
     gpu_layers_note(gpu_layers, rpc)
     cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers, rpc_servers=rpc, kv_type=kv_type,
-                       flash_attn=flash_attn, swa_cache=swa_cache, speculative=speculative, draft_model=draft_model, ep=ep, paths=paths)
+                       flash_attn=flash_attn, swa_cache=swa_cache, speculative=speculative, draft_model=draft_model, ep=ep, paths=paths,
+                       deterministic=deterministic_setting(deterministic, paths))
     if session is not None:
         finished = _session_turn(cfg, session, text, system, context_policy, params, as_json)
     else:

@@ -9,6 +9,8 @@ import click
 
 from edgechat.cli.common import (
     data_dir_option,
+    deterministic_option,
+    deterministic_setting,
     flash_attn_option,
     gpu_layers_note,
     model_options,
@@ -45,6 +47,7 @@ def _is_loopback(host: str) -> bool:
 @flash_attn_option
 @swa_cache_option
 @speculative_option
+@deterministic_option
 @click.option("--api-key", default=None, envvar="EDGECHAT_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health (env: EDGECHAT_API_KEY).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True, help="Requests that may wait for a sequence; more get 429.")
 @click.option("--max-input-tokens", type=click.IntRange(min=1), default=None, help="Longer prompts get 400 (default: what the context holds).")
@@ -72,6 +75,7 @@ def serve_cmd(
     swa_cache: str,
     speculative: str,
     draft_model: str | None,
+    deterministic: bool | None,
     api_key: str | None,
     max_queue: int,
     max_input_tokens: int | None,
@@ -95,6 +99,8 @@ def serve_cmd(
     from edgechat.server.priority import parse_class
 
     gpu_layers_note(gpu_layers, rpc)
+    paths = get_paths(data_dir)
+    deterministic = deterministic_setting(deterministic, paths)
     classes = tuple(parse_class(c) for c in priority_classes)
     keys = dict(k.rpartition("=")[::2] for k in key_classes)
     unknown = sorted({c for c in keys.values() if c not in {k.name for k in classes}} | {"" for k in keys if not k})
@@ -121,7 +127,8 @@ def serve_cmd(
                 speculative=speculative,
                 draft_model=draft,
                 max_queue=max_queue,
-                paths=get_paths(data_dir),
+                paths=paths,
+                deterministic=deterministic,
             )
         )
 
