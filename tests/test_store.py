@@ -371,3 +371,88 @@ def test_writes_survive_a_killed_process(isolated_dirs):
         ("partial answer", "interrupted"),
     ]
     s.close()
+
+
+def test_a_question_without_an_answer_is_left_out_of_the_prompt(store):
+    """store/history.py's rule: a killed turn (its answer stored empty) or a failed one takes
+    its question out of later prompts; the question being asked now (the last) stays."""
+    conv = store.create_conversation()
+    store.add_turn(conv.id, "killed before answering")
+    store.add_message(conv.id, "user", "orphan of an older version")
+    store.add_message(conv.id, "user", "failed")
+    store.add_message(conv.id, "assistant", "boom", status="error")
+    user, answer = store.add_turn(conv.id, "answered in part")
+    store.update_message(answer.id, content="half")
+    store.add_message(conv.id, "user", "now")
+    assert model_messages(store, conv.id) == [
+        {"role": "user", "content": "answered in part"},
+        {"role": "assistant", "content": "half"},
+        {"role": "user", "content": "now"},
+    ]
+
+
+def test_add_turn_stores_a_question_with_an_empty_interrupted_answer(store):
+    conv = store.create_conversation()
+    user, answer = store.add_turn(conv.id, "hi", meta={"model": "m"})
+    assert [(m.role, m.status, m.content, m.meta) for m in store.messages(conv.id)] == [
+        ("user", "complete", "hi", {}), ("assistant", "interrupted", "", {"model": "m"})]
+    assert (user.id, answer.id) == tuple(m.id for m in store.messages(conv.id))
+
+
+@pytest.fixture
+def capped(isolated_dirs):
+    """A store on disk that cannot grow past its current pages: SQLite answers SQLITE_FULL
+    ("database or disk is full") as it does on a full disk."""
+    s = open_store(isolated_dirs)
+    conv = s.create_conversation()
+    s.add_message(conv.id, "user", "before")
+
+    def cap(on: bool):
+        pages = s.db.execute("PRAGMA page_count").fetchone()[0]
+        s.db.execute(f"PRAGMA max_page_count = {pages if on else 2**30}")
+
+    yield s, conv, cap
+    s.close()
+
+
+def test_a_write_that_finds_no_room_is_one_line_and_rolled_back(capped):
+    s, conv, cap = capped
+    cap(True)
+    with pytest.raises(StoreError, match="^cannot write the conversation store .*: database or disk is full$"):
+        s.add_turn(conv.id, "x" * 100_000)
+    # both or neither: the question is not left without its answer
+    assert [m.content for m in s.messages(conv.id)] == ["before"]
+    assert not s.db.in_transaction
+    cap(False)
+    s.add_turn(conv.id, "x" * 100_000)
+    assert s.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_a_full_disk_names_the_disk_and_the_room_needed(tmp_path):
+    s = Store.connect(tmp_path / "db.sqlite3")
+    try:
+        for message in ("database or disk is full", "disk I/O error"):
+            error = s.write_error(sqlite3.OperationalError(message), size=1 << 50)
+            assert re.fullmatch(rf"the disk holding {tmp_path} is full \(\d+ KB free, about \d+ KB needed\);"
+                                " free some space and retry", str(error)), error
+        assert s.write_error(sqlite3.OperationalError("no such table: x")) is None
+    finally:
+        s.close()
+
+
+def test_an_answer_that_cannot_be_saved_keeps_its_text_and_says_so_once(capped):
+    from edgechat.engine.request import Finished, RequestMetrics
+    from edgechat.store.answer import StoredAnswer
+
+    s, conv, cap = capped
+    errors = []
+    turn = StoredAnswer.ask(s, conv.id, "tell me", "m", on_error=errors.append)
+    cap(True)
+    turn.append("y" * 100_000)
+    turn.append("z")
+    assert turn.text == "y" * 100_000 + "z" and len(errors) == 1 and "database or disk is full" in errors[0]
+    shown = turn.finish(Finished("stop", turn.text, RequestMetrics()))
+    assert (shown.content, shown.status) == (turn.text, "complete") and len(errors) == 1
+    assert s.get_message(turn.id).status == "interrupted"  # the store still marks it
+    cap(False)
+    assert turn.finish(Finished("stop", turn.text, RequestMetrics())).content == turn.text and turn.error is None
