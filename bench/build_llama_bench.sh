@@ -79,19 +79,15 @@ cmake -S "$llama_src" -B "$work/build" "${cmake_generator[@]}" \
     '-DCMAKE_INSTALL_RPATH=$ORIGIN' >&2
 cmake --build "$work/build" --target "${tools[@]}" -j"$(nproc)" >&2
 
-# Install into a temp dir and rename, so a half-copied bin/ never passes the check above; tools
-# built earlier stay.
-rm -rf "$prefix/bin.tmp"
-mkdir -p "$prefix/bin.tmp"
-if [[ -d "$bin" ]]; then
-    cp -a "$bin/." "$prefix/bin.tmp/"
-fi
-for tool in "${tools[@]}"; do
-    cp -a "$work/build/bin/$tool" "$prefix/bin.tmp/"
+# Each file is copied under a temporary name and renamed into place, libraries first: a tool is
+# there whole or not at all, and whatever runs from bin/ meanwhile (a test run beside this build)
+# keeps working. Tools built earlier stay.
+mkdir -p "$bin"
+for file in "$work/build/bin/"*.so* "${tools[@]/#/$work/build/bin/}"; do
+    name="$(basename "$file")"
+    cp -a "$file" "$bin/.$name.tmp"
+    mv -f "$bin/.$name.tmp" "$bin/$name"
 done
-cp -a "$work/build/bin/"*.so* "$prefix/bin.tmp/"
-rm -rf "$bin"
-mv "$prefix/bin.tmp" "$bin"
 # The build tree stays, so adding a tool later rebuilds only what changed.
 rm -rf "$work/sdist"
 echo "$bin/llama-bench"
