@@ -1,7 +1,10 @@
-"""Shared fixtures: every test gets its own data/config/cache dirs; real models are located once."""
+"""Shared fixtures: every test gets its own data/config/cache dirs; real models are located once;
+llama.cpp's own tools are built once per machine, before the first test."""
 
 from __future__ import annotations
 
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -56,3 +59,58 @@ def smollm2_split(smollm2_path, tmp_path_factory):
     files = split_gguf(smollm2_path, tmp_path_factory.mktemp("split") / "smollm2", 2)
     assert all(f.is_file() for f in files)
     return files
+
+
+# llama.cpp's own tools the suite runs (tests/test_imatrix.py), from the build bench/ uses too
+# (bench/build_llama_bench.sh: the vendored sources of the pinned llama-cpp-python, cached under
+# ~/.cache/edgechat-bench and kept between runs, as pip keeps its wheels).
+LLAMA_TOOLS = ("llama-quantize", "llama-imatrix")
+LLAMA_BUILD_TIMEOUT_S = 3600  # ~10 minutes on 2 cores; its own bound, not a test's 600 s
+_llama_tools = pytest.StashKey[object]()
+
+
+def pytest_collection_finish(session):
+    """Build the tools once, between collection and the first test (outside every test's timeout),
+    when a selected test needs them; a run that finds them built spends milliseconds here."""
+    config = session.config
+    if config.option.collectonly or not any("llama_tools" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    from bench.llamabench import llama_tools_dir
+
+    try:
+        config.stash[_llama_tools] = llama_tools_dir(*LLAMA_TOOLS, build=False)
+        return
+    except FileNotFoundError as missing:
+        log_path = Path(missing.filename).parent / "build.log"
+    except RuntimeError as error:
+        config.stash[_llama_tools] = str(error)
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    say = reporter.write_line if reporter else print
+    say(f"building llama.cpp's {' and '.join(LLAMA_TOOLS)} once for this machine (~10 minutes on 2 cores; output in {log_path})")
+    start = time.monotonic()
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "w") as log:
+            config.stash[_llama_tools] = llama_tools_dir(*LLAMA_TOOLS, timeout=LLAMA_BUILD_TIMEOUT_S, log=log)
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as error:
+        config.stash[_llama_tools] = f"{error}; the build's output is in {log_path}"
+        say(f"building llama.cpp's tools failed: {config.stash[_llama_tools]}")
+        return
+    say(f"built in {time.monotonic() - start:.0f} s: {config.stash[_llama_tools]}")
+
+
+@pytest.fixture(scope="session")
+def llama_tools(request) -> Path:
+    """The folder holding LLAMA_TOOLS, built before the tests started (see pytest_collection_finish)."""
+    result = request.config.stash.get(_llama_tools, None)
+    if result is None:  # asked for in a way collection could not see: use a build only if it is there
+        from bench.llamabench import llama_tools_dir
+
+        try:
+            result = llama_tools_dir(*LLAMA_TOOLS, build=False)
+        except (FileNotFoundError, RuntimeError) as error:
+            result = str(error)
+    if not isinstance(result, Path):
+        pytest.fail(f"llama.cpp's tools are not built: {result}", pytrace=False)
+    return result

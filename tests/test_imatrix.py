@@ -1,9 +1,10 @@
 """Importance matrices against llama.cpp's own tools, on the two real test checkpoints.
 
 llama-imatrix and llama-quantize are built from the vendored llama.cpp sources by
-bench/build_llama_bench.sh (once per machine, cached). Our imatrix from the built-in calibration
-text must match llama-imatrix's on the same text and context size, and a file we write must make
-llama-quantize --imatrix produce the very bytes our quantizer writes with it.
+bench/build_llama_bench.sh (once per machine, cached, before the first test: conftest's
+`llama_tools`). Our imatrix from the built-in calibration text must match llama-imatrix's on the
+same text and context size, and a file we write must make llama-quantize --imatrix produce the
+very bytes our quantizer writes with it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 from quantize import convert
 from quantize.calibrate import builtin_text, compute
 from quantize.imatrix import read, write
+from quantize.llm import use_extra_buffers
 from tests.hf_fixtures import hf_checkpoint
 from tests.test_quantize import _tensors
 
@@ -26,14 +28,6 @@ pytestmark = pytest.mark.slow
 MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
 ROOT = Path(__file__).resolve().parents[1]
 N_CTX, CHUNKS = 512, 2  # llama-imatrix's default context; two chunks keep the Python callback quick
-
-
-@pytest.fixture(scope="module")
-def tools() -> Path:
-    """The folder holding llama-quantize and llama-imatrix (built on first use, ~10 minutes on 2 cores)."""
-    out = subprocess.run(["bash", str(ROOT / "bench" / "build_llama_bench.sh"), "llama-quantize", "llama-imatrix"],
-                         check=True, capture_output=True, text=True)
-    return Path(out.stdout.strip().splitlines()[-1]).parent
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +47,11 @@ def work(tmp_path_factory):
             else:
                 calibration = ROOT / "quantize" / "calibration.txt"
                 path = root / f"{model}-llama.imatrix.gguf"
+                # the weights laid out as ours are (no repacking where we use none, on AMX CPUs): the same
+                # matmul kernels, or the sums differ by more than their summation order
+                layout = [] if use_extra_buffers() else ["--no-repack"]
                 subprocess.run([str(what), "-m", str(get(model, "f16")), "-f", str(calibration), "-o", str(path),
-                                "-c", str(N_CTX), "-b", str(N_CTX), "--chunks", str(CHUNKS), "-t", "2", "--no-ppl"],
+                                "-c", str(N_CTX), "-b", str(N_CTX), "--chunks", str(CHUNKS), "-t", "2", "--no-ppl", *layout],
                                check=True, capture_output=True)
             cache[model, what] = path
         return cache[model, what]
@@ -63,8 +60,8 @@ def work(tmp_path_factory):
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_our_imatrix_matches_llama_imatrix(model, work, tools):
-    ours, theirs = read(work(model, "ours")), read(work(model, tools / "llama-imatrix"))
+def test_our_imatrix_matches_llama_imatrix(model, work, llama_tools):
+    ours, theirs = read(work(model, "ours")), read(work(model, llama_tools / "llama-imatrix"))
     assert sorted(ours.entries) == sorted(theirs.entries)
     assert len(ours.entries) >= 7 * 18  # every layer's q, k, v, output, gate, up, down
     assert (ours.chunk_count, ours.chunk_size) == (theirs.chunk_count, theirs.chunk_size) == (CHUNKS, N_CTX)
@@ -76,10 +73,10 @@ def test_our_imatrix_matches_llama_imatrix(model, work, tools):
 
 @pytest.mark.parametrize("type_name", ["Q4_K_M", "Q3_K_M", "IQ4_XS"])
 @pytest.mark.parametrize("model", MODELS)
-def test_byte_identical_to_llama_quantize_with_imatrix(model, type_name, work, tools, tmp_path):
+def test_byte_identical_to_llama_quantize_with_imatrix(model, type_name, work, llama_tools, tmp_path):
     imatrix_file = work(model, "ours")  # written by us, read by llama-quantize
     reference = tmp_path / "llama.gguf"
-    subprocess.run([str(tools / "llama-quantize"), "--imatrix", str(imatrix_file), str(work(model, "f16")),
+    subprocess.run([str(llama_tools / "llama-quantize"), "--imatrix", str(imatrix_file), str(work(model, "f16")),
                     str(reference), type_name, "2"], check=True, capture_output=True)
     ours = convert(hf_checkpoint(model), tmp_path / "ours.gguf", type_name=type_name, threads=2,
                    imatrix=read(imatrix_file), imatrix_source=str(imatrix_file)).path
