@@ -56,12 +56,30 @@ def get_paths(data_dir: str | os.PathLike | None = None) -> Paths:
     root = data_dir or os.environ.get(DATA_DIR_ENV)
     if root:
         base = Path(root).expanduser().resolve()
-        return Paths(data=base, cache=base / "cache", config=base / "config")
-    return Paths(
-        data=Path(platformdirs.user_data_dir("edgechat", appauthor=False)),
-        cache=Path(platformdirs.user_cache_dir("edgechat", appauthor=False)),
-        config=Path(platformdirs.user_config_dir("edgechat", appauthor=False)),
-    )
+        paths = Paths(data=base, cache=base / "cache", config=base / "config")
+    else:
+        paths = Paths(
+            data=Path(platformdirs.user_data_dir("edgechat", appauthor=False)),
+            cache=Path(platformdirs.user_cache_dir("edgechat", appauthor=False)),
+            config=Path(platformdirs.user_config_dir("edgechat", appauthor=False)),
+        )
+    for path in (paths.data, paths.cache, paths.config):
+        _check_creatable(path)
+    return paths
+
+
+def _check_creatable(path: Path) -> None:
+    """Every command resolves its paths here, so this is the one place a directory that can never
+    exist (a file on the way to it) becomes a one-line error instead of a traceback later."""
+    for parent in (path, *path.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"cannot create {path}: {parent} is a file, not a directory; "
+                                 "pass another --data-dir (or EDGECHAT_DATA_DIR)")
+            if not os.access(parent, os.W_OK | os.X_OK) and parent != path:
+                raise UsageError(f"cannot create {path}: no permission to write in {parent}; "
+                                 "pass another --data-dir (or EDGECHAT_DATA_DIR)")
+            return
 
 
 def load_settings(paths: Paths) -> dict:

@@ -125,6 +125,17 @@ def test_utf8_pieces_are_held_until_whole(smol, gemma, text):
         assert "".join(out) == engine.detokenize(tokens)
 
 
+def test_a_character_cut_at_any_byte_is_held_back_not_replaced():
+    """An answer that ends mid-character (max_tokens in the middle of a multi-byte UTF-8
+    sequence) ends at the last whole character, never with U+FFFD."""
+    for char in "é€한🎉":
+        whole = char.encode()
+        for cut in range(1, len(whole)):
+            proc = OutputProcessor()
+            emitted = proc.feed(b"ok " + whole[:cut]) + proc.finish()
+            assert emitted == proc.text == "ok ", (char, cut)
+
+
 def test_output_processor_splits_bytes_and_holds_only_possible_stops():
     data = "价格是 42 元 🎉 END tail".encode()
     proc = OutputProcessor(stop=["END"])

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from edgechat.engine.request import DEFAULT_MAX_TOKENS
 from edgechat.errors import EdgechatError
 
 data_dir_option = click.option(
@@ -151,9 +152,13 @@ def sampling_options(func):
         click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=None),
         click.option("--repeat-penalty", type=click.FloatRange(min=0.0), default=None),
         click.option("--seed", type=int, default=None, help=SEED_HELP),
-        click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Most tokens in the answer."),
+        click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+                     help=f"Most tokens in the answer (default: {DEFAULT_MAX_TOKENS}; an answer cut there ends with "
+                     "finish_reason length)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-        click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-text (benchmarks)."),
+        click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-text (benchmarks; no loop guard)."),
+        click.option("--no-loop-guard", "loop_guard", flag_value=False, default=True,
+                     help="Let an answer that only repeats itself go on (by default it is stopped, finish_reason length)."),
     ]
     for opt in reversed(opts):
         func = opt(func)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 
 import click
 
@@ -55,10 +56,30 @@ def _model_rows(paths, kv_type: str = "f16", names: list[str] | None = None) -> 
     return rows
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+def _table(headers: list[str], rows: list[list[str]], drop: tuple[str, ...] = ()) -> str:
+    """Columns padded to their widest cell, fitted to the terminal: the columns named in `drop`
+    go first (in that order) while the table is too wide, then the last column is cut with an
+    ellipsis. Piped output (no terminal width known) keeps every column whole."""
+    limit = shutil.get_terminal_size((0, 0)).columns
+    full = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    keep = list(range(len(headers)))
+    too_wide = lambda: limit and sum(full[i] for i in keep) + 2 * (len(keep) - 1) > limit  # noqa: E731
+    for name in drop:
+        if not too_wide():
+            break
+        keep.remove(headers.index(name))
+    widths = [full[i] for i in keep]
+    room = limit - sum(widths[:-1]) - 2 * (len(keep) - 1)
+    if too_wide() and room >= 8:
+        widths[-1] = room
+
+    def line(cells: list[str]) -> str:
+        cells = [cells[i] for i in keep]
+        if len(cells[-1]) > widths[-1]:
+            cells[-1] = cells[-1][: widths[-1] - 1] + "…"
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in full])] + [line(r) for r in rows])
 
 
 def _catalog_table(paths) -> str:
@@ -67,7 +88,8 @@ def _catalog_table(paths) -> str:
         quants = ", ".join(f"{q} {format_size(f.size)}" for q, f in e.files.items())
         have = ", ".join(q for q, f in e.files.items() if is_downloaded(e, f, paths)) or "-"
         rows.append([e.name, quants, have, e.licence, str(e.context), e.repo, e.description])
-    return _table(["NAME", "QUANTS (about)", "DOWNLOADED", "LICENCE", "TRAINED CTX", "HUB REPO", "DESCRIPTION"], rows)
+    return _table(["NAME", "QUANTS (about)", "DOWNLOADED", "LICENCE", "TRAINED CTX", "HUB REPO", "DESCRIPTION"], rows,
+                  drop=("HUB REPO", "LICENCE", "TRAINED CTX", "QUANTS (about)"))
 
 
 @click.command("models")

@@ -9,7 +9,7 @@ import click
 from edgechat.cli.common import data_dir_option
 from edgechat.config import get_paths
 from edgechat.engine import planner
-from edgechat.errors import UsageError
+from edgechat.errors import ModelNotFoundError, UsageError
 from edgechat.models import catalog, hub, read_model_info
 from edgechat.models.catalog import format_size
 
@@ -23,11 +23,24 @@ def pull_cmd(ref: str, yes: bool, data_dir: str | None) -> None:
     hf:OWNER/REPO/FILE.gguf or OWNER/REPO:QUANT. Interrupted downloads resume; every file is
     checked against the Hub's size and sha256 and not kept if it differs."""
     paths = get_paths(data_dir)
+    try:
+        path = _pull(ref, yes, paths)
+    except hub.HubUnreachableError as exc:
+        # the generic hint says to run `edgechat pull`: the command that just failed
+        todo = "unset it" if hub.offline() else "connect to the internet"
+        raise ModelNotFoundError(f"cannot download {ref}: {exc.why}; {todo} and run this again") from None
+    # reading the header proves the download is a whole, loadable GGUF
+    info = read_model_info(path)
+    click.echo(f"ready: {path} ({format_size(info.size_bytes)}, {info.architecture}, {info.quant}, trained ctx {info.context_length})")
+
+
+def _pull(ref: str, yes: bool, paths):
     found = catalog.lookup(ref)
     if found:
         entry, cfile = found
         hub_ref = hub.HubRef(entry.repo, cfile.file, cfile.quant, ref)
-        if not hub.offline() and not hub.is_downloaded(entry, cfile, paths):
+        if not hub.is_downloaded(entry, cfile, paths):
+            hub.check_reachable(ref)  # before saying what would be downloaded
             click.echo(f"{entry.name} {cfile.quant}: about {format_size(cfile.size)}, licence {entry.licence}, from {entry.repo}", err=True)
             if not yes and not planner.weights_fit(cfile.size):
                 _confirm_too_large(ref, cfile.size)
@@ -38,10 +51,7 @@ def pull_cmd(ref: str, yes: bool, data_dir: str | None) -> None:
         # any Hub file: the listing gives its size before a byte is downloaded
         if not yes and not hub.offline() and (size := hub.download_size(hub_ref, paths)) and not planner.weights_fit(size):
             _confirm_too_large(ref, size)
-    path = hub.resolve_hub(hub_ref, paths)
-    # reading the header proves the download is a whole, loadable GGUF
-    info = read_model_info(path)
-    click.echo(f"ready: {path} ({format_size(info.size_bytes)}, {info.architecture}, {info.quant}, trained ctx {info.context_length})")
+    return hub.resolve_hub(hub_ref, paths)
 
 
 def _confirm_too_large(ref: str, size: int) -> None:

@@ -24,7 +24,7 @@ from edgechat.cli.common import (
 )
 from edgechat.cli.sessions import find_session
 from edgechat.config import get_paths
-from edgechat.engine.request import ChatRequest, ContextPolicy, Evicted, SamplingParams, TextDelta
+from edgechat.engine.request import DEFAULT_MAX_TOKENS, ChatRequest, ContextPolicy, Evicted, SamplingParams, TextDelta
 from edgechat.errors import EdgechatError, UsageError
 from edgechat.store import open_store
 from edgechat.store.answer import StoredAnswer
@@ -76,7 +76,7 @@ def read_prompt(prompt: str | None) -> str | None:
 @click.argument("prompt", required=False)
 @data_dir_option
 def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
-            system, session, raw, context_policy, kv_type, flash_attn, swa_cache, speculative, draft_model, deterministic, ep, as_json, prompt,
+            loop_guard, system, session, raw, context_policy, kv_type, flash_attn, swa_cache, speculative, draft_model, deterministic, ep, as_json, prompt,
             data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
     from edgechat.engine import EngineConfig, open_engine
@@ -94,7 +94,8 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
     if session is not None and text is None:
         raise UsageError("--session needs a MESSAGE argument or stdin")
     params = dict(sampling=build_sampling(temperature, top_p, top_k, min_p, repeat_penalty, seed),
-                  max_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos)
+                  max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, stop=list(stop),
+                  ignore_eos=ignore_eos, loop_guard=loop_guard)
     paths = get_paths(data_dir)
     gpu_layers_note(gpu_layers, rpc)
     cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers, rpc_servers=rpc, kv_type=kv_type,
@@ -116,8 +117,20 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
             finished, _ = stream_answer(engine, request, echo=not as_json)
             if as_json:
                 click.echo(json.dumps(result_json(engine, finished), ensure_ascii=False))
+    if max_tokens is None:
+        _note_cut(finished, params["max_tokens"])
     if finished.reason == "cancelled":
         raise KeyboardInterrupt  # the partial answer is printed (and stored); now exit as interrupted
+
+
+def _note_cut(finished, max_tokens: int) -> None:
+    """An answer cut short by a limit the user did not set says why on stderr (the JSON's
+    finish_reason is "length" for both)."""
+    if finished.repeating:
+        click.echo("edgechat: note: the answer was only repeating itself, so it was stopped "
+                   "(--no-loop-guard lets it go on)", err=True)
+    elif finished.reason == "length":
+        click.echo(f"edgechat: note: the answer reached {max_tokens} tokens (--max-tokens N for more)", err=True)
 
 
 def _warn(engine, raw: bool = False) -> None:

@@ -119,11 +119,11 @@ class Engine(PromptQueries):
         self.model_path: Path = resolve_model(cfg.model, self.paths)
         self.model_info = info = read_model_info(self.model_path)
         self.n_slots = cfg.n_parallel + cfg.hot_sessions
-        plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, cfg.kv_type, swa=cfg.swa_cache)
+        self.model_name = display_name(cfg.model, self.model_path)
+        plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, cfg.kv_type, swa=cfg.swa_cache, label=self.model_name)
         self.plan = plan
         self.n_ctx = plan.n_ctx
         self.n_threads = cfg.n_threads or planner.physical_cores()
-        self.model_name = display_name(cfg.model, self.model_path)
         gpu_layers = cfg.n_gpu_layers
         if gpu_layers is None:
             gpu_layers = model_settings(self.paths, cfg.model, self.model_name).get("gpu_layers")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import struct
 import threading
 from collections import deque
@@ -25,6 +26,12 @@ log = logging.getLogger(__name__)
 
 KV_TYPES = {"f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0, "q4_0": L.GGML_TYPE_Q4_0}
 FLASH_ATTN = {"auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+
+#: a model's image/audio/video placeholder tokens: GGUF marks them user-defined, not control, so
+#: llama.cpp renders them as text, but they are never part of an answer (Gemma 3 270M base wrote
+#: runs of `<start_of_image>`). Other user-defined tokens (`<think>`, `<tool_call>`) are text the
+#: output processor and the tool parser read, so they stay.
+_MEDIA_MARKER = re.compile(rb"<\|?[a-z_]*(?:image|img|vision|video|audio)[a-z0-9_]*\|?>", re.IGNORECASE)
 
 _init_lock = threading.Lock()
 _initialised = False
@@ -236,7 +243,8 @@ class LlamaBackend:
         return buf[:n]
 
     def piece(self, token: int) -> bytes:
-        """The bytes one token adds to the output (special tokens render as nothing)."""
+        """The bytes one token adds to the output: control tokens and media markers render as
+        nothing (see _MEDIA_MARKER)."""
         cached = self._pieces.get(token)
         if cached is None:
             n = L.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, False)
@@ -246,6 +254,8 @@ class LlamaBackend:
                 cached = big.raw[:n]
             else:
                 cached = self._piece_buf.raw[:n]
+            if _MEDIA_MARKER.fullmatch(cached) and L.llama_vocab_get_attr(self.vocab, token) & L.LLAMA_TOKEN_ATTR_USER_DEFINED:
+                cached = b""
             self._pieces[token] = cached
         return cached
 

@@ -373,7 +373,7 @@ class OnnxEngine(PromptQueries):
             self.cached = []  # prefilled from position 0 in the same chunks every time it is sent
         cached = min(_common_prefix(self.cached, prep.tokens), len(prep.tokens) - 1)
         sampler = SamplerChain(req.sampling, self.vocab.n_vocab, self.vocab.vocab, req.grammar)
-        proc = OutputProcessor(req.stop)
+        proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos)
         out: list[int] = []
         logprobs: list[TokenLogprob] | None = [] if req.logprobs is not None else None
         sent = 0  # logprobs delivered with a TextDelta
@@ -392,12 +392,12 @@ class OnnxEngine(PromptQueries):
                     logprob, top = token_logprobs(logits, token, req.logprobs)
                     piece = self.vocab.piece
                     logprobs.append(TokenLogprob(piece(token), logprob, [(piece(t), lp) for t, lp in top]))
-                text = proc.feed(self.vocab.piece(token))
+                text = proc.feed(self.vocab.piece(token), token)
                 if text:
                     handle.emit(TextDelta(text, logprobs[sent:] if logprobs is not None else None))
                     sent = len(out)
                 if proc.stopped:
-                    status = RequestStatus.FINISHED_STOPPED
+                    status = RequestStatus.FINISHED_REPEATING if proc.repeating else RequestStatus.FINISHED_STOPPED
                     break
                 if req.max_tokens is not None and len(out) >= req.max_tokens:
                     status = RequestStatus.FINISHED_LENGTH
@@ -417,7 +417,8 @@ class OnnxEngine(PromptQueries):
         run.handle.status = status
         metrics = run.clock.build(len(run.prep.tokens), cached, len(out), len(self.cached), self.n_ctx)
         run.handle.emit(Metrics(metrics))
-        run.handle.emit(Finished(FINISH_REASONS[status], proc.text if proc else "", metrics, error, out, logprobs))
+        run.handle.emit(Finished(FINISH_REASONS[status], proc.text if proc else "", metrics, error, out, logprobs,
+                                 repeating=status is RequestStatus.FINISHED_REPEATING))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

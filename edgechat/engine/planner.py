@@ -135,9 +135,11 @@ def choose_context(
     kv_type: str = "f16",
     available: int | None = None,
     swa: str = "auto",
+    label: str | None = None,
 ) -> Plan:
     """The context to run with: the requested one if it fits, else the largest that fits, capped;
     for sliding-window models with `swa` auto, the small SWA cache where the full one would not fit.
+    `label` is what messages call the model (the name the user typed; else the file's own name).
 
     Raises ModelTooLargeError (before llama.cpp loads anything) when not even MIN_CTX fits.
     """
@@ -149,19 +151,19 @@ def choose_context(
     if requested is not None:
         if requested > trained:
             raise UsageError(
-                f"--ctx {requested} is more than {info.name} was trained for ({trained} tokens); use --ctx {trained} or less"
+                f"--ctx {requested} is more than {label or info.name} was trained for ({trained} tokens); use --ctx {trained} or less"
             )
         for plan in _plans(info, requested, n_seq, kv_type, available, swa):
             if plan.fits:
                 return plan
-        raise ModelTooLargeError(_too_large(info, plan))
+        raise ModelTooLargeError(_too_large(label or info.name, plan))
     n = min(trained, DEFAULT_CTX_CAP)
     while True:
         for plan in _plans(info, n, n_seq, kv_type, available, swa):
             if plan.fits:
                 return plan
         if n <= MIN_CTX:
-            raise ModelTooLargeError(_too_large(info, plan))
+            raise ModelTooLargeError(_too_large(label or info.name, plan))
         n = max(MIN_CTX, n // 2)
 
 
@@ -256,9 +258,9 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
-def _too_large(info: ModelInfo, plan: Plan) -> str:
+def _too_large(name: str, plan: Plan) -> str:
     return (
-        f"{info.name} needs about {_mib(plan.total)} with a {plan.n_ctx}-token context "
+        f"{name} needs about {_mib(plan.total)} with a {plan.n_ctx}-token context "
         f"(weights {_mib(plan.weights)}, KV cache {_mib(plan.kv_cache)}) but only "
         f"{_mib(plan.available * headroom())} is free; close other programs, use a smaller --ctx "
         f"or --kv-type q8_0, or pick a smaller model (edgechat models)"

@@ -16,6 +16,11 @@ from typing import Callable, Iterator, Union
 log = logging.getLogger("edgechat.engine")
 
 
+#: the longest answer a front end with a person waiting (`edgechat run`, the chat app) asks for
+#: unless told otherwise, so a model that never writes its end-of-text token still ends
+DEFAULT_MAX_TOKENS = 512
+
+
 @dataclass
 class SamplingParams:
     """llama.cpp's native sampler chain settings. temperature 0 means greedy."""
@@ -65,6 +70,9 @@ class ChatRequest:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    #: stop an answer that only repeats itself (stream.LoopGuard); never with ignore_eos, whose
+    #: benchmarks want every token they asked for
+    loop_guard: bool = True
     #: a conversation id: its KV sequence is kept between turns for prefix reuse
     session: str | None = None
     context_policy: ContextPolicy = ContextPolicy.SHIFT
@@ -85,6 +93,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     FINISHED_STOPPED = "finished_stopped"  # end of text or a stop string
     FINISHED_LENGTH = "finished_length"  # max_tokens reached
+    FINISHED_REPEATING = "finished_repeating"  # the loop guard stopped an answer repeating itself
     FINISHED_CANCELLED = "finished_cancelled"
     FINISHED_ERROR = "finished_error"
 
@@ -97,6 +106,8 @@ class RequestStatus(enum.Enum):
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
+    # cut short, as by max_tokens: the reason every OpenAI-style client already understands
+    RequestStatus.FINISHED_REPEATING: "length",
     RequestStatus.FINISHED_CANCELLED: "cancelled",
     RequestStatus.FINISHED_ERROR: "error",
 }
@@ -187,6 +198,8 @@ class Finished:
     token_ids: list[int] = field(default_factory=list)
     #: with ChatRequest.logprobs: one entry per generated token
     logprobs: list[TokenLogprob] | None = None
+    #: the loop guard ended it (reason "length"): front ends say so
+    repeating: bool = False
 
 
 Event = Union[TextDelta, Evicted, Metrics, Finished]

@@ -182,7 +182,7 @@ class Scheduler:
         run.pending = prompt[run.cached :]
         run.sampler = SamplerChain(req.sampling, self.backend.n_vocab, self.backend.vocab, req.grammar)
         run.sampler.accept_prompt(prompt)
-        run.proc = OutputProcessor(req.stop)
+        run.proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos)
         mode = self.speculative(req)
         if mode in (SpeculativeMode.AUTO, SpeculativeMode.LOOKUP):
             run.drafter = NgramDrafter(prompt)
@@ -378,9 +378,9 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         run.n_out += 1
         run.tokens_out.append(token)
-        self._emit_text(run, run.proc.feed(be.piece(token)))
+        self._emit_text(run, run.proc.feed(be.piece(token), token))
         if run.proc.stopped:
-            return RequestStatus.FINISHED_STOPPED
+            return RequestStatus.FINISHED_REPEATING if run.proc.repeating else RequestStatus.FINISHED_STOPPED
         if req.max_tokens is not None and run.n_out >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if run.drafter is not None:
@@ -417,7 +417,8 @@ class Scheduler:
         run.handle.emit(Metrics(metrics))
         text = run.proc.text if run.proc is not None else ""
         logprobs = run.logprobs[: run.n_out] if run.request.logprobs is not None else None
-        run.handle.emit(Finished(FINISH_REASONS[status], text, metrics, error, run.tokens_out, logprobs))
+        run.handle.emit(Finished(FINISH_REASONS[status], text, metrics, error, run.tokens_out, logprobs,
+                                 repeating=status is RequestStatus.FINISHED_REPEATING))
 
     def fail_running(self, exc: Exception) -> None:
         """A step failed (a bug, a llama.cpp error): its requests end with the error."""

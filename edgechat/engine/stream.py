@@ -7,27 +7,65 @@ is never emitted half-done, and text that could still turn into a stop string is
 from __future__ import annotations
 
 import codecs
+from collections import deque
+
+
+class LoopGuard:
+    """Tells when an answer has become a loop: nearly every recent token ends a run of GRAM
+    tokens that the answer itself already wrote. Exact repeats and sampled near-repeats alike
+    trip it; text quoted from the prompt does not (only the answer's own runs are remembered),
+    and a loop is caught one WINDOW after its first copy ends."""
+
+    GRAM = 6
+    WINDOW = 192
+    SHARE = 0.9
+
+    def __init__(self) -> None:
+        self._recent: deque[int] = deque(maxlen=self.GRAM)
+        self._seen: set[tuple[int, ...]] = set()
+        self._hits: deque[bool] = deque(maxlen=self.WINDOW)
+        self._n_hits = 0
+
+    def feed(self, token: int) -> bool:
+        """Add one generated token; True when the answer is only repeating itself."""
+        self._recent.append(token)
+        if len(self._recent) < self.GRAM:
+            return False
+        gram = tuple(self._recent)
+        hit = gram in self._seen
+        self._seen.add(gram)
+        if len(self._hits) == self.WINDOW:
+            self._n_hits -= self._hits[0]
+        self._hits.append(hit)
+        self._n_hits += hit
+        return len(self._hits) == self.WINDOW and self._n_hits >= self.SHARE * self.WINDOW
 
 
 class OutputProcessor:
-    def __init__(self, stop: list[str] | None = None):
+    def __init__(self, stop: list[str] | None = None, loop_guard: bool = False):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = [s for s in (stop or []) if s]
+        self._guard = LoopGuard() if loop_guard else None
         self._held = ""  # decoded text not yet emitted: it may be the start of a stop string
         self.text = ""  # everything emitted so far
-        self.stopped = False  # a stop string was found
+        self.stopped = False  # a stop string was found, or the loop guard tripped
+        self.repeating = False  # the loop guard tripped
 
-    def feed(self, data: bytes) -> str:
-        """Add one token's bytes; return the text that is now safe to emit."""
+    def feed(self, data: bytes, token: int | None = None) -> str:
+        """Add one token's bytes (and its id, for the loop guard); return the text that is now
+        safe to emit."""
         if self.stopped:
             return ""
         self._held += self._decoder.decode(data)
-        return self._release(final=False)
+        out = self._release(final=False)
+        if token is not None and self._guard is not None and not self.stopped and self._guard.feed(token):
+            self.stopped = self.repeating = True
+        return out
 
     def finish(self) -> str:
-        """End of generation: flush what was held (an incomplete UTF-8 tail becomes U+FFFD)."""
-        if not self.stopped:
-            self._held += self._decoder.decode(b"", final=True)
+        """End of generation: flush what was held. An incomplete UTF-8 tail (a character cut by
+        max_tokens) is dropped, not rendered as U+FFFD: llama-server ends such answers cleanly too."""
+        self._decoder.reset()
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:

@@ -88,9 +88,48 @@ def _endpoint() -> str | None:
     return os.environ.get("HF_ENDPOINT") or None
 
 
-def _pull_hint(text: str) -> str:
-    why = "HF_HUB_OFFLINE is set" if offline() else "the Hub cannot be reached"
-    return f"{text} is not downloaded and {why}; connect once, or run `edgechat pull {text}` while online"
+class HubUnreachableError(ModelNotFoundError):
+    """The model is not here and the Hub cannot be asked for it (offline mode, or no network).
+    The message suits a command that wanted to run the model; `pull` words its own from `why`."""
+
+    def __init__(self, text: str, why: str):
+        super().__init__(f"{text} is not downloaded and {why}; connect once and run `edgechat pull {text}`")
+        self.why = why
+
+
+def _unreachable(text: str, why: str | None = None) -> HubUnreachableError:
+    return HubUnreachableError(text, "HF_HUB_OFFLINE is set" if offline() else why or "the Hub cannot be reached")
+
+
+def check_reachable(text: str) -> None:
+    """Raise HubUnreachableError, in a second at most, when the Hub cannot be asked for `text`."""
+    if offline():
+        raise _unreachable(text)
+    _probe_hub(text)
+
+
+def _probe_hub(text: str) -> None:
+    """Fail in a second when the Hub cannot be reached: huggingface_hub retries a failed
+    connection with back-off for ~25 s, and a name that does not resolve never gets better."""
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    url = urllib.parse.urlsplit(_endpoint() or constants.ENDPOINT)
+    proxy = urllib.request.getproxies().get(url.scheme)
+    target = urllib.parse.urlsplit(proxy) if proxy and not urllib.request.proxy_bypass(url.hostname or "") else url
+    host, port = target.hostname or "", target.port or (443 if target.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=_PROBE_TIMEOUT).close()
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise _unreachable(text, f"the Hub ({url.hostname}) cannot be reached ({reason})") from None
+
+
+#: seconds a connection to the Hub may take before this machine counts as offline
+_PROBE_TIMEOUT = 3.0
 
 
 def cached_file(repo: str, file: str, paths: Paths) -> Path | None:
@@ -168,14 +207,14 @@ def resolve_hub(ref: HubRef, paths: Paths) -> Path:
         if picked := _cached_pick(ref, paths):
             return picked
         if offline():
-            raise ModelNotFoundError(_pull_hint(ref.text))
+            raise _unreachable(ref.text)
         file = _pick(ref, _list_repo_files(ref))
     # a split model's parts, all of them, side by side in one snapshot: llama.cpp opens them by name
     parts = [cached_file(ref.repo, part, paths) for part in split_part_names(file)]
     if all(parts):
         return parts[0]
     if offline():
-        raise ModelNotFoundError(_pull_hint(ref.text))
+        raise _unreachable(ref.text)
     return [found or _download(ref.repo, part, ref.text, paths) for part, found in zip(split_part_names(file), parts)][0]
 
 
@@ -317,6 +356,7 @@ def _hub_errors(text: str, repo: str, file: str | None = None):
         RevisionNotFoundError,
     )
 
+    check_reachable(text)
     try:
         yield
     except GatedRepoError:
@@ -328,7 +368,7 @@ def _hub_errors(text: str, repo: str, file: str | None = None):
     except RevisionNotFoundError:
         raise ModelNotFoundError(f"{repo} has no main revision; check the reference {text}") from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled, *_network_errors()):
-        raise ModelNotFoundError(_pull_hint(text)) from None
+        raise _unreachable(text) from None
     except EntryNotFoundError:
         raise ModelNotFoundError(f"{repo} has no file {file}; see https://huggingface.co/{repo}/tree/main") from None
     except HfHubHTTPError as exc:

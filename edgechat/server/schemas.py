@@ -335,6 +335,11 @@ def _max_tokens(body: dict, default: int | None) -> int | None:
     return default if value is None else value
 
 
+def _loop_guard(body: dict) -> bool:
+    """edgechat's own field: `"loop_guard": false` lets an answer that repeats itself go on."""
+    return body.get("loop_guard") is None or _opt_bool(body, "loop_guard")
+
+
 def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages) -> ParsedRequest:
     model, stream, include_usage, n = _common(body)
     tools = parse_tools(body)
@@ -358,6 +363,7 @@ def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages) -> P
         max_tokens=_max_tokens(body, None),
         stop=_stop(body),
         ignore_eos=ignore_eos,
+        loop_guard=_loop_guard(body),
         speculative=_speculative(body),
         grammar=grammar,
         logprobs=_chat_logprobs(body),
@@ -386,6 +392,7 @@ def parse_completion(body: dict) -> ParsedRequest:
         max_tokens=_max_tokens(body, 16),
         stop=_stop(body),
         ignore_eos=_opt_bool(body, "ignore_eos"),
+        loop_guard=_loop_guard(body),
         speculative=_speculative(body),
         logprobs=_opt_int(body, "logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS),
     )
