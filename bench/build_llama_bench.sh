@@ -62,6 +62,7 @@ llama_src="$(llama_sources "$work" "$ver")"
 # flips to OFF when SOURCE_DATE_EPOCH is set, and the reference must use the host's SIMD like the
 # engine. The web UI is neither built (npm) nor downloaded: the build must work offline.
 # $ORIGIN rpath: the binaries find the libllama/libggml copies installed next to them.
+# shellcheck disable=SC2016  # $ORIGIN is for the loader, not the shell
 cmake -S "$llama_src" -B "$work/build" "${cmake_generator[@]}" \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=ON \
