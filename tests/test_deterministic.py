@@ -3,15 +3,23 @@
 A follow-up turn sent whole (as a chat client sends it to the server) gets the same greedy answer,
 token for token, answered alone on a fresh engine, beside another request, and after the prompt
 cache held the first turn's state, in a server-like engine (two sequences, the prompt cache on,
-speculation asked for). In the default mode the same prompts part from the alone answer at a
-near-tie (found on this machine's build: batched decoding moves the logits that much); the
-second test shows it, and skips where another build happens to round the same way.
+speculation asked for). Without the mode it fails: those requests reuse cells, restore a state
+and run in one batch, and its answer beside the other request parts from the alone one.
+
+The second test shows that default-mode parting at a near-tie (the prompts were picked for it on
+this machine's build: SmolLM2 at the first token, Gemma 3 at the 26th) and skips where another
+build happens to round the same way. After the prompt cache restore the default mode did not
+part on any prompt tried (6 for SmolLM2, 1 for Gemma 3): the state restored there had its prompt
+computed alone, and only the follow-up's last tokens were prefilled in another batch; the
+deterministic mode's equality is checked there all the same.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
-from neartie import assert_same_tokens_or_near_tie
+from neartie import FLAT, FLAT_NEAR_TIE, NEAR_TIE
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
 
@@ -23,7 +31,7 @@ FILLERS = [[SYSTEM, {"role": "user", "content": f"List {k} animals that live in 
 #: (first question, follow-up) whose follow-up's default-mode answers part from the alone answer
 TURNS = {
     "smollm2-135m-instruct": ("How do vaccines work?", "Are they safe for children?"),
-    "gemma3-270m": ("What is photosynthesis?", "Why are leaves green then?"),
+    "gemma3-270m": ("Tell me about the city of Lyon.", "What should I eat there?"),
 }
 FIRST_TOKENS, ANSWER_TOKENS = 40, 64
 
@@ -36,11 +44,13 @@ def engine_for(paths, model: str, deterministic: bool) -> Engine:
 
 
 def request(messages: list[dict], max_tokens: int = ANSWER_TOKENS) -> ChatRequest:
-    return ChatRequest(messages=messages, sampling=SamplingParams(temperature=0), max_tokens=max_tokens)
+    # every answer runs to max_tokens; the log probabilities of the run's own logits show how
+    # near a tie two answers parted at (reading them changes no batch)
+    return ChatRequest(messages=messages, sampling=SamplingParams(temperature=0), max_tokens=max_tokens, ignore_eos=True, logprobs=10)
 
 
 def answers(paths, model: str, deterministic: bool):
-    """The follow-up's prompt and its answers: alone on a fresh engine, beside another request on a
+    """The follow-up's answers: alone on a fresh engine, beside another request on a
     fresh engine, after the first turn's state went to the prompt cache, and (deterministic mode)
     again beside and alone on that warm engine. Also every engine's order of events."""
     first, follow_up = TURNS[model]
@@ -49,7 +59,6 @@ def answers(paths, model: str, deterministic: bool):
     with engine_for(paths, model, deterministic) as engine:
         reply = engine.submit(request(turn1, FIRST_TOKENS)).result(timeout=600).text
         messages = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": follow_up}]
-        prompt = engine.prompt_tokens(ChatRequest(messages=messages))
         got["alone"] = engine.submit(request(messages)).result(timeout=600)
 
     def beside(engine, key):
@@ -69,14 +78,14 @@ def answers(paths, model: str, deterministic: bool):
             got["warm alone"] = engine.submit(request(messages)).result(timeout=600)
             assert engine.stats()["prompt_cache_entries"] == 0
         assert engine.kv_problems() == []
-    return prompt, got, order
+    return got, order
 
 
 @pytest.mark.parametrize("model", sorted(TURNS))
 def test_the_same_prompt_gives_the_same_tokens_whatever_else_ran(isolated_dirs, model):
-    prompt, got, order = answers(isolated_dirs, model, deterministic=True)
+    got, order = answers(isolated_dirs, model, deterministic=True)
     alone = got["alone"].token_ids
-    assert len(alone) > FIRST_TOKENS
+    assert len(alone) == ANSWER_TOKENS
     for key, done in got.items():
         assert done.token_ids == alone, key
         # computed afresh, without a draft: no cell of another shape
@@ -90,13 +99,18 @@ def test_the_same_prompt_gives_the_same_tokens_whatever_else_ran(isolated_dirs, 
 
 @pytest.mark.parametrize("model", sorted(TURNS))
 def test_the_default_mode_parts_at_a_near_tie_on_the_same_prompts(isolated_dirs, model):
-    prompt, got, _ = answers(isolated_dirs, model, deterministic=False)
+    got, _ = answers(isolated_dirs, model, deterministic=False)
     assert got["restored"].metrics.prompt_cache_hit is True
     alone = got["alone"].token_ids
     parted = [key for key, done in got.items() if done.token_ids != alone]
     if not parted:
         pytest.skip("this build gave the same tokens in every batch shape here; the deterministic test still holds")
-    config = EngineConfig(model=model, n_ctx=1024, n_threads=1, paths=isolated_dirs, speculative="off")
-    with Engine(config) as engine:
-        for key in parted:
-            assert_same_tokens_or_near_tie(engine, prompt, alone, got[key].token_ids)
+    for key in parted:
+        # where they part, the token the other run chose was nearly tied with the alone run's, in
+        # the alone run's own logits (neartie.py's margins: wider where the model is unsure)
+        i = next(i for i, (a, b) in enumerate(zip(alone, got[key].token_ids)) if a != b)
+        mine, theirs = got["alone"].logprobs[i], got[key].logprobs[i]
+        top = dict(mine.top)
+        share = 1 / sum(math.exp(lp - mine.logprob) for lp in top.values())
+        margin = FLAT_NEAR_TIE if share < FLAT else NEAR_TIE
+        assert mine.logprob - top.get(theirs.token, -math.inf) < margin, (key, i, share, mine, theirs)
