@@ -84,7 +84,7 @@ async def test_send_streams_and_stores_the_answer(paths, client):
         assert [b.text for b in boxes] == [m.content for m in msgs]
         # titled from the first message, listed in the sidebar, gauge filled from the engine's metrics
         assert screen.conv.title == "What is the capital of France?"
-        assert "What is the capital of France?" in str(screen.sidebar.options.get_option_at_index(0).prompt)
+        assert [str(o.prompt) for o in screen.sidebar.options.options] == ["Today", "What is the capital of France?"]
         assert 0 < screen.status.context_used <= screen.status.context_size == client.n_ctx
         # the next turn reuses the conversation's KV: the whole previous exchange comes from cache
         await send(pilot, "And of Spain?")
@@ -192,18 +192,28 @@ async def test_branch_search_and_open_hit(paths, client):
         assert branch.id != original.id and branch.parent_id == original.id
         assert [m.content for m in app.store.messages(branch.id)] == [b.text for b in boxes[:2]]
         assert len(screen.chat.boxes()) == 2
-        # full-text search from the sidebar, then open the hit in the original conversation
+        # full-text search from the sidebar; Enter in the search box opens the first hit, in the
+        # original conversation, with its message in view
         await pilot.press("ctrl+f")
         await pilot.press(*"live")
         await pilot.pause(0.1)
         options = screen.sidebar.options
         assert options.option_count == 1 and "[live]" in str(options.get_option_at_index(0).prompt)
-        options.focus()
-        options.highlighted = 0
+        assert screen.focused is screen.query_one("#search")
         await pilot.press("enter")
         await pilot.pause(0.1)
         assert screen.conv.id == original.id
         assert isinstance(screen.focused, MessageBox) and screen.focused.text == "Where do they live?"
+        # with several hits, Enter in the box opens the one highlighted
+        await pilot.press("ctrl+f", *"zebras")
+        await pilot.pause(0.1)
+        assert options.option_count >= 2 and options.highlighted == 0  # the question, in both conversations
+        _, conv_id, msg_id = options.get_option_at_index(1).id.split(":")
+        options.highlighted = 1
+        screen.query_one("#search").focus()
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        assert screen.conv.id == conv_id and screen.focused.message.id == int(msg_id)
 
 
 async def test_slash_commands_export_and_persistence(paths, client):
@@ -457,8 +467,99 @@ async def test_speculative_lookup_shows_acceptance_and_answers_as_plain_decoding
             bars[mode] = screen.status.render()
         assert answers["lookup"] == answers["off"] and answers["off"][2] == "complete"
         assert "lighthouse" in answers["off"][1]
-        assert "spec" not in bars["off"].plain
+        assert "guessed" not in bars["off"].plain
         # the figure is whole on the screen: the model's name, not the figures, gave way to fit
         assert bars["lookup"].cell_len <= screen.status.content_size.width, bars["lookup"].plain
-        assert re.search(r"│ \d+\.\d tok/s │ spec \d+%$", bars["lookup"].plain), bars["lookup"].plain
+        assert re.search(r"│ \d+\.\d tok/s │ guessed \d+%$", bars["lookup"].plain), bars["lookup"].plain
         assert screen.status.spec > 0
+
+
+@pytest.mark.parametrize("size", [(80, 24), (50, 30)])
+async def test_notifications_never_cover_the_input(paths, client, size):
+    """Edit, export, branch, delete and undo each say something; none of it lands on the input,
+    where the text being edited is. The delete dialog's button says what it does and takes Enter."""
+    from textual.widgets._toast import Toast
+
+    from edgechat.tui.screens.dialogs import ConfirmScreen
+
+    app = app_for(paths, client)
+    async with app.run_test(size=size, notifications=True) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        await send(pilot, "Name a color.")
+
+        async def check(what: str) -> None:
+            await until(pilot, lambda: any(t.region for t in app.screen.query(Toast)), what=f"the {what} toast")
+            prompt = screen.prompt.region
+            for toast in app.screen.query(Toast):
+                assert not toast.region.overlaps(prompt), (what, toast.region, prompt)
+
+        await pilot.press("ctrl+g")  # edit the last message: its text in the input, a toast saying how
+        assert screen.prompt.text == "Name a color."
+        await check("edit")
+        await pilot.press("escape")
+        await send(pilot, "/export")
+        await check("export")
+        await send(pilot, "/branch")
+        await check("branch")
+        branch = screen.conv
+        await send(pilot, "/delete")
+        assert isinstance(app.screen, ConfirmScreen)
+        assert str(app.screen.focused.label) == "Delete conversation"
+        await pilot.press("enter")
+        await until(pilot, lambda: screen.conv is None, what="the delete")
+        assert app.store.get_conversation(branch.id) is None
+        await check("delete")
+        await send(pilot, "/undo")
+        await check("undo")
+        assert app.store.get_conversation(branch.id) is not None
+
+
+async def test_export_names_the_model_of_each_answer(paths, client):
+    """A conversation answered first by one model and then by another: the export names both in
+    its header, and each answer under its own model."""
+    app = app_for(paths, client)
+    conv = app.store.create_conversation(model="gemma3-270m", settings={**app.config.chat})
+    app.store.add_message(conv.id, "user", "Name a color.")
+    app.store.add_message(conv.id, "assistant", "Blue.", meta={"model": "gemma3-270m"})
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        await screen.open_conversation(conv.id)
+        await send(pilot, "Name a fruit.")
+        await send(pilot, "/export")
+        (exported,) = (paths.data / "exports").iterdir()
+    text = exported.read_text()
+    assert app.store.get_conversation(conv.id).model == client.model_name  # the last model, as before
+    assert f"· models gemma3-270m, {client.model_name}*" in text
+    assert "## Assistant (gemma3-270m)\n\nBlue." in text
+    assert f"## Assistant ({client.model_name})\n\n" in text
+
+
+async def test_the_empty_screen_says_the_embedded_model_is_a_demo(paths, monkeypatch):
+    """A newcomer's first screen: the embedded SmolLM2 is a small demo model, and the one command
+    that pulls a real one names the largest catalog model that fits this machine's free memory."""
+    from edgechat.engine import planner
+    from edgechat.models.catalog import load_catalog
+    from edgechat.tui.widgets.chatview import Markdown
+
+    monkeypatch.setattr(planner, "available_memory", lambda: 1 << 30)  # 1 GiB free
+    fits = [e for e in load_catalog().values() if planner.weights_fit(e.default.size)]
+    best = max(fits, key=lambda e: e.default.size)
+    assert len(fits) < len(load_catalog())  # the choice is not simply the largest entry
+    app = EdgechatApp(paths)  # what `edgechat chat` opens: the embedded model, loaded by the app
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        assert app.client.model_name == "smollm2-135m-instruct"
+        await until(pilot, lambda: screen.chat.query(".welcome"), what="the welcome")
+        await pilot.pause(0.2)
+        (welcome,) = screen.chat.query(".welcome")
+        text = welcome.source if isinstance(welcome, Markdown) else str(welcome.render())
+        assert "smollm2-135m-instruct** is the small demo model" in text
+        assert f"edgechat pull {best.name}\n" in text and f"/model {best.name}" in text
+        assert welcome.region.height > 0
+        await send(pilot, "Name a color.")
+        assert not screen.chat.query(".welcome")  # the conversation has begun
+        await send(pilot, "/new")
+        assert screen.chat.query(".welcome")  # and an empty one says it again

@@ -453,7 +453,7 @@ async def test_footer_shows_the_main_keys_except_on_a_phone(isolated_dirs):
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: app.client is not None)
         footer = app.chat_screen.query_one(Footer)
-        await pilot.pause(0.1)
+        await until(pilot, lambda: len(footer.query("FooterKey")) >= 7)  # composed once the bindings are known
         assert footer.region.height == 1 and footer.region.y == 23
         shown = {(k.key_display, k.description) for k in footer.query("FooterKey")}
         for key in [("^n", "New"), ("esc", "Stop"), ("^f", "Search"), ("^o", "Model"), ("f1", "Help"), ("^q", "Quit")]:
@@ -464,8 +464,7 @@ async def test_footer_shows_the_main_keys_except_on_a_phone(isolated_dirs):
         # the status bar stays whole above it
         assert app.chat_screen.status.region.y == 22
         await pilot.resize_terminal(50, 30)
-        await pilot.pause(0.1)
-        assert footer.region.height == 0
+        await until(pilot, lambda: footer.region.height == 0)
         assert app.chat_screen.status.region.y == 29
 
 

@@ -117,8 +117,19 @@ class ChatScreen(Screen):
     def _draft_file(self):
         return self.app.paths.data / "draft.txt"
 
+    def _place_toasts(self) -> None:
+        # Notifications stack up from just above the input (Textual puts them over the bottom
+        # rows, where the input is: the text being edited was hidden). The input grows with its
+        # text and the footer comes and goes with the width, so the gap is measured, not styled.
+        above = self.prompt.region if self.prompt.region else self.status.region
+        gap = self.size.height - above.y
+        for rack in self.query("#textual-toastrack"):  # (none where notifications are off)
+            if rack.styles.margin.bottom != gap:
+                rack.styles.margin = (0, 0, gap, 0)
+
     @on(TextArea.Changed, "#prompt")
     def _prompt_changed(self) -> None:
+        self.call_after_refresh(self._place_toasts)
         # Typed text survives a quit or a killed process: saved half a second after the last key.
         if self._draft_timer is not None:
             self._draft_timer.stop()
@@ -137,6 +148,7 @@ class ChatScreen(Screen):
 
     def on_resize(self, event) -> None:
         self.set_class(event.size.width < NARROW, "-narrow")
+        self.call_after_refresh(self._place_toasts)
 
     def refresh_sidebar(self) -> None:
         self.sidebar.show_conversations(self.store.list_conversations(), self.conv.id if self.conv else None)
