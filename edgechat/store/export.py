@@ -13,18 +13,29 @@ from edgechat.store.db import Store
 _ROLE_HEADINGS = {"user": "You", "assistant": "Assistant", "system": "System"}
 
 
+def _answer_model(m: dict) -> str | None:
+    return (m.get("meta") or {}).get("model") if m["role"] == "assistant" else None
+
+
 def to_markdown(data: dict) -> str:
-    """Markdown of an export_conversation() dict: title, settings worth knowing, then each message."""
+    """Markdown of an export_conversation() dict: title, settings worth knowing, then each message,
+    an answer under the name of the model that wrote it."""
     lines = [f"# {data['title']}", ""]
     created = time.strftime("%Y-%m-%d %H:%M", time.localtime(data["created_at"]))
-    lines.append(f"*{created}" + (f" · model {data['model']}" if data.get("model") else "") + "*")
+    # The conversation's model is the last one used; the answers may come from others before it.
+    answered = [model for m in data["messages"] if (model := _answer_model(m))]
+    models = list(dict.fromkeys(answered)) or ([data["model"]] if data.get("model") else [])
+    label = "model" if len(models) == 1 else "models"
+    lines.append(f"*{created}" + (f" · {label} {', '.join(models)}" if models else "") + "*")
     system = (data.get("settings") or {}).get("system_prompt")
     if system:
         lines += ["", f"> **System:** {system}"]
     for m in data["messages"]:
         heading = _ROLE_HEADINGS.get(m["role"], m["role"].title())
-        if m.get("status", "complete") != "complete":
-            heading += f" ({m['status']})"
+        status = m.get("status", "complete")
+        notes = [n for n in (_answer_model(m), None if status == "complete" else status) if n]
+        if notes:
+            heading += f" ({', '.join(notes)})"
         lines += ["", f"## {heading}", "", m["content"].rstrip()]
     return "\n".join(lines) + "\n"
 
