@@ -148,3 +148,50 @@ def test_media_marker_tokens_never_reach_the_text(engines):
         seen += marker[0] in done.token_ids
         assert "<start_of_image>" not in done.text and "start_of_image" not in done.text
     assert seen, "no seed sampled the marker: this test no longer shows anything"
+
+
+@pytest.fixture(scope="module")
+def greedy_by_its_maker(smollm2_path, tmp_path_factory):
+    """SmolLM2 whose file recommends greedy decoding (general.sampling.temp = 0, as llama.cpp's
+    converter writes from a generation_config.json): no embedded model carries these keys."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    out = tmp_path_factory.mktemp("sampling") / "smollm2-greedy.gguf"
+    reader = gguf.GGUFReader(str(smollm2_path))
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    F32 = gguf.GGUFValueType.FLOAT32
+    copy_with_new_metadata(reader, writer, {"general.sampling.temp": MetadataDetails(F32, 0.0),
+                                            "general.sampling.top_k": MetadataDetails(gguf.GGUFValueType.INT32, 7)}, [])
+    return out
+
+
+def test_the_models_recommended_sampling_is_the_default(greedy_by_its_maker, smollm2_path):
+    import json
+
+    from edgechat.models import read_model_info
+
+    assert read_model_info(greedy_by_its_maker).sampling == {"temperature": 0.0, "top_k": 7}
+    assert read_model_info(smollm2_path).sampling == {}
+    ask = ["--json", "--max-tokens", "24", "Tell me a story about a dragon."]
+    runs = [json.loads(edgechat("run", "-m", str(greedy_by_its_maker), "--seed", str(seed), *ask).stdout)["text"] for seed in (1, 2)]
+    greedy = json.loads(edgechat("run", "--temperature", "0", *ask).stdout)["text"]
+    assert runs[0] == runs[1] == greedy
+    # what the user asks for still wins over what the file recommends
+    hot = {json.loads(edgechat("run", "-m", str(greedy_by_its_maker), "--temperature", "1.5", "--top-k", "0", "--seed", str(seed),
+                               *ask).stdout)["text"] for seed in (1, 2, 3)}
+    assert len(hot) > 1
+
+
+def test_the_server_lays_a_request_over_the_models_recommended_sampling():
+    from edgechat.engine.request import SamplingParams
+    from edgechat.server.schemas import parse_chat, parse_completion
+
+    base = SamplingParams(temperature=0.0, top_k=7)
+    user = [{"role": "user", "content": "hi"}]
+    assert parse_chat({"messages": user}, sampling=base).request.sampling == base
+    asked = parse_chat({"messages": user, "temperature": 1.2}, sampling=base).request.sampling
+    assert (asked.temperature, asked.top_k) == (1.2, 7) and base.temperature == 0.0
+    assert parse_completion({"prompt": "hi"}, sampling=base).request.sampling == base
+    assert parse_chat({"messages": user, "loop_guard": False}).request.loop_guard is False
+    assert parse_chat({"messages": user}).request.loop_guard is True

@@ -6,6 +6,8 @@ turn start without re-reading the history. With `--raw` the prompt is continued 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import sys
 
@@ -31,19 +33,10 @@ from edgechat.store.answer import StoredAnswer
 from edgechat.store.history import model_messages, with_system_prompt
 
 
-def build_sampling(temperature, top_p, top_k, min_p, repeat_penalty, seed) -> SamplingParams:
-    params = SamplingParams()
-    for name, value in (
-        ("temperature", temperature),
-        ("top_p", top_p),
-        ("top_k", top_k),
-        ("min_p", min_p),
-        ("repeat_penalty", repeat_penalty),
-        ("seed", seed),
-    ):
-        if value is not None:
-            setattr(params, name, value)
-    return params
+def build_sampling(base: SamplingParams, temperature, top_p, top_k, min_p, repeat_penalty, seed) -> SamplingParams:
+    """The options given on the command line laid over `base` (the model's recommended sampling)."""
+    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
+    return dataclasses.replace(base, **{name: value for name, value in given.items() if value is not None})
 
 
 def read_prompt(prompt: str | None) -> str | None:
@@ -93,8 +86,9 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
             raise UsageError("--raw needs a PROMPT argument or stdin")
     if session is not None and text is None:
         raise UsageError("--session needs a MESSAGE argument or stdin")
-    params = dict(sampling=build_sampling(temperature, top_p, top_k, min_p, repeat_penalty, seed),
-                  max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, stop=list(stop),
+    sampling = functools.partial(build_sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                 repeat_penalty=repeat_penalty, seed=seed)
+    params = dict(max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, stop=list(stop),
                   ignore_eos=ignore_eos, loop_guard=loop_guard)
     paths = get_paths(data_dir)
     gpu_layers_note(gpu_layers, rpc)
@@ -102,10 +96,11 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
                        flash_attn=flash_attn, swa_cache=swa_cache, speculative=speculative, draft_model=draft_model, ep=ep, paths=paths,
                        deterministic=deterministic_setting(deterministic, paths))
     if session is not None:
-        finished = _session_turn(cfg, session, text, system, context_policy, params, as_json)
+        finished = _session_turn(cfg, session, text, system, context_policy, params, sampling, as_json)
     else:
         with open_engine(cfg) as engine:
             _warn(engine, raw)
+            params["sampling"] = sampling(engine.default_sampling)
             history: list[dict] = [{"role": "system", "content": system}] if system else []
             if text is None:
                 _interactive(engine, history, params)
@@ -140,7 +135,7 @@ def _warn(engine, raw: bool = False) -> None:
             click.echo(f"edgechat: warning: {warning}", err=True)
 
 
-def _session_turn(cfg, name: str, text: str, system, context_policy, params: dict, as_json: bool):
+def _session_turn(cfg, name: str, text: str, system, context_policy, params: dict, sampling, as_json: bool):
     """One turn of the stored conversation NAME (its id or its name; created if new). The question
     and an empty "interrupted" answer are stored in one write when it is sent, the answer saved as
     it streams and when it ends: a killed or failed turn leaves both, marked, and store/history.py
@@ -162,7 +157,7 @@ def _session_turn(cfg, name: str, text: str, system, context_policy, params: dic
             _warn(engine)
             answer = StoredAnswer.ask(store, conv.id, text, engine.model_name)
             request = ChatRequest(messages=with_system_prompt(settings, model_messages(store, conv.id)),
-                                  session=conv.id, context_policy=policy, **params)
+                                  session=conv.id, context_policy=policy, sampling=sampling(engine.default_sampling), **params)
             try:
                 finished, evicted = stream_answer(engine, request, echo=not as_json, answer=answer)
             except EdgechatError:

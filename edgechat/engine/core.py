@@ -118,6 +118,9 @@ class Engine(PromptQueries):
         self._check_draft(self.speculative_default)
         self.model_path: Path = resolve_model(cfg.model, self.paths)
         self.model_info = info = read_model_info(self.model_path)
+        #: what a request's sampling starts from: the model's recommended settings where its file
+        #: has them, else SamplingParams' own defaults (front ends lay the user's choices on top)
+        self.default_sampling = SamplingParams(**info.sampling)
         self.n_slots = cfg.n_parallel + cfg.hot_sessions
         self.model_name = display_name(cfg.model, self.model_path)
         plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, cfg.kv_type, swa=cfg.swa_cache, label=self.model_name)

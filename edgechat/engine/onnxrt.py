@@ -42,6 +42,7 @@ from edgechat.engine.request import (
     Metrics,
     RequestHandle,
     RequestStatus,
+    SamplingParams,
     TextDelta,
     TokenLogprob,
 )
@@ -197,6 +198,9 @@ class OnnxEngine(PromptQueries):
         self.paths = cfg.paths or get_paths()
         self.model_path: Path = resolve_model(cfg.model, self.paths)
         self.model_info = info = read_onnx_info(self.model_path)
+        #: what a request's sampling starts from: the model's recommended settings where its file
+        #: has them, else SamplingParams' own defaults (front ends lay the user's choices on top)
+        self.default_sampling = SamplingParams(**info.sampling)
         self.plan = planner.choose_context(info, cfg.n_ctx)  # float32 cells: info.kv_element_bytes
         self.n_ctx = self.plan.n_ctx
         self.n_threads = cfg.n_threads or planner.physical_cores()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mmap
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgechat.errors import ModelFormatError, ModelNotFoundError
@@ -61,6 +61,8 @@ class ModelInfo:
     #: and the memory the loaded weights take when it is not the files' size
     kv_element_bytes: float | None = None
     resident_bytes: int | None = None
+    #: the sampling its makers recommend (GGUF `general.sampling.*`), as SamplingParams fields
+    sampling: dict = field(default_factory=dict)
 
     @property
     def n_swa_layers(self) -> int:
@@ -268,4 +270,27 @@ def read_model_info(path: str | Path) -> ModelInfo:
         sliding_window=int(window) if window else None,
         swa_layers=swa_layers,
         chat_template=fields.get("tokenizer.chat_template"),
+        sampling=_recommended_sampling(fields),
     )
+
+
+#: GGUF's general.sampling keys (llama.cpp reads them as its defaults too) and the SamplingParams
+#: field each sets, with the range a value must be in to be taken
+_SAMPLING_KEYS = {
+    "temp": ("temperature", float, 0.0, 2.0),
+    "top_k": ("top_k", int, 0, 1 << 20),
+    "top_p": ("top_p", float, 0.0, 1.0),
+    "min_p": ("min_p", float, 0.0, 1.0),
+    "penalty_repeat": ("repeat_penalty", float, 0.0, 10.0),
+    "penalty_last_n": ("penalty_last_n", int, 0, 1 << 20),
+}
+
+
+def _recommended_sampling(fields: dict) -> dict:
+    out = {}
+    for key, (name, kind, lo, hi) in _SAMPLING_KEYS.items():
+        value = fields.get(f"general.sampling.{key}")
+        # a value of the wrong type or out of range is a broken header, not a setting: ignored
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi:
+            out[name] = kind(value)
+    return out

@@ -190,12 +190,12 @@ class _Server:
 
     async def chat(self, request: Request) -> Response:
         arrival = time.monotonic()
-        parsed = parse_chat(await self.read_body(request), self.settings.max_messages)
+        parsed = parse_chat(await self.read_body(request), self.settings.max_messages, self.engine.default_sampling)
         return await self.generate(request, parsed, "chat", arrival)
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        parsed = parse_completion(await self.read_body(request))
+        parsed = parse_completion(await self.read_body(request), self.engine.default_sampling)
         return await self.generate(request, parsed, "text", arrival)
 
     def priority_of(self, request: Request) -> str:

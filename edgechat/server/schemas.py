@@ -8,6 +8,7 @@ because a wrong type reaching the engine would be a crash, not a user error.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -277,8 +278,9 @@ def _tool_calls(index: int, value: object) -> list[dict]:
     return out
 
 
-def _sampling(body: dict) -> SamplingParams:
-    params = SamplingParams()
+def _sampling(body: dict, base: SamplingParams | None) -> SamplingParams:
+    """The body's sampling fields over `base` (the model's recommended sampling, else our defaults)."""
+    params = dataclasses.replace(base or SamplingParams())
     for name, lo, hi in (
         ("temperature", 0.0, 2.0),
         ("top_p", 0.0, 1.0),
@@ -340,7 +342,7 @@ def _loop_guard(body: dict) -> bool:
     return body.get("loop_guard") is None or _opt_bool(body, "loop_guard")
 
 
-def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages) -> ParsedRequest:
+def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages, sampling: SamplingParams | None = None) -> ParsedRequest:
     model, stream, include_usage, n = _common(body)
     tools = parse_tools(body)
     grammar = response_format_grammar(body.get("response_format"))
@@ -359,7 +361,7 @@ def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages) -> P
     messages = _messages(body, max_messages)
     request = ChatRequest(
         messages=render_messages(messages, tools),
-        sampling=_sampling(body),
+        sampling=_sampling(body, sampling),
         max_tokens=_max_tokens(body, None),
         stop=_stop(body),
         ignore_eos=ignore_eos,
@@ -371,7 +373,7 @@ def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages) -> P
     return ParsedRequest(request, model, stream, include_usage, n, tools if tools is not None and tools.active else None, messages)
 
 
-def parse_completion(body: dict) -> ParsedRequest:
+def parse_completion(body: dict, sampling: SamplingParams | None = None) -> ParsedRequest:
     model, stream, include_usage, n = _common(body)
     for name in ("tools", "tool_choice", "response_format", "top_logprobs"):
         if body.get(name) is not None:
@@ -387,7 +389,7 @@ def parse_completion(body: dict) -> ParsedRequest:
         raise bad_request("'prompt' must not be empty", param="prompt", code="invalid_value")
     request = ChatRequest(
         prompt=_text("prompt", prompt),
-        sampling=_sampling(body),
+        sampling=_sampling(body, sampling),
         # OpenAI's legacy endpoint answers 16 tokens unless told otherwise
         max_tokens=_max_tokens(body, 16),
         stop=_stop(body),
