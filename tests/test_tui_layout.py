@@ -297,6 +297,28 @@ async def test_settings_dialog_validates_and_saves(isolated_dirs):
 
 
 @pytest.mark.asyncio
+async def test_loop_guard_setting_round_trips(isolated_dirs):
+    """[chat] loop_guard = false in config.toml turns the guard off for new conversations; the
+    dialog turns it back on per conversation, and the request to the engine carries it."""
+    from edgechat.tui.config import build_request
+
+    isolated_dirs.config.mkdir(parents=True, exist_ok=True)
+    isolated_dirs.config_file.write_text("[chat]\nloop_guard = false\n")
+    app = make_app(isolated_dirs)
+    async with app.run_test(size=(80, 40)) as pilot:
+        screen = app.chat_screen
+        await pilot.press("f4")
+        await pilot.pause()
+        assert app.screen.query_one("#loop_guard").value is False
+        app.screen.query_one("#loop_guard").value = True
+        app.screen.query_one("#save").press()
+        await pilot.pause(0.3)
+        assert app.screen is screen
+        assert build_request(app.store.get_conversation(screen.conv.id).settings, [], session=None).loop_guard is True
+    assert build_request({}, [], session=None).loop_guard is True
+
+
+@pytest.mark.asyncio
 async def test_speculative_setting_round_trips(isolated_dirs):
     """[chat] speculative in config.toml is a new conversation's default; the dialog changes it per
     conversation, shows it again, and the request to the engine carries it."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import tomli_w
 
 from edgechat.config import Paths, load_settings
-from edgechat.engine.request import ChatRequest, ContextPolicy, SamplingParams
+from edgechat.engine.request import DEFAULT_MAX_TOKENS, ChatRequest, ContextPolicy, SamplingParams
 from edgechat.engine.speculative import SpeculativeMode
 from edgechat.errors import UsageError
 from edgechat.fsutil import atomic_write_text
@@ -22,10 +22,11 @@ SAMPLING_SETTINGS = (
 CHAT_DEFAULTS: dict = {
     "system_prompt": "",
     **{name: getattr(SamplingParams(), name) for name in SAMPLING_SETTINGS},
-    "max_tokens": 512,
+    "max_tokens": DEFAULT_MAX_TOKENS,
     "seed": None,
     "context_policy": "shift",
     "speculative": SpeculativeMode.AUTO.value,
+    "loop_guard": True,
 }
 
 
@@ -93,6 +94,10 @@ def validate_settings(settings: dict) -> dict:
     if spec not in {m.value for m in SpeculativeMode}:
         raise UsageError(f"speculative decoding must be one of: {', '.join(m.value for m in SpeculativeMode)}")
     out["speculative"] = spec
+    guard = out.get("loop_guard", True)
+    if not isinstance(guard, bool):
+        raise UsageError("loop_guard must be true or false")
+    out["loop_guard"] = guard
     out["system_prompt"] = str(out.get("system_prompt") or "")
     return out
 
@@ -107,4 +112,5 @@ def build_request(settings: dict, history: list[dict], session: str | None) -> C
         session=session,
         context_policy=ContextPolicy(s["context_policy"]),
         speculative=s["speculative"],
+        loop_guard=s["loop_guard"],
     )

@@ -1,5 +1,5 @@
 """Per-conversation settings: system prompt, sampling, answer length, seed, context policy,
-speculative decoding."""
+speculative decoding, the loop guard."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from textual import on
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Select, TextArea
+from textual.widgets import Button, Checkbox, Input, Label, Select, TextArea
 
 from edgechat.engine.request import ContextPolicy
 from edgechat.engine.speculative import SpeculativeMode
@@ -67,6 +67,8 @@ class SettingsScreen(ModalScreen[dict | None]):
                     id="speculative",
                     compact=True,
                 )
+                yield Checkbox("Stop an answer that only repeats itself", s.get("loop_guard", True), id="loop_guard",
+                               compact=True)
             yield Label("", id="settings-error", markup=False)  # quotes what was typed
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", id="save", variant="primary", compact=True)
@@ -79,6 +81,7 @@ class SettingsScreen(ModalScreen[dict | None]):
             **{key: self.query_one(f"#{key}", Input).value for key, _, _ in FIELDS},
             "context_policy": self.query_one("#context_policy", Select).value,
             "speculative": self.query_one("#speculative", Select).value,
+            "loop_guard": self.query_one("#loop_guard", Checkbox).value,
         }
 
     @on(Button.Pressed, "#save")
