@@ -402,6 +402,8 @@ class ChatScreen(Screen):
             self._restore_prompt(turn.prompt)
         elif f.reason == "error":
             self.notify(f"The answer failed: {f.error}", severity="error", timeout=10)
+        elif f.repeating:
+            self.notify("Stopped: the answer was only repeating itself (F4: the loop guard)", timeout=8)
         self.refresh_sidebar()
 
     @on(ChatView.AnswerFailed)
