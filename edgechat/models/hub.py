@@ -13,6 +13,7 @@ import importlib
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,7 +201,12 @@ def _catalog_file_for(ref: HubRef) -> str | None:
     return None
 
 
-def resolve_hub(ref: HubRef, paths: Paths) -> Path:
+#: told (bytes of the file done, its bytes in all) as a download goes; an exception it raises
+#: stops the download there, and nothing of it is left in the cache's place
+Progress = Callable[[int, int | None], None]
+
+
+def resolve_hub(ref: HubRef, paths: Paths, progress: Progress | None = None) -> Path:
     """Local GGUF for a Hub reference: from the cache, else downloaded (unless offline)."""
     file = ref.file or _catalog_file_for(ref)
     if file is None:
@@ -215,7 +221,7 @@ def resolve_hub(ref: HubRef, paths: Paths) -> Path:
         return parts[0]
     if offline():
         raise _unreachable(ref.text)
-    return [found or _download(ref.repo, part, ref.text, paths) for part, found in zip(split_part_names(file), parts)][0]
+    return [found or _download(ref.repo, part, ref.text, paths, progress) for part, found in zip(split_part_names(file), parts)][0]
 
 
 def _cached_pick(ref: HubRef, paths: Paths) -> Path | None:
@@ -245,9 +251,9 @@ def download_size(ref: HubRef, paths: Paths) -> int | None:
     return sum(entry.size for entry in listed)
 
 
-def resolve_catalog(entry: CatalogEntry, cfile: CatalogFile, paths: Paths) -> Path:
+def resolve_catalog(entry: CatalogEntry, cfile: CatalogFile, paths: Paths, progress: Progress | None = None) -> Path:
     text = entry.name if cfile is entry.default else f"{entry.name}:{cfile.quant}"
-    return resolve_hub(HubRef(entry.repo, cfile.file, cfile.quant, text), paths)
+    return resolve_hub(HubRef(entry.repo, cfile.file, cfile.quant, text), paths, progress)
 
 
 def is_downloaded(entry: CatalogEntry, cfile: CatalogFile, paths: Paths) -> bool:
@@ -303,7 +309,26 @@ def _drop(path: Path) -> None:
     blob.unlink(missing_ok=True)
 
 
-def _download(repo: str, file: str, text: str, paths: Paths) -> Path:
+def _reporting_bar(progress: Progress) -> type:
+    """A tqdm class for hf_hub_download that draws nothing and tells `progress` every chunk."""
+    from huggingface_hub.utils import tqdm
+
+    class Bar(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+        def update(self, n=1):
+            self.n += n
+            progress(self.n, self.total)
+
+        def update_transfer(self, n):
+            # having it makes a Xet download count on one bar (bytes written) instead of two
+            pass
+
+    return Bar
+
+
+def _download(repo: str, file: str, text: str, paths: Paths, progress: Progress | None = None) -> Path:
     from huggingface_hub import hf_hub_download
 
     from edgechat.models.embedded import sha256_file
@@ -314,7 +339,8 @@ def _download(repo: str, file: str, text: str, paths: Paths) -> Path:
     # hf_hub_download writes to an .incomplete file, resumes it after an interruption, and
     # renames it into place only when complete, so a half-downloaded model is never loaded.
     with _hub_errors(text, repo, file), _progress_on_tty():
-        path = Path(hf_hub_download(repo, file, cache_dir=cache, endpoint=_endpoint(), library_name="edgechat"))
+        path = Path(hf_hub_download(repo, file, cache_dir=cache, endpoint=_endpoint(), library_name="edgechat",
+                                    tqdm_class=_reporting_bar(progress) if progress else None))
     # checked against the listing, not the transfer: a proxy or a broken mirror can serve other bytes
     size = path.stat().st_size
     if listed is not None and size != listed.size:

@@ -15,6 +15,7 @@ from textual.widgets.option_list import Option
 
 from edgechat.config import Paths
 from edgechat.errors import EdgechatError
+from edgechat.tui.screens.download import DownloadScreen
 
 
 @dataclass
@@ -22,6 +23,8 @@ class ModelRow:
     ref: str
     detail: str
     fits: bool | None = None
+    #: a catalog model not on disk: picking it offers the download first
+    to_download: bool = False
 
 
 def describe(ref: str, path, note: str = "") -> ModelRow:
@@ -69,7 +72,7 @@ def local_models(paths: Paths) -> list[ModelRow]:
 
 def catalog_models(paths: Paths) -> list[ModelRow]:
     """The curated catalog: downloaded entries described like local files, the others with their
-    download size (picking one fetches it once; offline, loading says how to pull it)."""
+    download size (picking one offers to download it)."""
     from edgechat.models.catalog import catalog_row, load_catalog
     from edgechat.models.hub import cached_file
 
@@ -82,7 +85,7 @@ def catalog_models(paths: Paths) -> list[ModelRow]:
         else:
             row = catalog_row(entry, cfile)
             rows.append(ModelRow(entry.name, f"{row.size} · {row.quant} · {row.architecture} · {row.description} · "
-                                             f"not downloaded (edgechat pull {entry.name})", row.fits))
+                                             f"not downloaded (edgechat pull {entry.name})", row.fits, True))
     return rows
 
 
@@ -96,6 +99,7 @@ class ModelPickerScreen(ModalScreen[str | None]):
         self.paths = paths
         self.current = current
         self.remote_models = remote_models
+        self._rows: dict[str, ModelRow] = {}
 
     def compose(self):
         with Vertical(classes="dialog models-dialog"):
@@ -118,6 +122,7 @@ class ModelPickerScreen(ModalScreen[str | None]):
         self.app.call_from_thread(self._show, rows)
 
     def _show(self, rows: list[ModelRow]) -> None:
+        self._rows = {row.ref: row for row in rows}
         options = []
         for row in rows:
             label = Text(row.ref, style="bold")
@@ -131,7 +136,19 @@ class ModelPickerScreen(ModalScreen[str | None]):
 
     @on(OptionList.OptionSelected, "#model-list")
     def _picked(self, event: OptionList.OptionSelected) -> None:
-        self.dismiss(event.option.id)
+        ref = event.option.id
+        if not self._rows[ref].to_download:
+            self.dismiss(ref)
+            return
+        from edgechat.models.catalog import load_catalog
+
+        entry = load_catalog()[ref]
+
+        def downloaded(done: bool | None) -> None:
+            if done:
+                self.dismiss(ref)  # loads as if it had been on disk all along
+
+        self.app.push_screen(DownloadScreen(entry, entry.default, self.paths), downloaded)
 
     @on(Input.Submitted, "#model-path")
     def _path(self, event: Input.Submitted) -> None:
