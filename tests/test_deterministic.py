@@ -19,9 +19,12 @@ from __future__ import annotations
 import math
 
 import pytest
+from click.testing import CliRunner
 from neartie import FLAT, FLAT_NEAR_TIE, NEAR_TIE
 
+from edgechat.cli import cli
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
+from edgechat.errors import UsageError
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer clearly and with some detail."}
 #: the request beside the one compared: long enough to be prefilled and decoded alongside it
@@ -114,3 +117,35 @@ def test_the_default_mode_parts_at_a_near_tie_on_the_same_prompts(isolated_dirs,
         share = 1 / sum(math.exp(lp - mine.logprob) for lp in top.values())
         margin = FLAT_NEAR_TIE if share < FLAT else NEAR_TIE
         assert mine.logprob - top.get(theirs.token, -math.inf) < margin, (key, i, share, mine, theirs)
+
+
+def test_run_and_serve_take_the_flag_or_the_config_setting(isolated_dirs, monkeypatch):
+    import edgechat.engine
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def record(config):
+        seen.append(config.deterministic)
+        raise Stop  # the configuration is all this test needs: no model is loaded
+
+    monkeypatch.setattr(edgechat.engine, "open_engine", record)
+
+    def deterministic(*args):
+        result = CliRunner().invoke(cli, list(args))
+        assert isinstance(result.exception, Stop), result.output
+        return seen[-1]
+
+    for command in (["serve"], ["run", "Hello"]):
+        assert deterministic(*command) is False
+        assert deterministic(*command, "--deterministic") is True
+    isolated_dirs.config.mkdir(parents=True, exist_ok=True)
+    isolated_dirs.config_file.write_text("[engine]\ndeterministic = true\n")
+    for command in (["serve"], ["run", "Hello"]):
+        assert deterministic(*command) is True
+        assert deterministic(*command, "--no-deterministic") is False
+    isolated_dirs.config_file.write_text('[engine]\ndeterministic = "yes"\n')
+    result = CliRunner().invoke(cli, ["serve"])
+    assert isinstance(result.exception, UsageError) and "deterministic must be true or false" in str(result.exception)
