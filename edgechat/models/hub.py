@@ -221,7 +221,8 @@ def resolve_hub(ref: HubRef, paths: Paths, progress: Progress | None = None) -> 
         return parts[0]
     if offline():
         raise _unreachable(ref.text)
-    return [found or _download(ref.repo, part, ref.text, paths, progress) for part, found in zip(split_part_names(file), parts)][0]
+    return [found or _download(ref.repo, part, ref.text, paths, progress)
+            for part, found in zip(split_part_names(file), parts)][0]
 
 
 def _cached_pick(ref: HubRef, paths: Paths) -> Path | None:
