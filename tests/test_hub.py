@@ -462,17 +462,20 @@ def test_pull_refuses_a_tampered_or_truncated_download(smollm2_path, isolated_di
     assert len(blobs) == 1  # the refused downloads left no blob behind
 
 
-def test_pull_asks_before_a_model_that_will_not_fit(isolated_dirs, monkeypatch):
+def test_pull_asks_before_a_model_that_will_not_fit(fake_hub, isolated_dirs, tmp_path, monkeypatch):
+    """The question comes before any byte is fetched (the stand-in Hub is reachable, so the
+    question is what stops the pull; an unreachable one is a one-line error before it)."""
     from edgechat.engine import planner
 
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: no download may start
+    for key, value in online(fake_hub, tmp_path).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(planner, "available_memory", lambda: 256 << 20)
     result = CliRunner().invoke(cli, ["pull", "qwen3-4b"], standalone_mode=False)
     assert isinstance(result.exception, UsageError)
     assert str(result.exception) == ("qwen3-4b (2.3 GiB) will not fit in the memory free here (218 MiB); "
                                      "pass --yes to download it anyway")
-    # --yes skips the question: the download is attempted (and fails here, with no Hub to reach)
+    # --yes skips the question: the download is attempted (and fails here: the stand-in has no such file)
     result = CliRunner().invoke(cli, ["pull", "--yes", "qwen3-4b"], standalone_mode=False)
     assert isinstance(result.exception, ModelNotFoundError) and "will not fit" not in str(result.exception)
 
