@@ -101,3 +101,13 @@ def model_settings(paths: Paths, *names: str | None) -> dict:
         if name and isinstance(models.get(name), dict):
             return models[name]
     return {}
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The Jinja text of a --chat-template FILE (or a model's chat_template in config.toml)."""
+    if path is None:
+        return None
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read the chat template {path}: {getattr(exc, 'strerror', None) or exc}") from None

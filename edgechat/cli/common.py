@@ -124,6 +124,15 @@ rpc_option = click.option(
 )
 
 
+chat_template_option = click.option(
+    "--chat-template",
+    default=None,
+    metavar="FILE",
+    help="A Jinja chat template to use instead of the model's own (for a GGUF whose template is missing or "
+    "wrong; per model: chat_template = \"FILE\" under [models.\"NAME\"] in config.toml).",
+)
+
+
 def gpu_layers_note(value, rpc: list[str] | None = None) -> None:
     """One line, never a failure, when --gpu-layers is given to a llama.cpp that cannot offload."""
     from edgechat.engine import devices

@@ -14,6 +14,7 @@ import sys
 import click
 
 from edgechat.cli.common import (
+    chat_template_option,
     data_dir_option,
     deterministic_option,
     deterministic_setting,
@@ -25,12 +26,25 @@ from edgechat.cli.common import (
     swa_cache_option,
 )
 from edgechat.cli.sessions import find_session
-from edgechat.config import get_paths
+from edgechat.config import get_paths, read_chat_template
 from edgechat.engine.request import DEFAULT_MAX_TOKENS, ChatRequest, ContextPolicy, Evicted, SamplingParams, TextDelta
 from edgechat.errors import EdgechatError, UsageError
 from edgechat.store import open_store
 from edgechat.store.answer import StoredAnswer
 from edgechat.store.history import model_messages, with_system_prompt
+
+
+def _think(ctx, param, value: str) -> int | None:
+    """--think on|off|N as a reasoning budget: None (no limit), 0, or N tokens."""
+    if value in ("on", "off"):
+        return None if value == "on" else 0
+    try:
+        budget = int(value)
+    except ValueError:
+        budget = -1
+    if budget < 0:
+        raise click.BadParameter(f"use on, off or a number of tokens, not '{value}'")
+    return budget
 
 
 def build_sampling(base: SamplingParams, temperature, top_p, top_k, min_p, repeat_penalty, seed) -> SamplingParams:
@@ -65,12 +79,16 @@ def read_prompt(prompt: str | None) -> str | None:
 @speculative_option
 @deterministic_option
 @click.option("--ep", default=None, metavar="NAME", help="ONNX models: onnxruntime execution provider (cpu, xnnpack, qnn, coreml, cuda).")
+@click.option("--think", default="on", metavar="on|off|N", callback=_think,
+              help="Reasoning models: think as long as they like (on), not at all (off), or at most N tokens.")
+@click.option("--hide-thinking", is_flag=True, help="Do not print a reasoning model's thoughts (they go to stderr).")
+@chat_template_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.argument("prompt", required=False)
 @data_dir_option
 def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
-            loop_guard, system, session, raw, context_policy, kv_type, flash_attn, swa_cache, speculative, draft_model, deterministic, ep, as_json, prompt,
-            data_dir):
+            loop_guard, system, session, raw, context_policy, kv_type, flash_attn, swa_cache, speculative, draft_model, deterministic, ep,
+            think, hide_thinking, chat_template, as_json, prompt, data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
     from edgechat.engine import EngineConfig, open_engine
 
@@ -89,27 +107,27 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
     sampling = functools.partial(build_sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                  repeat_penalty=repeat_penalty, seed=seed)
     params = dict(max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, stop=list(stop),
-                  ignore_eos=ignore_eos, loop_guard=loop_guard)
+                  ignore_eos=ignore_eos, loop_guard=loop_guard, reasoning_budget=think)
     paths = get_paths(data_dir)
     gpu_layers_note(gpu_layers, rpc)
     cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers, rpc_servers=rpc, kv_type=kv_type,
                        flash_attn=flash_attn, swa_cache=swa_cache, speculative=speculative, draft_model=draft_model, ep=ep, paths=paths,
-                       deterministic=deterministic_setting(deterministic, paths))
+                       deterministic=deterministic_setting(deterministic, paths), chat_template=read_chat_template(chat_template))
     if session is not None:
-        finished = _session_turn(cfg, session, text, system, context_policy, params, sampling, as_json)
+        finished = _session_turn(cfg, session, text, system, context_policy, params, sampling, as_json, not hide_thinking)
     else:
         with open_engine(cfg) as engine:
             _warn(engine, raw)
             params["sampling"] = sampling(engine.default_sampling)
             history: list[dict] = [{"role": "system", "content": system}] if system else []
             if text is None:
-                _interactive(engine, history, params)
+                _interactive(engine, history, params, not hide_thinking)
                 return
             if raw:
                 request = ChatRequest(prompt=text, **params)
             else:
                 request = ChatRequest(messages=history + [{"role": "user", "content": text}], **params)
-            finished, _ = stream_answer(engine, request, echo=not as_json)
+            finished, _ = stream_answer(engine, request, echo=not as_json, thoughts=not hide_thinking)
             if as_json:
                 click.echo(json.dumps(result_json(engine, finished), ensure_ascii=False))
     if max_tokens is None:
@@ -135,7 +153,7 @@ def _warn(engine, raw: bool = False) -> None:
             click.echo(f"edgechat: warning: {warning}", err=True)
 
 
-def _session_turn(cfg, name: str, text: str, system, context_policy, params: dict, sampling, as_json: bool):
+def _session_turn(cfg, name: str, text: str, system, context_policy, params: dict, sampling, as_json: bool, thoughts: bool):
     """One turn of the stored conversation NAME (its id or its name; created if new). The question
     and an empty "interrupted" answer are stored in one write when it is sent, the answer saved as
     it streams and when it ends: a killed or failed turn leaves both, marked, and store/history.py
@@ -159,7 +177,7 @@ def _session_turn(cfg, name: str, text: str, system, context_policy, params: dic
             request = ChatRequest(messages=with_system_prompt(settings, model_messages(store, conv.id)),
                                   session=conv.id, context_policy=policy, sampling=sampling(engine.default_sampling), **params)
             try:
-                finished, evicted = stream_answer(engine, request, echo=not as_json, answer=answer)
+                finished, evicted = stream_answer(engine, request, echo=not as_json, answer=answer, thoughts=thoughts)
             except EdgechatError:
                 if not answer.text:
                     answer.undo()  # nothing came back (too long, failed): the turn was never asked
@@ -179,16 +197,25 @@ def _session_turn(cfg, name: str, text: str, system, context_policy, params: dic
     return finished
 
 
-def stream_answer(engine, request: ChatRequest, echo: bool, answer: StoredAnswer | None = None):
+def stream_answer(engine, request: ChatRequest, echo: bool, answer: StoredAnswer | None = None, thoughts: bool = True):
     """Submit and print text as it comes, each piece handed to `answer` (the store) before it is
-    printed. Ctrl+C cancels the generation and returns the partial answer (reason "cancelled").
-    Returns (Finished, messages evicted from the context)."""
+    printed; a reasoning model's thoughts go to stderr (dimmed on a terminal; not with
+    `thoughts` False) and are not stored. Ctrl+C cancels the generation and returns the partial
+    answer (reason "cancelled"). Returns (Finished, messages evicted from the context)."""
     handle = engine.submit(request)
     evicted = 0
+    dim, thought = sys.stderr.isatty(), False
     try:
         # a terminal needs no more than ~30 updates a second; fewer wake-ups leave the CPU to llama.cpp
         for event in handle.events(every=0.033):
-            if isinstance(event, TextDelta):
+            if isinstance(event, TextDelta) and event.reasoning:
+                if echo and thoughts:
+                    click.echo(click.style(event.text, dim=True) if dim else event.text, err=True, nl=False)
+                    thought = True
+            elif isinstance(event, TextDelta):
+                if thought:
+                    click.echo("", err=True)  # the thoughts end on their own line
+                    thought = False
                 if answer is not None:
                     answer.append(event.text)
                 if echo:
@@ -220,6 +247,8 @@ def result_json(engine, finished, **extra) -> dict:
         "finish_reason": finished.reason,
         "prompt_tokens": m.prompt_tokens,
         "completion_tokens": m.completion_tokens,
+        "reasoning": finished.reasoning or None,
+        "reasoning_tokens": m.reasoning_tokens,
         "ttft_ms": round(m.ttft * 1000, 2),
         "prefill_tps": round(m.prefill_tps, 2),
         "decode_tps": round(m.decode_tps, 2),
@@ -230,7 +259,7 @@ def result_json(engine, finished, **extra) -> dict:
     }
 
 
-def _interactive(engine, history, params: dict) -> None:
+def _interactive(engine, history, params: dict, thoughts: bool) -> None:
     click.echo(f"{engine.model_name} ({engine.n_ctx}-token context). Empty line or Ctrl+D quits.", err=True)
     while True:
         try:
@@ -241,5 +270,5 @@ def _interactive(engine, history, params: dict) -> None:
             return
         history.append({"role": "user", "content": line})
         request = ChatRequest(messages=list(history), session="interactive", **params)
-        finished, _ = stream_answer(engine, request, echo=True)
+        finished, _ = stream_answer(engine, request, echo=True, thoughts=thoughts)
         history.append({"role": "assistant", "content": finished.text})

@@ -8,6 +8,7 @@ import logging
 import click
 
 from edgechat.cli.common import (
+    chat_template_option,
     data_dir_option,
     deterministic_option,
     deterministic_setting,
@@ -59,6 +60,11 @@ def _is_loopback(host: str) -> bool:
 @click.option("--priority-class", "priority_classes", multiple=True, metavar="NAME=SHARE[:QUEUE]", help="A priority class with its own share of the --parallel sequences and its own queue (repeatable); requests pick one by API key or X-Priority.")
 @click.option("--key-class", "key_classes", multiple=True, metavar="KEY=CLASS", help="An API key (accepted besides --api-key) whose requests are in CLASS (repeatable).")
 @click.option("--failover-after", type=click.FloatRange(min=0.0), default=None, help="Seconds without a first token after which a request moves to --fallback-model (X-Failover-After per request).")
+@chat_template_option
+@click.option("--reasoning-budget", type=click.IntRange(min=-1), default=-1, show_default=True,
+              help="Reasoning models: the most tokens a request may think when it names no budget (-1: no limit, 0: no thinking).")
+@click.option("--reasoning-format", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
+              help="auto: thoughts apart in reasoning_content; none: left in the content as the model wrote them.")
 @data_dir_option
 def serve_cmd(
     model: str | None,
@@ -76,6 +82,9 @@ def serve_cmd(
     speculative: str,
     draft_model: str | None,
     deterministic: bool | None,
+    chat_template: str | None,
+    reasoning_budget: int,
+    reasoning_format: str,
     api_key: str | None,
     max_queue: int,
     max_input_tokens: int | None,
@@ -92,7 +101,7 @@ def serve_cmd(
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
     import uvicorn
 
-    from edgechat.config import get_paths
+    from edgechat.config import get_paths, read_chat_template
     from edgechat.engine import EngineConfig, open_engine
     from edgechat.models import DEFAULT_MODEL
     from edgechat.server import create_app
@@ -110,6 +119,8 @@ def serve_cmd(
     log = logging.getLogger("edgechat.server")
     if not _is_loopback(host):
         log.warning("listening on %s: other machines can reach this server%s", host, "" if api_key else " and it has no --api-key")
+
+    template = read_chat_template(chat_template)
 
     def load(name: str, draft: str | None = None):
         return open_engine(
@@ -129,6 +140,7 @@ def serve_cmd(
                 max_queue=max_queue,
                 paths=paths,
                 deterministic=deterministic,
+                chat_template=template,
             )
         )
 
@@ -153,6 +165,8 @@ def serve_cmd(
             priority_classes=classes,
             key_classes=keys,
             failover_after=failover_after,
+            reasoning_budget=None if reasoning_budget == -1 else reasoning_budget,
+            reasoning_format=reasoning_format,
         )
         log.info("serving %s: %d sequences of %d tokens on http://%s:%d/v1", engine.model_name, parallel, engine.n_ctx, host, port)
         uvicorn.run(create_app(settings, engine, fallback), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

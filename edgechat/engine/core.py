@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgechat.config import Paths, get_paths, make_data_dir, model_settings
+from edgechat.config import Paths, get_paths, make_data_dir, model_settings, read_chat_template
 from edgechat.engine import devices, planner
 from edgechat.engine.draft import DraftModel, DraftVocabError
 from edgechat.engine.kvcache import KVManager, Slot
@@ -145,8 +145,9 @@ class Engine(PromptQueries):
             on_progress=cfg.on_load_progress,
         )
         be = self.backend
+        template = cfg.chat_template or read_chat_template(model_settings(self.paths, cfg.model, self.model_name).get("chat_template"))
         self.format = choose_format(
-            cfg.chat_template or be.meta("tokenizer.chat_template"),
+            template or be.meta("tokenizer.chat_template"),
             info.architecture,
             be.token_text(be.bos) if be.bos >= 0 else "",
             be.token_text(be.eos) if be.eos >= 0 else "",
@@ -167,7 +168,7 @@ class Engine(PromptQueries):
         self.draft, self.draft_warning = self._load_draft()
         self.scheduler = Scheduler(
             be, self.kv, self.states, self.n_ctx, 1 if cfg.deterministic else cfg.n_parallel, self._policy, self._speculative,
-            self.draft, deterministic=cfg.deterministic,
+            self.draft, deterministic=cfg.deterministic, reasoning=self.format.reasoning,
         )
         self.prompts = PromptBuilder(
             self.format,

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from edgechat.engine.reasoning import strip_thoughts
 from edgechat.engine.request import ChatRequest, ContextPolicy
 from edgechat.engine.sampling import validate
 from edgechat.engine.templates import ChatFormat, validate_messages
@@ -33,6 +34,8 @@ class Prepared:
     evicted_total: int  # messages of the conversation left out of the prompt
     evicted_now: int  # of which newly left out by this request
     summary: str | None = None  # what the model wrote of them (summarize policy)
+    #: a reasoning model's prompt ends inside an open thinking block (its generation prompt opened it)
+    thinking: bool = False
 
 
 class PromptBuilder:
@@ -119,13 +122,27 @@ class PromptBuilder:
                 cache.popitem(last=False)
         return tokens
 
-    def segments(self, messages: list[dict]) -> list[str]:
+    def segments(self, messages: list[dict], variables: dict | None = None) -> list[str]:
         if self.format.mode == "completion":
             return ["\n\n".join(m["content"] for m in messages)]
-        return self.format.segments(messages)
+        return self.format.segments(messages, **(variables or {}))
+
+    def _variables(self, request: ChatRequest) -> dict:
+        """The template's variables: the request's own, and the thinking switch where the
+        template has one and the request wants no thoughts."""
+        variables = dict(request.template_kwargs)
+        fmt = self.format.reasoning
+        if fmt is not None and fmt.switch and request.reasoning_budget == 0:
+            variables.setdefault(fmt.switch, False)
+        return variables
 
     def _prepare_chat(self, request: ChatRequest, policy: ContextPolicy, limit: int) -> Prepared:
         msgs = validate_messages(request.messages)
+        fmt = self.format.reasoning
+        if fmt is not None:
+            # earlier thoughts are not sent again: they would fill the context with old reasoning
+            msgs = [{**m, "content": strip_thoughts(m["content"], fmt)} if m["role"] == "assistant" else m for m in msgs]
+        variables = self._variables(request)
         # the pinned prefix: leading system messages and leading pinned ones
         keep_msgs = 0
         while keep_msgs < len(msgs) - 1 and (msgs[keep_msgs]["role"] == "system" or keep_msgs in request.pinned):
@@ -133,15 +150,15 @@ class PromptBuilder:
         state = self.session_state(request.session) if request.session else {}
         already = min(state.get("evicted", 0), max(len(msgs) - 1 - keep_msgs, 0))
         summary = state.get("summary") if already else None
-        fit = functools.partial(self._fit, request.session is not None, msgs, keep_msgs)
-        retained, seg_tokens, pinned, evicted = fit(already, summary, limit)
+        fit = functools.partial(self._fit, request.session is not None, msgs, keep_msgs, variables)
+        retained, seg_tokens, pinned, evicted, tail = fit(already, summary, limit)
         if evicted > already and policy is not ContextPolicy.SHIFT:
             # truncate and summarize recompute what follows the cut: cut deeper, so that happens rarely
-            retained, seg_tokens, pinned, evicted = fit(already, summary, limit // 2)
+            retained, seg_tokens, pinned, evicted, tail = fit(already, summary, limit // 2)
         if evicted > already and policy is ContextPolicy.SUMMARIZE and self.summarize is not None:
             # the model condenses what leaves the context; the summary stays pinned in its place
             summary = self.summarize(summary, msgs[keep_msgs + already : keep_msgs + evicted])
-            retained, seg_tokens, pinned, evicted = fit(evicted, summary, limit)
+            retained, seg_tokens, pinned, evicted, tail = fit(evicted, summary, limit)
         tokens: list[int] = []
         spans: list[list[int]] = []
         keep = 0
@@ -152,12 +169,19 @@ class PromptBuilder:
             tokens += st
             if segmented and i < pinned:
                 keep = len(tokens)
-        return Prepared(tokens, keep, spans, evicted, evicted - already, summary)
+        thinking = fmt is not None and request.split_reasoning and fmt.opened_by(tail)
+        if thinking and request.reasoning_budget == 0:
+            # no switch in the template, but its prompt opened the block: close it before the model writes
+            tokens = tokens + self._segment_tokens(fmt.closing)
+            thinking = False
+        return Prepared(tokens, keep, spans, evicted, evicted - already, summary, thinking)
 
-    def _fit(self, can_evict: bool, msgs: list[dict], keep_msgs: int, evicted: int, summary: str | None, limit: int):
+    def _fit(self, can_evict: bool, msgs: list[dict], keep_msgs: int, variables: dict, evicted: int, summary: str | None,
+             limit: int):
         """Leave out the oldest unpinned messages (sessions only) until the prompt fits.
 
-        Returns (retained messages, tokens per segment, pinned messages, evicted count)."""
+        Returns (retained messages, tokens per segment, pinned messages, evicted count, the last
+        segment's text)."""
         extra = [{"role": "system", "content": f"{SUMMARY_PREFIX}{summary}"}] if summary else []
         last = len(msgs) - 1  # the newest message always stays
         if can_evict:
@@ -165,10 +189,11 @@ class PromptBuilder:
         evicted = min(evicted, max(last - keep_msgs, 0))
         while True:
             retained = msgs[:keep_msgs] + extra + msgs[keep_msgs + evicted :]
-            seg_tokens = self.tokens_for(self.segments(retained))
+            segments = self.segments(retained, variables)
+            seg_tokens = self.tokens_for(segments)
             total = sum(len(t) for t in seg_tokens)
             if total <= limit or not can_evict or keep_msgs + evicted >= last:
-                return retained, seg_tokens, keep_msgs + len(extra), evicted
+                return retained, seg_tokens, keep_msgs + len(extra), evicted, segments[-1]
             # drop as many of the oldest unpinned messages as cover the excess, in one go; a
             # template that renders the prompt as one piece is measured message by message
             excess, first = total - limit, keep_msgs + len(extra)

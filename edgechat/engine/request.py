@@ -73,6 +73,13 @@ class ChatRequest:
     #: stop an answer that only repeats itself (stream.LoopGuard); never with ignore_eos, whose
     #: benchmarks want every token they asked for
     loop_guard: bool = True
+    #: reasoning models: None thinks as long as it likes, 0 not at all (the template's switch,
+    #: else the block closed at once), N at most N tokens, then the engine closes the block
+    reasoning_budget: int | None = None
+    #: False: a reasoning model's thoughts stay in the answer's text, markers and all
+    split_reasoning: bool = True
+    #: extra variables for the chat template (`enable_thinking`, ...: chat_template_kwargs)
+    template_kwargs: dict = field(default_factory=dict)
     #: a conversation id: its KV sequence is kept between turns for prefix reuse
     session: str | None = None
     context_policy: ContextPolicy = ContextPolicy.SHIFT
@@ -131,6 +138,8 @@ class RequestMetrics:
     #: prompt tokens that came from the KV cache (live sequence or snapshot), not prefilled
     cached_tokens: int = 0
     completion_tokens: int = 0
+    #: of which the model's thoughts (a reasoning model's)
+    reasoning_tokens: int = 0
     #: tokens in the sequence's context after the request
     context_tokens: int = 0
     context_size: int = 0
@@ -171,6 +180,8 @@ class TextDelta:
     #: with ChatRequest.logprobs: the tokens whose text this delta releases (text held back
     #: for a stop string or an unfinished character comes with a later delta)
     logprobs: list[TokenLogprob] | None = None
+    #: the model's thoughts (a reasoning model's), not its answer
+    reasoning: bool = False
 
 
 @dataclass
@@ -200,6 +211,8 @@ class Finished:
     logprobs: list[TokenLogprob] | None = None
     #: the loop guard ended it (reason "length"): front ends say so
     repeating: bool = False
+    #: a reasoning model's thoughts (not in `text`)
+    reasoning: str = ""
 
 
 Event = Union[TextDelta, Evicted, Metrics, Finished]

@@ -38,6 +38,7 @@ from edgechat.engine.request import (
 from edgechat.engine.sampling import SamplerChain
 from edgechat.engine.sessions import ConversationStates
 from edgechat.engine.speculative import MAX_DRAFT, DraftPolicy, NgramDrafter, SpeculativeMode, StepCost
+from edgechat.engine.reasoning import ReasoningFormat, ReasoningSplitter
 from edgechat.engine.stream import OutputProcessor
 from edgechat.errors import EngineBusyError
 
@@ -89,6 +90,7 @@ class Scheduler:
         speculative: Callable[[ChatRequest], SpeculativeMode],
         draft: DraftModel | None = None,
         deterministic: bool = False,
+        reasoning: ReasoningFormat | None = None,
     ):
         self.backend = backend
         self.kv = kv
@@ -100,6 +102,9 @@ class Scheduler:
         self.draft = draft
         #: each request alone on an empty cache (EngineConfig.deterministic; n_parallel is then 1)
         self.deterministic = deterministic
+        #: the model's thinking markers, and the tokens that close its thoughts at a budget
+        self.reasoning = reasoning
+        self._closing = backend.tokenize(reasoning.closing, add_bos=False, special=True) if reasoning else []
         #: what a wider batch costs on this machine, measured on every step
         self.cost = StepCost()
         self.waiting: deque[Running] = deque()
@@ -182,7 +187,10 @@ class Scheduler:
         run.pending = prompt[run.cached :]
         run.sampler = SamplerChain(req.sampling, self.backend.n_vocab, self.backend.vocab, req.grammar)
         run.sampler.accept_prompt(prompt)
-        run.proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos)
+        splitter = None
+        if self.reasoning is not None and req.messages is not None and req.split_reasoning:
+            splitter = ReasoningSplitter(self.reasoning, run.prep.thinking)
+        run.proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos, splitter=splitter)
         mode = self.speculative(req)
         if mode in (SpeculativeMode.AUTO, SpeculativeMode.LOOKUP):
             run.drafter = NgramDrafter(prompt)
@@ -269,15 +277,17 @@ class Scheduler:
         run.logprobs.append(TokenLogprob(be.piece(token), logprob, [(be.piece(t), lp) for t, lp in top]))
 
     def _emit_text(self, run: Running, text: str) -> None:
-        """Text to the client, with the log probabilities of the tokens emitted since the last
-        text (the end-of-generation token has none to report)."""
-        if not text:
-            return
-        logprobs = None
-        if run.request.logprobs is not None:
-            logprobs = run.logprobs[run.logprobs_sent : run.n_out]
-            run.logprobs_sent = run.n_out
-        run.handle.emit(TextDelta(text, logprobs))
+        """Text to the client, after the thoughts released with it, with the log probabilities
+        of the tokens emitted since the last text (the end-of-generation token has none)."""
+        thought = run.proc.take_reasoning() if run.proc is not None else ""
+        for part, reasoning in ((thought, True), (text, False)):
+            if not part:
+                continue
+            logprobs = None
+            if run.request.logprobs is not None:
+                logprobs = run.logprobs[run.logprobs_sent : run.n_out]
+                run.logprobs_sent = run.n_out
+            run.handle.emit(TextDelta(part, logprobs, reasoning))
 
     def _add_drafts(self, decoding: list[Running]) -> None:
         """Put drafted tokens after each decoding sequence's next token, with logits at each."""
@@ -354,8 +364,8 @@ class Scheduler:
         for j, index in enumerate(run.draft_indices):
             token = self._sample(run, index)
             status = self._on_token(run, token)
-            if status is not None:
-                break
+            if status is not None or run.pending:
+                break  # ended, or a thinking budget closed the thoughts: the token is re-read with them
             if j < len(draft) and token == draft[j]:
                 accepted += 1  # already in the cache, and its logits are the next to sample
                 continue
@@ -383,6 +393,18 @@ class Scheduler:
             return RequestStatus.FINISHED_REPEATING if run.proc.repeating else RequestStatus.FINISHED_STOPPED
         if req.max_tokens is not None and run.n_out >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
+        budget = req.reasoning_budget
+        if budget is not None and run.proc.thinking and run.proc.reasoning_tokens >= budget:
+            # the budget is spent: the engine writes the end of the thoughts itself, into the
+            # sequence as if the model had, and the answer follows them
+            for closing in self._closing:
+                run.n_out += 1
+                run.tokens_out.append(closing)
+                self._emit_text(run, run.proc.feed(be.piece(closing), closing))
+            run.pending = [token, *self._closing]
+            if run.drafter is not None:
+                run.drafter.extend(run.pending)
+            return None
         if run.drafter is not None:
             run.drafter.extend([token])
         run.next_token = token
@@ -410,6 +432,8 @@ class Scheduler:
         )
         if run.restored is not None:
             metrics.prompt_cache_hit, metrics.restored_tokens = run.restored > 0, run.restored
+        if run.proc is not None:
+            metrics.reasoning_tokens = run.proc.reasoning_tokens
         policies = [p for p in (run.policy, run.model_policy) if p is not None]
         if policies:
             metrics.drafted_tokens = sum(p.drafted for p in policies)
@@ -418,7 +442,8 @@ class Scheduler:
         text = run.proc.text if run.proc is not None else ""
         logprobs = run.logprobs[: run.n_out] if run.request.logprobs is not None else None
         run.handle.emit(Finished(FINISH_REASONS[status], text, metrics, error, run.tokens_out, logprobs,
-                                 repeating=status is RequestStatus.FINISHED_REPEATING))
+                                 repeating=status is RequestStatus.FINISHED_REPEATING,
+                                 reasoning=run.proc.reasoning if run.proc is not None else ""))
 
     def fail_running(self, exc: Exception) -> None:
         """A step failed (a bug, a llama.cpp error): its requests end with the error."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import codecs
 from collections import deque
 
+from edgechat.engine.reasoning import Phase, ReasoningSplitter
+
 
 class LoopGuard:
     """Tells when an answer has become a loop: nearly every recent token ends a run of GRAM
@@ -42,31 +44,63 @@ class LoopGuard:
 
 
 class OutputProcessor:
-    def __init__(self, stop: list[str] | None = None, loop_guard: bool = False):
+    """With a `splitter` (a reasoning model's), text inside its thoughts goes to `reasoning`
+    (taken with take_reasoning()) and only the answer to the returned text, where stop strings
+    apply: a stop string written while thinking does not end the answer."""
+
+    def __init__(self, stop: list[str] | None = None, loop_guard: bool = False, splitter: ReasoningSplitter | None = None):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = [s for s in (stop or []) if s]
         self._guard = LoopGuard() if loop_guard else None
+        self._splitter = splitter
         self._held = ""  # decoded text not yet emitted: it may be the start of a stop string
         self.text = ""  # everything emitted so far
+        self.reasoning = ""  # the thoughts so far
+        self.reasoning_tokens = 0
+        self._new_reasoning = ""
         self.stopped = False  # a stop string was found, or the loop guard tripped
         self.repeating = False  # the loop guard tripped
 
+    @property
+    def thinking(self) -> bool:
+        return self._splitter is not None and self._splitter.phase is Phase.THINKING
+
     def feed(self, data: bytes, token: int | None = None) -> str:
-        """Add one token's bytes (and its id, for the loop guard); return the text that is now
-        safe to emit."""
+        """Add one token's bytes (and its id, for the loop guard); return the answer's text that
+        is now safe to emit."""
         if self.stopped:
             return ""
-        self._held += self._decoder.decode(data)
+        text = self._decoder.decode(data)
+        if self._splitter is not None:
+            was_thinking = self.thinking
+            thought, text = self._splitter.feed(text)
+            self._add_reasoning(thought)
+            # the token that opens the block and the one that closes it are the thoughts' too
+            self.reasoning_tokens += was_thinking or self.thinking
+        self._held += text
         out = self._release(final=False)
         if token is not None and self._guard is not None and not self.stopped and self._guard.feed(token):
             self.stopped = self.repeating = True
+        return out
+
+    def take_reasoning(self) -> str:
+        """The thoughts released since the last call."""
+        out, self._new_reasoning = self._new_reasoning, ""
         return out
 
     def finish(self) -> str:
         """End of generation: flush what was held. An incomplete UTF-8 tail (a character cut by
         max_tokens) is dropped, not rendered as U+FFFD: llama-server ends such answers cleanly too."""
         self._decoder.reset()
+        if self._splitter is not None and not self.stopped:
+            thought, text = self._splitter.finish()
+            self._add_reasoning(thought)
+            self._held += text
         return self._release(final=True)
+
+    def _add_reasoning(self, text: str) -> None:
+        self.reasoning += text
+        self._new_reasoning += text
 
     def _release(self, final: bool) -> str:
         held = self._held

@@ -14,6 +14,7 @@ from typing import Callable
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from edgechat.engine.reasoning import ReasoningFormat, reasoning_format
 from edgechat.errors import UsageError
 
 # Written for edgechat from the published turn formats of each family.
@@ -96,6 +97,11 @@ class ChatFormat:
     #: the Jinja source rendered (None in completion mode): the server reads its tool syntax there
     source: str | None = None
 
+    @property
+    def reasoning(self) -> ReasoningFormat | None:
+        """The thinking markers of a reasoning model's template (None: the model does not think)."""
+        return reasoning_format(self.source)
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
         """The prompt; `variables` go to the template as they are (`tools` for one that takes them)."""
         try:
@@ -103,7 +109,7 @@ class ChatFormat:
         except TemplateError as exc:
             raise UsageError(f"the model's chat template rejected these messages: {exc}") from None
 
-    def segments(self, messages: list[dict]) -> list[str]:
+    def segments(self, messages: list[dict], **variables) -> list[str]:
         """The prompt split at message boundaries: one string per message, then the generation prompt.
 
         Segment i is what rendering messages[:i+1] adds to rendering messages[:i], as if the
@@ -112,16 +118,16 @@ class ChatFormat:
         messages in place (it rewrites their content, or emits one later than where it stands),
         the whole prompt is one segment.
         """
-        full = self.render(messages, True)
+        full = self.render(messages, True, **variables)
         try:
-            cuts = self._cuts(messages, full)
+            cuts = self._cuts(messages, full, variables)
         except TemplateError:
             cuts = None
         if cuts is None:
             return [full]
         return [full[a:b] for a, b in zip([0] + cuts, cuts + [len(full)])]
 
-    def _cuts(self, messages: list[dict], full: str) -> list[int] | None:
+    def _cuts(self, messages: list[dict], full: str, variables: dict) -> list[int] | None:
         """Where each message's rendering ends in `full`, or None if that cannot be told.
 
         The template is rendered once with each content replaced by a numbered marker, which
@@ -132,7 +138,7 @@ class ChatFormat:
         """
         marks = [f"{_MARK_OPEN}{i}{_MARK_CLOSE}" for i in range(len(messages))]
         marked = [{"role": m["role"], "content": mk} for m, mk in zip(messages, marks)]
-        g = self._render(marked, True)
+        g = self._render(marked, True, **variables)
         starts: list[int] = []
         pos = 0
         for mk in marks:
@@ -146,7 +152,7 @@ class ChatFormat:
         for i, m in enumerate(messages):
             role, end = m["role"], starts[i] + len(marks[i])
             if role not in suffix:
-                probe = self._render(marked[: i + 1], False)
+                probe = self._render(marked[: i + 1], False, **variables)
                 at = probe.rfind(marks[i])
                 if at < 0:
                     # rendered later (Gemma puts the system prompt inside the first user turn):

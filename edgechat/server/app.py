@@ -190,7 +190,9 @@ class _Server:
 
     async def chat(self, request: Request) -> Response:
         arrival = time.monotonic()
-        parsed = parse_chat(await self.read_body(request), self.settings.max_messages, self.engine.default_sampling)
+        parsed = parse_chat(await self.read_body(request), self.settings.max_messages, self.engine.default_sampling,
+                            self.settings.reasoning_budget)
+        parsed.request.split_reasoning = self.settings.reasoning_format != "none"
         return await self.generate(request, parsed, "chat", arrival)
 
     async def completions(self, request: Request) -> Response:
@@ -483,6 +485,13 @@ class _Server:
             _cancel([g for g, c in zip(gens, choices) if c.finished is None])
 
     def stream_text(self, kind: str, ids: ResponseIds, index: int, c: _StreamedChoice, deltas: list[TextDelta]):
+        thought = "".join(d.text for d in deltas if d.reasoning)
+        if thought and kind == "chat":
+            # thoughts before the answer's text: tool calls and stop strings never see them
+            yield sse(responses.chunk(kind, ids, None, None, index=index, reasoning=thought))
+        deltas = [d for d in deltas if not d.reasoning]
+        if not deltas:
+            return
         text = "".join(d.text for d in deltas)
         entries = [e for d in deltas for e in d.logprobs or ()] if deltas[0].logprobs is not None else None
         logprobs = responses.logprobs_body(kind, entries, c.offset)

@@ -41,6 +41,7 @@ def usage(finished: list[Finished]) -> dict:
         "completion_tokens": completion,
         "total_tokens": first.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": sum(f.metrics.reasoning_tokens for f in finished)},
     }
 
 
@@ -104,6 +105,8 @@ def completion_body(choices: list[Choice], kind: str, ids: ResponseIds) -> dict:
     for i, c in enumerate(choices):
         if kind == "chat":
             message: dict = {"role": "assistant", "content": c.content if c.content or not c.tool_calls else None}
+            if c.finished.reasoning:
+                message["reasoning_content"] = c.finished.reasoning
             if c.tool_calls:
                 message["tool_calls"] = [call.body() for call in c.tool_calls]
             choice = {"index": i, "message": message}
@@ -125,10 +128,14 @@ def chunk(
     index: int = 0,
     tool_calls: list[dict] | None = None,
     logprobs: dict | None = None,
+    reasoning: str | None = None,
 ) -> dict:
-    """One stream chunk; `role` makes the chat stream's opening chunk."""
+    """One stream chunk; `role` makes the chat stream's opening chunk; `reasoning` is a reasoning
+    model's thoughts, in the field llama-server and vLLM clients read (`reasoning_content`)."""
     if kind == "chat":
         delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if tool_calls:
             delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta}

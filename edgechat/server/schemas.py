@@ -38,7 +38,6 @@ _UNSUPPORTED: dict[str, tuple] = {
     "function_call": ("none", "auto"),
     "modalities": (["text"],),
     "audio": (),
-    "reasoning_effort": (),
     "verbosity": (),
     "web_search_options": (),
     "suffix": ("",),
@@ -337,12 +336,45 @@ def _max_tokens(body: dict, default: int | None) -> int | None:
     return default if value is None else value
 
 
+#: reasoning_effort's values and the thinking budget each means (None: as long as the model likes)
+REASONING_EFFORT = {"none": 0, "minimal": 0, "low": 512, "medium": 2048, "high": None}
+
+
+def _reasoning_budget(body: dict, default: int | None) -> int | None:
+    """edgechat's `reasoning_budget` (tokens; -1: no limit), else OpenAI's `reasoning_effort`,
+    else the server's default (`serve --reasoning-budget`)."""
+    if body.get("reasoning_budget") is not None:
+        budget = _opt_int(body, "reasoning_budget", lo=-1)
+        return None if budget == -1 else budget
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return default
+    if effort not in REASONING_EFFORT:
+        raise bad_request(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORT)}", param="reasoning_effort",
+                          code="invalid_value")
+    return REASONING_EFFORT[effort]
+
+
+def _template_kwargs(body: dict) -> dict:
+    """`chat_template_kwargs`: variables for the model's chat template (llama-server's and vLLM's
+    field), scalars only: a template is code, and nothing else is needed to switch it."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, (str, int, float, bool)))
+                                              for k, v in value.items()):
+        raise bad_request("'chat_template_kwargs' must be an object of strings, numbers, booleans or nulls",
+                          param="chat_template_kwargs", code="invalid_type")
+    return dict(value)
+
+
 def _loop_guard(body: dict) -> bool:
     """edgechat's own field: `"loop_guard": false` lets an answer that repeats itself go on."""
     return body.get("loop_guard") is None or _opt_bool(body, "loop_guard")
 
 
-def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages, sampling: SamplingParams | None = None) -> ParsedRequest:
+def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages, sampling: SamplingParams | None = None,
+               reasoning_budget: int | None = None) -> ParsedRequest:
     model, stream, include_usage, n = _common(body)
     tools = parse_tools(body)
     grammar = response_format_grammar(body.get("response_format"))
@@ -366,6 +398,8 @@ def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages, samp
         stop=_stop(body),
         ignore_eos=ignore_eos,
         loop_guard=_loop_guard(body),
+        reasoning_budget=_reasoning_budget(body, reasoning_budget),
+        template_kwargs=_template_kwargs(body),
         speculative=_speculative(body),
         grammar=grammar,
         logprobs=_chat_logprobs(body),

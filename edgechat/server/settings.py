@@ -21,6 +21,10 @@ class ServerSettings:
     degrade_queue_wait: float | None = 10.0
     #: the max_tokens cap while degraded
     degrade_max_tokens: int = 256
+    #: a reasoning model's thinking budget when a request names none (None: no limit, 0: off)
+    reasoning_budget: int | None = None
+    #: "auto": thoughts apart in reasoning_content; "none": left in the content as the model wrote them
+    reasoning_format: str = "auto"
     #: request bodies larger than this get 413
     max_body_bytes: int = 8 * 1024 * 1024
     #: chat requests with more messages get 400 before any templating. Chat templates frame each
