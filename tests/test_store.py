@@ -93,6 +93,33 @@ def test_m003_adds_branch_origin_to_existing_rows():
     assert tuple(row) == (None, None)
 
 
+def test_m004_keeps_thoughts_apart_from_answers_written_before_it(store):
+    db = _db()
+    for step in (mig.m001_initial, mig.m002_message_search, mig.m003_branch_origin):
+        step(db)
+    db.execute("INSERT INTO conversations (id, title, created_at, updated_at) VALUES ('c', 't', 0, 0)")
+    db.execute("INSERT INTO messages (conversation_id, role, content, created_at) VALUES ('c', 'assistant', 'old', 0)")
+    mig.m004_message_reasoning(db)
+    assert db.execute("SELECT content, reasoning FROM messages").fetchall() == [("old", "")]
+    # thoughts are not searched: the index stays on the answer's text
+    db.execute("UPDATE messages SET reasoning = 'pondering zebras' WHERE id = 1")
+    assert db.execute("SELECT rowid FROM messages_fts WHERE messages_fts MATCH 'zebras'").fetchall() == []
+    # the store reads and writes them, and a branch, an export and an import carry them
+    conv = store.create_conversation()
+    user = store.add_message(conv.id, "user", "hi")
+    answer = store.add_message(conv.id, "assistant", "")
+    store.update_message(answer.id, content="Hello.", reasoning="The user greets me.")
+    assert (store.get_message(answer.id).content, store.get_message(answer.id).reasoning) == ("Hello.", "The user greets me.")
+    assert store.get_message(user.id).reasoning == ""
+    branch = store.branch(conv.id, answer.id)
+    assert [m.reasoning for m in store.messages(branch.id)] == ["", "The user greets me."]
+    data = store.export_conversation(conv.id)
+    assert [m.get("reasoning") for m in data["messages"]] == [None, "The user greets me."]
+    store.delete_conversation(conv.id)
+    assert store.messages(store.import_conversation(data).id)[1].reasoning == "The user greets me."
+    assert model_messages(store, conv.id) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}]
+
+
 def test_failed_migration_rolls_back_and_is_not_recorded(monkeypatch):
     db = _db()
 

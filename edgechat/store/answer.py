@@ -53,6 +53,10 @@ class StoredAnswer:
         self.id = self.message.id
         #: everything that arrived so far (the store has it as of the last save)
         self.text = ""
+        #: a reasoning model's thoughts so far, kept apart from the answer
+        self.reasoning = ""
+        #: seconds from the first thought to the first word of the answer (None: no thoughts yet)
+        self.thought_s: float | None = None
         self._saved_at: float | None = None
 
     @classmethod
@@ -61,13 +65,21 @@ class StoredAnswer:
         user, answer = store.add_turn(conversation_id, question, meta={"model": model})
         return cls(store, conversation_id, user.id, question, model, message=answer, **kwargs)
 
-    def append(self, text: str) -> None:
-        self.text += text
+    def append(self, text: str, reasoning: bool = False) -> None:
+        """More of the answer, or (`reasoning`) more of the model's thoughts before it."""
+        if reasoning:
+            self.reasoning += text
+        else:
+            self.text += text
         now = time.monotonic()
         # The first text at once: a turn killed right after it started to answer keeps it.
         if self._saved_at is None or now - self._saved_at >= SAVE_INTERVAL:
             self._saved_at = now
-            self._write(content=self.text)
+            self._write(**self._texts())
+
+    def _texts(self) -> dict:
+        # thoughts are written only by an answer that has them: other answers' writes stay as before
+        return {"content": self.text, **({"reasoning": self.reasoning} if self.reasoning else {})}
 
     def finish(self, finished: Finished) -> Message:
         """The answer ended: store its final text, status and metrics; returns the message (as
@@ -84,19 +96,25 @@ class StoredAnswer:
         if finished.error:
             meta["error"] = finished.error
         self.text = finished.text
+        # the engine's thoughts are whole (a remote server's may be only what streamed)
+        self.reasoning = finished.reasoning or self.reasoning
+        if self.reasoning:
+            meta["reasoning_tokens"] = m.reasoning_tokens
+            if self.thought_s is not None:
+                meta["thought_s"] = round(self.thought_s, 2)
         status = _STATUS.get(finished.reason, "error")
-        if self._write(content=finished.text, status=status, meta=meta):
+        if self._write(**self._texts(), status=status, meta=meta):
             return self.store.get_message(self.id)
         return Message(self.id, self.conversation_id, "assistant", finished.text, status,
-                       {**self.message.meta, **meta}, self.message.created_at)
+                       {**self.message.meta, **meta}, self.message.created_at, self.reasoning)
 
     def interrupt(self) -> None:
         """The app is quitting mid-answer: keep what arrived, marked interrupted."""
-        self._write(content=self.text, status="interrupted")
+        self._write(**self._texts(), status="interrupted")
 
     def fail(self, error: str) -> None:
         """The stream broke (a bug, not a user error): keep what arrived, marked as an error."""
-        self._write(content=self.text, status="error", meta={"error": error})
+        self._write(**self._texts(), status="error", meta={"error": error})
 
     def undo(self) -> int:
         """Nothing came back: remove the answer and the message sent with it; returns the first id removed.

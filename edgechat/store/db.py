@@ -48,6 +48,8 @@ class Message:
     #: answer stats and the like: ttft, tok/s, finish reason, model
     meta: dict = field(default_factory=dict)
     created_at: float = 0.0
+    #: a reasoning model's thoughts before the answer ("" for none): shown and exported, never sent again
+    reasoning: str = ""
 
 
 class SearchHit(NamedTuple):
@@ -91,6 +93,7 @@ def _message(row: sqlite3.Row) -> Message:
         status=row["status"],
         meta=json.loads(row["meta"]),
         created_at=row["created_at"],
+        reasoning=row["reasoning"],
     )
 
 
@@ -312,12 +315,18 @@ class Store:
         return user, answer
 
     def update_message(
-        self, msg_id: int, content: str | None = None, status: str | None = None, meta: dict | None = None
+        self,
+        msg_id: int,
+        content: str | None = None,
+        status: str | None = None,
+        meta: dict | None = None,
+        reasoning: str | None = None,
     ) -> None:
         """Change an answer as it streams or ends; `meta` is merged into what is there."""
         if status is not None and status not in MESSAGE_STATUSES:
             raise ValueError(f"unknown message status {status!r}")
-        with self._tx(len(content.encode()) if content else 0) as db:
+        size = len(content.encode()) if content else 0
+        with self._tx(size + (len(reasoning.encode()) if reasoning else 0)) as db:
             row = db.execute("SELECT meta FROM messages WHERE id = ?", (msg_id,)).fetchone()
             if row is None:
                 raise StoreError(f"no message with id {msg_id}")
@@ -325,6 +334,8 @@ class Store:
                 db.execute("UPDATE messages SET content = ? WHERE id = ?", (content, msg_id))
             if status is not None:
                 db.execute("UPDATE messages SET status = ? WHERE id = ?", (status, msg_id))
+            if reasoning is not None:
+                db.execute("UPDATE messages SET reasoning = ? WHERE id = ?", (reasoning, msg_id))
             if meta is not None:
                 merged = {**json.loads(row["meta"]), **meta}
                 db.execute("UPDATE messages SET meta = ? WHERE id = ?", (json.dumps(merged), msg_id))
@@ -378,8 +389,8 @@ class Store:
                 parent_message_id=at_message_id,
             )
             db.execute(
-                "INSERT INTO messages (conversation_id, role, content, status, meta, created_at)"
-                " SELECT ?, role, content, status, meta, created_at FROM messages"
+                "INSERT INTO messages (conversation_id, role, content, status, meta, created_at, reasoning)"
+                " SELECT ?, role, content, status, meta, created_at, reasoning FROM messages"
                 " WHERE conversation_id = ? AND id <= ? ORDER BY id",
                 (new.id, conv_id, at_message_id),
             )
@@ -407,6 +418,8 @@ class Store:
                     "status": m.status,
                     "meta": m.meta,
                     "created_at": m.created_at,
+                    # only an answer that thought has the field: other exports are as before
+                    **({"reasoning": m.reasoning} if m.reasoning else {}),
                 }
                 for m in self.messages(conv_id)
             ],
@@ -431,8 +444,8 @@ class Store:
                 ),
             )
             db.executemany(
-                "INSERT INTO messages (conversation_id, role, content, status, meta, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO messages (conversation_id, role, content, status, meta, created_at, reasoning)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [
                     (
                         data["id"],
@@ -441,6 +454,7 @@ class Store:
                         m.get("status", "complete"),
                         json.dumps(m.get("meta") or {}),
                         m.get("created_at", data["created_at"]),
+                        m.get("reasoning") or "",
                     )
                     for m in data["messages"]
                 ],

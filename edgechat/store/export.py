@@ -19,7 +19,7 @@ def _answer_model(m: dict) -> str | None:
 
 def to_markdown(data: dict) -> str:
     """Markdown of an export_conversation() dict: title, settings worth knowing, then each message,
-    an answer under the name of the model that wrote it."""
+    an answer under the name of the model that wrote it, its thoughts (if any) quoted before it."""
     lines = [f"# {data['title']}", ""]
     created = time.strftime("%Y-%m-%d %H:%M", time.localtime(data["created_at"]))
     # The conversation's model is the last one used; the answers may come from others before it.
@@ -36,7 +36,12 @@ def to_markdown(data: dict) -> str:
         notes = [n for n in (_answer_model(m), None if status == "complete" else status) if n]
         if notes:
             heading += f" ({', '.join(notes)})"
-        lines += ["", f"## {heading}", "", m["content"].rstrip()]
+        lines += ["", f"## {heading}", ""]
+        thoughts = (m.get("reasoning") or "").strip()
+        if thoughts:
+            # the model's thoughts, quoted before the answer they led to
+            lines += ["> **Thoughts**", ">", *(f"> {line}".rstrip() for line in thoughts.splitlines()), ""]
+        lines.append(m["content"].rstrip())
     return "\n".join(lines) + "\n"
 
 

@@ -88,6 +88,12 @@ def m003_branch_origin(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE conversations ADD COLUMN parent_message_id INTEGER")
 
 
+@migration
+def m004_message_reasoning(db: sqlite3.Connection) -> None:
+    # A reasoning model's thoughts, kept apart from the answer (not searched, never sent again).
+    db.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT NOT NULL DEFAULT ''")
+
+
 def applied(db: sqlite3.Connection) -> list[str]:
     db.execute("CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
     return [row[0] for row in db.execute("SELECT name FROM _migrations ORDER BY rowid")]
