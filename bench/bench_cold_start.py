@@ -9,7 +9,8 @@ imported) with the same threads and context size, and the same weight layout (ll
 --no-repack where the engine keeps weights out of llama.cpp's extra buffer types, on AMX CPUs). Rounds alternate which side goes first, after
 one unmeasured warm-up each (the file in the page cache for both). Prints each side's median, the
 ratio (edgechat / llama-server: lower is better), the median of each round's own ratio (the two
-runs of a round are neighbours, so a machine's drift between rounds cancels), and how much of edgechat's time is the
+runs of a round are neighbours, so a machine's drift between rounds cancels), each side's fastest
+run (on a shared machine the closest to a quiet one's), and how much of edgechat's time is the
 interpreter and its imports alone (`python -c "import edgechat.cli, llama_cpp"`).
 
     python -m bench.bench_cold_start [--rounds 5] [--threads 2] [--ctx 4096] [--json]
@@ -149,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         "median_s": med,
         "runs_s": times,
         "ratio": med["edgechat"] / med["llama-server"],
+        "fastest_s": {name: min(ts) for name, ts in times.items()},
         "paired_ratio": statistics.median(a / b for a, b in zip(times["edgechat"], times["llama-server"])),
         "imports_share": med["imports"] / med["edgechat"],
     }
@@ -159,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  edgechat run --max-tokens 1 \"hi\"          {med['edgechat']:6.2f} s")
         print(f"  llama-server start to a 1-token answer    {med['llama-server']:6.2f} s")
         print(f"  ratio edgechat / llama-server             {result['ratio']:6.2f}x (paired by round {result['paired_ratio']:.2f}x)")
+        fast = result["fastest_s"]
+        print(f"  fastest: edgechat {fast['edgechat']:.2f} s, llama-server {fast['llama-server']:.2f} s, "
+              f"ratio {fast['edgechat'] / fast['llama-server']:.2f}x")
         print(f"  of edgechat's: interpreter + imports      {med['imports']:6.2f} s ({result['imports_share']:.0%})")
     return 0
 
