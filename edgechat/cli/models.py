@@ -11,6 +11,7 @@ import click
 from edgechat.cli.common import data_dir_option, rpc_option
 from edgechat.config import get_paths
 from edgechat.engine import planner
+from edgechat.engine.reasoning import reasoning_format
 from edgechat.errors import EdgechatError, UsageError
 from edgechat.models import known_model_names, resolve_model
 from edgechat.models.catalog import catalog_row, format_size, load_catalog
@@ -44,7 +45,8 @@ def _model_rows(paths, kv_type: str = "f16", names: list[str] | None = None) -> 
                 "name": name,
                 "size": format_size(info.size_bytes),
                 "quant": info.quant,
-                "arch": info.architecture,
+                # a reasoning model says so: its template opens a thinking block (run --think)
+                "arch": info.architecture + (", thinks" if reasoning_format(info.chat_template) else ""),
                 "trained_ctx": info.context_length,
                 # as the planner counts it: every layer, sliding ones included (full SWA cache)
                 "kv_per_token": info.kv_cache_bytes(1, planner.kv_bytes(info, kv_type), swa_full=True),
@@ -56,22 +58,26 @@ def _model_rows(paths, kv_type: str = "f16", names: list[str] | None = None) -> 
     return rows
 
 
+#: what a fitted table keeps for its last column (a description) before it drops other columns
+LAST_ROOM = 40
+
+
 def _table(headers: list[str], rows: list[list[str]], drop: tuple[str, ...] = ()) -> str:
     """Columns padded to their widest cell, fitted to the terminal: the columns named in `drop`
-    go first (in that order) while the table is too wide, then the last column is cut with an
-    ellipsis. Piped output (no terminal width known) keeps every column whole."""
+    go first (in that order) until the last column has room for LAST_ROOM characters of its
+    text, which is then cut with an ellipsis. Piped output (no terminal width known) keeps every
+    column whole."""
     limit = shutil.get_terminal_size((0, 0)).columns
     full = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     keep = list(range(len(headers)))
-    too_wide = lambda: limit and sum(full[i] for i in keep) + 2 * (len(keep) - 1) > limit  # noqa: E731
+    room = lambda: limit - sum(full[i] for i in keep[:-1]) - 2 * (len(keep) - 1)  # noqa: E731
     for name in drop:
-        if not too_wide():
+        if not limit or room() >= min(full[-1], LAST_ROOM):
             break
         keep.remove(headers.index(name))
     widths = [full[i] for i in keep]
-    room = limit - sum(widths[:-1]) - 2 * (len(keep) - 1)
-    if too_wide() and room >= 8:
-        widths[-1] = room
+    if limit and room() < full[-1] and room() >= 8:
+        widths[-1] = room()
 
     def line(cells: list[str]) -> str:
         cells = [cells[i] for i in keep]
@@ -87,9 +93,9 @@ def _catalog_table(paths) -> str:
     for e in load_catalog().values():
         quants = ", ".join(f"{q} {format_size(f.size)}" for q, f in e.files.items())
         have = ", ".join(q for q, f in e.files.items() if is_downloaded(e, f, paths)) or "-"
-        rows.append([e.name, quants, have, e.licence, str(e.context), e.repo, e.description])
-    return _table(["NAME", "QUANTS (about)", "DOWNLOADED", "LICENCE", "TRAINED CTX", "HUB REPO", "DESCRIPTION"], rows,
-                  drop=("HUB REPO", "LICENCE", "TRAINED CTX", "QUANTS (about)"))
+        rows.append([e.name, "yes" if e.thinks else "-", quants, have, e.licence, str(e.context), e.repo, e.description])
+    return _table(["NAME", "THINKS", "QUANTS (about)", "DOWNLOADED", "LICENCE", "TRAINED CTX", "HUB REPO", "DESCRIPTION"], rows,
+                  drop=("HUB REPO", "LICENCE", "TRAINED CTX", "QUANTS (about)", "THINKS"))
 
 
 @click.command("models")
@@ -120,7 +126,8 @@ def models_cmd(refs, show_catalog, rpc, data_dir):
     for e in [] if refs else load_catalog().values():
         if e.name not in listed:
             row = catalog_row(e)
-            rows.append([row.name, row.size, row.quant, row.architecture, str(row.context), row.fit_text, "-"])
+            arch = row.architecture + (", thinks" if e.thinks else "")
+            rows.append([row.name, row.size, row.quant, arch, str(row.context), row.fit_text, "-"])
     click.echo(_table(["NAME", "SIZE", "QUANT", "ARCH", "TRAINED CTX", "FITS HERE", "LAYERS ON"], rows))
     if len(rows) > len(listed):
         click.echo("\nnot downloaded: `edgechat pull NAME` once (or first use online fetches it); details: edgechat models --catalog")

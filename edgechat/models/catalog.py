@@ -44,6 +44,8 @@ class CatalogEntry:
     files: dict[str, CatalogFile]
     #: a smaller model of the same tokenizer that drafts for this one (speculative decoding)
     draft: str | None = None
+    #: a reasoning model: it thinks before it answers (its template opens a thinking block)
+    thinks: bool = False
 
     @property
     def default(self) -> CatalogFile:
@@ -76,7 +78,7 @@ def parse_catalog(data: dict) -> dict[str, CatalogEntry]:
         for field, kind in _FIELDS.items():
             if not isinstance(raw.get(field), kind) or raw.get(field) in ("", 0):
                 problems.append(f"{where}: {field} missing or not a {kind.__name__}")
-        unknown = set(raw) - set(_FIELDS) - {"files", "draft"}
+        unknown = set(raw) - set(_FIELDS) - {"files", "draft", "thinks"}
         if unknown:
             problems.append(f"{where}: unknown fields {sorted(unknown)}")
         name, repo = str(raw.get("name", "")), str(raw.get("repo", ""))
@@ -89,6 +91,8 @@ def parse_catalog(data: dict) -> dict[str, CatalogEntry]:
         draft = raw.get("draft")
         if draft is not None and (not isinstance(draft, str) or draft == name):
             problems.append(f"{where}: draft must name another model")
+        if not isinstance(raw.get("thinks", False), bool):
+            problems.append(f"{where}: thinks must be true or false")
         files: dict[str, CatalogFile] = {}
         raw_files = raw.get("files")
         if not isinstance(raw_files, dict) or not raw_files:
@@ -115,6 +119,7 @@ def parse_catalog(data: dict) -> dict[str, CatalogEntry]:
                 description=str(raw.get("description", "")),
                 files=files,
                 draft=draft if isinstance(draft, str) else None,
+                thinks=raw.get("thinks") is True,
             )
     for entry in entries.values():
         if entry.draft is not None and entry.draft not in entries and entry.draft not in EMBEDDED:
