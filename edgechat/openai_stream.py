@@ -26,6 +26,9 @@ class Chunk:
     finish_reason: str | None
     #: token counts, on the last chunk when the request set stream_options.include_usage
     usage: dict | None
+    #: a reasoning model's thoughts in the chunk (delta.reasoning_content, as llama-server and
+    #: vLLM send them, or delta.reasoning, as Ollama and OpenRouter do)
+    reasoning: str = ""
 
 
 def error_message(data: object) -> str:
@@ -50,7 +53,13 @@ def _parse(sse: ServerSentEvent) -> Chunk | None:
     choices = event.get("choices") or []
     text = "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices)
     finish = next((c["finish_reason"] for c in choices if c.get("finish_reason")), None)
-    return Chunk(text, finish, event.get("usage") or None)
+    deltas = [c.get("delta") or {} for c in choices]
+    reasoning = "".join(_text(d.get("reasoning_content")) or _text(d.get("reasoning")) for d in deltas)
+    return Chunk(text, finish, event.get("usage") or None, reasoning)
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else ""
 
 
 def iter_chunks(response: httpx.Response) -> Iterator[Chunk]:

@@ -42,7 +42,7 @@ ACTIONS: list[Action] = [
     Action(
         "settings",
         "Conversation settings",
-        "System prompt, sampling (temperature, top-k/p, min-p, penalties), max tokens, seed, context policy",
+        "System prompt, sampling (temperature, top-k/p, min-p, penalties), max tokens, seed, thinking, context policy",
         "f4",
         "/settings",
     ),
@@ -61,6 +61,8 @@ ACTIONS: list[Action] = [
     Action("copy_code", "Copy last code block", "Copy the last code block to the clipboard", None, "/copycode"),
     Action("toggle_sidebar", "Toggle sidebar", "Show or hide the conversation list", "ctrl+b", "/sidebar"),
     Action("toggle_stats", "Toggle stats", "Show timestamps and per-answer TTFT and tok/s", "ctrl+t", "/stats"),
+    Action("toggle_thoughts", "Show or hide thoughts", "Expand or collapse the thoughts of the selected (or last) answer",
+           "f3", "/thoughts"),
     Action("theme", "Change theme", "Pick a theme (remembered)", None, "/theme", "NAME"),
     Action("help", "Help", "Keys and slash commands", "f1", "/help", hint="Help"),
     Action("quit", "Quit", "Leave edgechat (everything is saved)", "ctrl+q", "/quit", hint="Quit"),

@@ -127,6 +127,7 @@ class RemoteHandle:
         body = self._client.body(req)
         metrics = RequestMetrics(context_size=self._client.n_ctx or 0)
         parts: list[str] = []
+        thoughts: list[str] = []
         #: stays None unless the server says the answer ended (a finish reason, or an error)
         reason = None
         error = None
@@ -147,6 +148,15 @@ class RemoteHandle:
                         if chunk.usage:
                             metrics.prompt_tokens = chunk.usage.get("prompt_tokens", 0)
                             metrics.completion_tokens = chunk.usage.get("completion_tokens", 0)
+                            details = chunk.usage.get("completion_tokens_details") or {}
+                            metrics.reasoning_tokens = details.get("reasoning_tokens") or 0
+                        if chunk.reasoning:
+                            # another server's thoughts (reasoning_content, or reasoning): shown apart
+                            if first is None:
+                                first = time.perf_counter()
+                            n_chunks += 1
+                            thoughts.append(chunk.reasoning)
+                            yield TextDelta(chunk.reasoning, reasoning=True)
                         if chunk.text:
                             if first is None:
                                 first = time.perf_counter()
@@ -170,7 +180,7 @@ class RemoteHandle:
         metrics.completion_tokens = metrics.completion_tokens or n_chunks
         metrics.context_tokens = metrics.prompt_tokens + metrics.completion_tokens
         yield Metrics(metrics)
-        yield Finished(reason=reason, text="".join(parts), metrics=metrics, error=error)
+        yield Finished(reason=reason, text="".join(parts), metrics=metrics, error=error, reasoning="".join(thoughts))
 
 
 def _error_text(response) -> str:
@@ -243,6 +253,15 @@ class RemoteClient:
         if req.speculative not in (None, "auto"):
             # edgechat serve's own field; other servers are sent it only when a conversation asks
             body["speculative"] = req.speculative
+        kwargs = dict(req.template_kwargs)
+        if req.reasoning_budget is not None:
+            # sent only when a conversation limits thinking (edgechat serve's field; off is also
+            # the template switch llama-server and vLLM pass to Qwen3-style templates)
+            body["reasoning_budget"] = req.reasoning_budget
+            if req.reasoning_budget == 0:
+                kwargs.setdefault("enable_thinking", False)
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
         return body
 
     def submit(self, request: ChatRequest) -> Handle:

@@ -27,6 +27,8 @@ CHAT_DEFAULTS: dict = {
     "context_policy": "shift",
     "speculative": SpeculativeMode.AUTO.value,
     "loop_guard": True,
+    #: a reasoning model's thoughts: "on" (no limit), "off", or at most N tokens
+    "thinking": "on",
 }
 
 
@@ -98,8 +100,33 @@ def validate_settings(settings: dict) -> dict:
     if not isinstance(guard, bool):
         raise UsageError("loop_guard must be true or false")
     out["loop_guard"] = guard
+    out["thinking"] = thinking_setting(out.get("thinking", "on"))
     out["system_prompt"] = str(out.get("system_prompt") or "")
     return out
+
+
+def thinking_setting(value) -> str | int:
+    """"on", "off" or a budget of at least 1 token (typed as "8" in the dialog, 8 in config.toml)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    text = str(value if value is not None else "").strip().lower()
+    if text in ("", "on"):
+        return "on"
+    if text in ("off", "0"):
+        return "off"
+    try:
+        budget = int(text)
+    except ValueError:
+        raise UsageError(f"thinking must be on, off or a number of tokens (got {value!r})") from None
+    if budget < 0:
+        raise UsageError("thinking's budget must be 1 token or more (off: no thinking)")
+    return budget
+
+
+def reasoning_budget(thinking) -> int | None:
+    """The thinking setting as ChatRequest.reasoning_budget: None no limit, 0 off, N tokens."""
+    value = thinking_setting(thinking)
+    return None if value == "on" else 0 if value == "off" else value
 
 
 def build_request(settings: dict, history: list[dict], session: str | None) -> ChatRequest:
@@ -113,4 +140,5 @@ def build_request(settings: dict, history: list[dict], session: str | None) -> C
         context_policy=ContextPolicy(s["context_policy"]),
         speculative=s["speculative"],
         loop_guard=s["loop_guard"],
+        reasoning_budget=reasoning_budget(s["thinking"]),
     )

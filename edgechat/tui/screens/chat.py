@@ -189,7 +189,9 @@ class ChatScreen(Screen):
         if self.turn is not None:
             for m in messages:
                 if m.id == self.turn.id:
-                    m.content = self.turn.text
+                    m.content, m.reasoning = self.turn.text, self.turn.reasoning
+                    if self.turn.thought_s is not None:
+                        m.meta = {**m.meta, "thought_s": self.turn.thought_s}
         return messages
 
     @work(thread=True, group="release", exit_on_error=False)
@@ -360,11 +362,26 @@ class ChatScreen(Screen):
         turn = self.turn
         if turn is None:
             return
-        turn.append(event.text)
+        turn.append(event.text, reasoning=event.reasoning)
         # The worker's box, unless the user switched away and back (then the view has a new one).
         box = event.box if event.box.is_attached else self._box(turn.id)
-        if box is not None:
+        if event.reasoning:
+            self.status.state = "thinking…"
+            if box is not None:
+                box.append_thoughts(event.text)
+        elif box is not None:
             await box.append(event.text)
+
+    @on(ChatView.AnswerThoughtsEnded)
+    def _thoughts_ended(self, event: ChatView.AnswerThoughtsEnded) -> None:
+        turn = self.turn
+        if turn is None:
+            return
+        turn.thought_s = event.seconds
+        self.status.state = "generating"
+        box = event.box if event.box.is_attached else self._box(turn.id)
+        if box is not None:
+            box.thoughts_ended(event.seconds, event.tokens)
 
     @on(ChatView.AnswerEvicted)
     async def _evicted(self, event: ChatView.AnswerEvicted) -> None:
@@ -390,7 +407,7 @@ class ChatScreen(Screen):
         if turn is None:
             return
         f = event.finished
-        if f.reason == "cancelled" and not f.text.strip():
+        if f.reason == "cancelled" and not f.text.strip() and not (f.reasoning or turn.reasoning).strip():
             # Stopped before anything came back: undo the send, the prompt goes back in the input.
             await self._undo_turn(turn)
             return
@@ -688,6 +705,16 @@ class ChatScreen(Screen):
 
     def action_toggle_stats(self, arg: str = "") -> None:
         self.chat.toggle_class("-show-stats")
+
+    def action_toggle_thoughts(self, arg: str = "") -> None:
+        """Expand or collapse the thoughts of the focused answer, else of the last answer that has some."""
+        focused = self.focused if isinstance(self.focused, MessageBox) else None
+        boxes = [focused] if focused is not None else list(reversed(self.chat.boxes()))
+        box = next((b for b in boxes if b.thoughts is not None and b.thoughts.text), None)
+        if box is None:
+            self.notify("No thoughts to show: the answers here came without any.")
+            return
+        box.thoughts.toggle()
 
     def action_theme(self, arg: str = "") -> None:
         if arg:

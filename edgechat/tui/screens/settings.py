@@ -1,5 +1,5 @@
 """Per-conversation settings: system prompt, sampling, answer length, seed, context policy,
-speculative decoding, the loop guard."""
+speculative decoding, the loop guard, a reasoning model's thinking."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ FIELDS = (
     ("frequency_penalty", "Frequency penalty", "number"),
     ("max_tokens", "Max tokens", "integer"),
     ("seed", "Seed (empty: random)", "integer"),
+    # a reasoning model's thoughts: on, off, or at most this many tokens (ChatRequest.reasoning_budget)
+    ("thinking", "Thinking on/off/tokens", "text"),
 )
 
 

@@ -57,14 +57,87 @@ def stats_text(msg: StoredMessage) -> str:
     return " · ".join(parts)
 
 
+def thought_summary(seconds: float | None, tokens: int | None) -> str:
+    """The one line collapsed thoughts show: "thought for 12 s, 340 tokens"."""
+    parts = []
+    if seconds is not None:
+        if seconds >= 60:
+            parts.append(f"thought for {int(seconds // 60)} min {int(seconds % 60)} s")
+        else:
+            parts.append(f"thought for {seconds:.0f} s" if seconds >= 10 else f"thought for {seconds:.1f} s")
+    if tokens:
+        parts.append(f"{tokens} token{'s' if tokens != 1 else ''}")
+    return ", ".join(parts) if parts else "thoughts"
+
+
+class Thoughts(Vertical):
+    """A reasoning model's thoughts above its answer: shown in full, dimmed, while they stream;
+    one line ("thought for 12 s, 340 tokens") once the answer starts. A click, t on the message
+    or F3 expands and collapses them."""
+
+    def __init__(self, text: str = "", summary: str = "", thinking: bool = False):
+        super().__init__(classes="thoughts")
+        self.text = text
+        #: still streaming: shown whole, headed "thinking…"
+        self.thinking = thinking
+        self.summary = summary
+        self.expanded = thinking
+        self._update_classes()
+
+    def compose(self):
+        yield Static(self._line(), classes="thoughts-line", markup=False)
+        yield Static(self.text, classes="thoughts-text", markup=False)
+
+    def _line(self) -> str:
+        if self.thinking:
+            return "▾ thinking…"
+        return ("▾ " if self.expanded else "▸ ") + self.summary
+
+    def _update_classes(self) -> None:
+        self.set_class(not self.text, "-empty")
+        self.set_class(self.expanded, "-expanded")
+
+    def _refresh(self) -> None:
+        self._update_classes()
+        if self.is_mounted:
+            self.query_one(".thoughts-line", Static).update(self._line())
+
+    def append(self, text: str) -> None:
+        self.text += text
+        if self.is_mounted:
+            self.query_one(".thoughts-text", Static).update(self.text)
+        self._refresh()
+
+    def collapse(self, summary: str) -> None:
+        """The answer started (or ended): one line from now on."""
+        self.thinking, self.expanded, self.summary = False, False, summary
+        self._refresh()
+
+    def set_summary(self, summary: str) -> None:
+        self.summary = summary
+        self._refresh()
+
+    def toggle(self) -> None:
+        if self.text:
+            self.expanded = not self.expanded
+            self._refresh()
+
+    def on_mouse_down(self) -> None:
+        # On the press, not the click: the press focuses the message, whose border re-wraps the
+        # view and moves this line from under the pointer before the button comes up.
+        self.toggle()
+
+
 class MessageBox(Vertical, can_focus=True):
-    """One message. Focus it (click, or Tab) for: c copy, e edit and resend, b branch here, r regenerate."""
+    """One message. Focus it (click, or Tab) for: c copy, e edit and resend, b branch here, r regenerate,
+    t show or hide a reasoning model's thoughts."""
 
     BINDINGS = [
         Binding("c", "copy", "Copy"),
         Binding("e", "edit", "Edit & resend"),
         Binding("b", "branch", "Branch here"),
         Binding("r", "regenerate", "Regenerate"),
+        Binding("t", "toggle_thoughts", "Thoughts"),
     ]
 
     class Action(Message):
@@ -82,6 +155,7 @@ class MessageBox(Vertical, can_focus=True):
         self.streaming = streaming
         self.text = message.content
         self._body: Markdown | Static | None = None
+        self.thoughts: Thoughts | None = None
         self._set_status_class()
 
     def _set_status_class(self) -> None:
@@ -94,6 +168,11 @@ class MessageBox(Vertical, can_focus=True):
             yield Label(label, classes="role")
             yield Label(stats_text(self.message), classes="stats", markup=False)
         if self.message.role == "assistant":
+            # (hidden while empty: answers of models that do not think look as before)
+            m = self.message
+            still_thinking = self.streaming and not m.content and m.meta.get("thought_s") is None
+            self.thoughts = Thoughts(m.reasoning, "" if still_thinking else self._summary(m), still_thinking)
+            yield self.thoughts
             self._body = Markdown(self.text, classes="body")
         else:
             self._body = Static(self.text, markup=False, classes="body")
@@ -109,6 +188,19 @@ class MessageBox(Vertical, can_focus=True):
             return f"(error: {self.message.meta.get('error', 'failed')})"
         return ""
 
+    @staticmethod
+    def _summary(message: StoredMessage) -> str:
+        return thought_summary(message.meta.get("thought_s"), message.meta.get("reasoning_tokens"))
+
+    def append_thoughts(self, text: str) -> None:
+        if self.thoughts is not None:
+            self.thoughts.append(text)
+
+    def thoughts_ended(self, seconds: float, tokens: int) -> None:
+        """The answer started after the thoughts: fold them into one line."""
+        if self.thoughts is not None:
+            self.thoughts.collapse(thought_summary(seconds, tokens))
+
     async def append(self, text: str) -> None:
         self.text += text
         if isinstance(self._body, Markdown):
@@ -123,6 +215,16 @@ class MessageBox(Vertical, can_focus=True):
         self._set_status_class()
         self.query_one(".stats", Label).update(stats_text(message))
         self.query_one(".status-note", Label).update(self._status_note())
+        if self.thoughts is not None and self.thoughts.text:
+            # the engine's own count of the thoughts' tokens, now that the answer ended
+            if self.thoughts.thinking:
+                self.thoughts.collapse(self._summary(message))
+            else:
+                self.thoughts.set_summary(self._summary(message))
+
+    def action_toggle_thoughts(self) -> None:
+        if self.thoughts is not None:
+            self.thoughts.toggle()
 
     def action_copy(self) -> None:
         self.post_message(self.Action(self, "copy"))
@@ -142,10 +244,22 @@ class ChatView(VerticalScroll):
 
     # One message class per engine event; the worker thread posts them, handlers run on the UI thread.
     class AnswerDelta(Message):
-        def __init__(self, box: MessageBox, text: str):
+        def __init__(self, box: MessageBox, text: str, reasoning: bool = False):
             super().__init__()
             self.box = box
             self.text = text
+            #: the model's thoughts, not its answer
+            self.reasoning = reasoning
+
+    class AnswerThoughtsEnded(Message):
+        """The answer's first text came after its thoughts (or the answer ended while thinking)."""
+
+        def __init__(self, box: MessageBox, seconds: float, tokens: int):
+            super().__init__()
+            self.box = box
+            self.seconds = seconds
+            #: thought deltas seen (about one a token; Finished's metrics have the exact count)
+            self.tokens = tokens
 
     class AnswerEvicted(Message):
         def __init__(self, box: MessageBox, event: Evicted):
@@ -268,22 +382,50 @@ class ChatView(VerticalScroll):
         if self._cancel.is_set():
             handle.cancel()
         pending: list[str] = []
+        thoughts: list[str] = []
         last = time.monotonic()
+        #: when the first thought came, how many deltas of thoughts, whether the answer has started since
+        think_start, n_thoughts, thinking = None, 0, False
+
+        def flush() -> None:
+            # thoughts first: they come before the answer
+            if thoughts:
+                self.post_message(self.AnswerDelta(box, "".join(thoughts), reasoning=True))
+                thoughts.clear()
+            if pending:
+                self.post_message(self.AnswerDelta(box, "".join(pending)))
+                pending.clear()
+
+        def end_thoughts() -> None:
+            flush()
+            self.post_message(self.AnswerThoughtsEnded(box, time.monotonic() - think_start, n_thoughts))
+
         for event in handle:
             if isinstance(event, TextDelta):
-                pending.append(event.text)
+                if not event.text:
+                    continue
+                if event.reasoning:
+                    if think_start is None:
+                        think_start, thinking = time.monotonic(), True
+                    n_thoughts += 1
+                    thoughts.append(event.text)
+                else:
+                    if thinking:
+                        thinking = False
+                        end_thoughts()
+                    pending.append(event.text)
                 now = time.monotonic()
                 if now - last >= self._interval:
-                    self.post_message(self.AnswerDelta(box, "".join(pending)))
-                    pending.clear()
+                    flush()
                     last = now
             elif isinstance(event, Evicted):
                 self.post_message(self.AnswerEvicted(box, event))
             elif isinstance(event, Metrics):
                 self.post_message(self.AnswerMetrics(box, event.metrics))
             elif isinstance(event, Finished):
-                if pending:
-                    self.post_message(self.AnswerDelta(box, "".join(pending)))
+                if thinking:
+                    end_thoughts()
+                flush()
                 self.post_message(self.AnswerFinished(box, event))
 
     @on(AnswerDelta)
