@@ -255,6 +255,9 @@ class OnnxEngine(PromptQueries):
         return self.vocab.tokenize(text, add_bos=False, special=False)
 
     def detokenize(self, tokens: list[int]) -> str:
+        # llama.cpp aborts the process on an id outside the vocabulary
+        if any(not 0 <= t < self.vocab.n_vocab for t in tokens):
+            raise UsageError(f"token ids must be between 0 and {self.vocab.n_vocab - 1}")
         return self.vocab.detokenize(tokens)
 
     def stats(self) -> dict:
@@ -422,7 +425,8 @@ class OnnxEngine(PromptQueries):
         metrics = run.clock.build(len(run.prep.tokens), cached, len(out), len(self.cached), self.n_ctx)
         run.handle.emit(Metrics(metrics))
         run.handle.emit(Finished(FINISH_REASONS[status], proc.text if proc else "", metrics, error, out, logprobs,
-                                 repeating=status is RequestStatus.FINISHED_REPEATING))
+                                 repeating=status is RequestStatus.FINISHED_REPEATING,
+                                 stop_sequence=proc.stop_found if proc else None))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

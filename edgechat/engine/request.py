@@ -213,6 +213,8 @@ class Finished:
     repeating: bool = False
     #: a reasoning model's thoughts (not in `text`)
     reasoning: str = ""
+    #: the stop string that ended it (reason "stop"; None: end of text or none asked for)
+    stop_sequence: str | None = None
 
 
 Event = Union[TextDelta, Evicted, Metrics, Finished]

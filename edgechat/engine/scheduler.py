@@ -443,7 +443,8 @@ class Scheduler:
         logprobs = run.logprobs[: run.n_out] if run.request.logprobs is not None else None
         run.handle.emit(Finished(FINISH_REASONS[status], text, metrics, error, run.tokens_out, logprobs,
                                  repeating=status is RequestStatus.FINISHED_REPEATING,
-                                 reasoning=run.proc.reasoning if run.proc is not None else ""))
+                                 reasoning=run.proc.reasoning if run.proc is not None else "",
+                                 stop_sequence=run.proc.stop_found if run.proc is not None else None))
 
     def fail_running(self, exc: Exception) -> None:
         """A step failed (a bug, a llama.cpp error): its requests end with the error."""

@@ -59,6 +59,8 @@ class OutputProcessor:
         self.reasoning_tokens = 0
         self._new_reasoning = ""
         self.stopped = False  # a stop string was found, or the loop guard tripped
+        #: the stop string that ended the answer (Anthropic's API reports which one)
+        self.stop_found: str | None = None
         self.repeating = False  # the loop guard tripped
 
     @property
@@ -110,7 +112,7 @@ class OutputProcessor:
         for stop in self._stops:
             i = held.find(stop)
             if i != -1 and (cut == -1 or i < cut):
-                cut = i
+                cut, self.stop_found = i, stop
         if cut != -1:
             out, self._held, self.stopped = held[:cut], "", True
         elif final:
