@@ -111,6 +111,8 @@ class Generation:
         #: its priority class, and the units of that class's share it holds (None: no classes)
         self.priority = "default"
         self.ticket = None
+        #: the prompt's length in tokens, as built for that model (known before the first event)
+        self.prompt_tokens = 0
         self.submitted = time.monotonic()
 
     def on_event(self, event: Event) -> None:
