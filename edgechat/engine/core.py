@@ -213,6 +213,9 @@ class Engine(PromptQueries):
         return self.backend.tokenize(text, add_bos=False, special=False)
 
     def detokenize(self, tokens: list[int]) -> str:
+        # llama.cpp aborts the process on an id outside the vocabulary
+        if any(not 0 <= t < self.backend.n_vocab for t in tokens):
+            raise UsageError(f"token ids must be between 0 and {self.backend.n_vocab - 1}")
         return self.backend.detokenize(tokens)
 
     def stats(self) -> dict:

@@ -252,3 +252,8 @@ class PromptQueries:
     def count_tokens(self, request: ChatRequest) -> int:
         return len(self.prompt_tokens(request))
 
+    def prompt_text_tokens(self, text: str, add_bos: bool = True) -> list[int]:
+        """`text`'s tokens as a raw prompt's (special tokens parsed) and, with `add_bos`, the BOS
+        the model wants first: what llama-server's /tokenize gives by default."""
+        return list(self.prompts.tokens_for([text])[0] if add_bos else self.prompts._tokenize(text))
+

@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from edgechat.engine.request import ChatRequest, Finished, RequestStatus, TextDelta
 from edgechat.errors import EdgechatError
-from edgechat.server import responses
+from edgechat.server import llamacpp_api, ollama_api, responses
 from edgechat.server.auth import BearerAuth
 from edgechat.server.bridge import Generation
 from edgechat.server.degrade import DegradeSwitch
@@ -326,7 +326,9 @@ class _Server:
         req.max_tokens = self.degrade.cap(req.max_tokens)
         return req, prepared
 
-    async def generate(self, request: Request, parsed: ParsedRequest, kind: str, arrival: float) -> Response:
+    async def launch(self, request: Request, parsed: ParsedRequest, arrival: float) -> asyncio.Future:
+        """Route, admit and start a request, whatever API it came in on: the task that gives
+        (the model answering, its request, its Generations). Every refusal is raised here."""
         served = self.find_model(parsed.model)
         priority = self.priority_of(request)
         waiting = sum(m.engine.stats()["waiting"] for m in self.served())
@@ -341,7 +343,10 @@ class _Server:
             )
         failover_at = self.failover_at(request, arrival, served)
         ready = await self.prepare(served, parsed, priority)
-        start = asyncio.ensure_future(self.start(served, parsed, ready, arrival, priority, failover_at))
+        return asyncio.ensure_future(self.start(served, parsed, ready, arrival, priority, failover_at))
+
+    async def generate(self, request: Request, parsed: ParsedRequest, kind: str, arrival: float) -> Response:
+        start = await self.launch(request, parsed, arrival)
         if parsed.stream and not await _done_within(start, self.settings.keepalive_s):
             # still waiting (its class's share, the failover's first token): the stream opens
             # now with keep-alive comments, so clients and proxies with read timeouts hold on
@@ -570,18 +575,29 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def _api_error(request: Request, exc: ApiError) -> Response:
+#: each API's error shape by the paths it serves; OpenAI's everywhere else
+_ERROR_SHAPES = ((ollama_api.owns, ollama_api.error_response), (llamacpp_api.owns, llamacpp_api.error_response))
+
+
+def error_response(path: str, exc: ApiError) -> Response:
+    for owns, render in _ERROR_SHAPES:
+        if owns(path):
+            return render(exc)
     return exc.response()
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return error_response(request.url.path, exc)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+    return error_response(request.url.path, ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return ApiError(500, "internal server error", type="server_error").response()
+    return error_response(request.url.path, ApiError(500, "internal server error", type="server_error"))
 
 
 def create_app(settings: ServerSettings, engine, fallback=None) -> Starlette:
@@ -597,10 +613,16 @@ def create_app(settings: ServerSettings, engine, fallback=None) -> Starlette:
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/metrics", server.metrics_endpoint, methods=["GET"]),
+        # llama-server's unprefixed OpenAI routes, which its own front ends call
+        Route("/models", server.list_models, methods=["GET"]),
+        Route("/chat/completions", server.chat, methods=["POST"]),
+        Route("/completions", server.completions, methods=["POST"]),
+        *ollama_api.OllamaApi(server).routes(),
+        *llamacpp_api.LlamaCppApi(server).routes(),
     ]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(BearerAuth, api_key=settings.api_key, key_classes=settings.key_classes)],
+        middleware=[Middleware(BearerAuth, api_key=settings.api_key, key_classes=settings.key_classes, render=error_response)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
     )
     app.state.server = server

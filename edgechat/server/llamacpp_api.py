@@ -1,0 +1,243 @@
+"""llama-server's own endpoints, which llama.cpp's web UI and tools call: /completion,
+/tokenize, /detokenize, /apply-template and /props, translated onto the server's one internal
+request; errors in llama-server's shape, `{"error": {"code": status, "message", "type"}}`.
+(Its unprefixed OpenAI routes, /chat/completions and friends, are the OpenAI handlers: app.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from typing import AsyncIterator
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from edgechat import __version__
+from edgechat.engine.request import ChatRequest, Finished, Grammar, TextDelta
+from edgechat.errors import UsageError
+from edgechat.server import responses
+from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.schemas import ParsedRequest, _messages, _opt_bool, _opt_int, _sampling, _stop, _text, _type_error
+from edgechat.server.structured import response_format_grammar
+from edgechat.server.tools import render_messages
+
+PATHS = frozenset({"/completion", "/tokenize", "/detokenize", "/apply-template", "/props"})
+
+
+def owns(path: str) -> bool:
+    return path in PATHS
+
+
+def error_body(exc: ApiError) -> dict:
+    return {"error": {"code": exc.status, "message": exc.message, "type": exc.type}}
+
+
+def error_response(exc: ApiError) -> Response:
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
+
+
+def _llamacpp_errors(handler):
+    """Errors raised inside a handler, answered in llama-server's shape."""
+
+    @functools.wraps(handler)
+    async def wrapped(self, request: Request) -> Response:
+        try:
+            return await handler(self, request)
+        except ApiError as exc:
+            return error_response(exc)
+        except UsageError as exc:
+            return error_response(bad_request(str(exc)))
+
+    return wrapped
+
+
+def _grammar(body: dict) -> Grammar | None:
+    """`grammar` (GBNF) or `json_schema`, llama-server's two ways to constrain an answer."""
+    gbnf, schema = body.get("grammar"), body.get("json_schema")
+    if gbnf and schema is not None:
+        raise bad_request("give 'grammar' or 'json_schema', not both", param="grammar")
+    if gbnf:
+        return Grammar(_text("grammar", gbnf))
+    if schema is not None:
+        return response_format_grammar({"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}})
+    return None
+
+
+def parse_completion(body: dict, server) -> ParsedRequest:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise _type_error("prompt", "a string (token prompts are not supported)", prompt)
+    if _opt_int(body, "n_probs"):
+        raise bad_request("'n_probs' is not supported on /completion; use /v1/completions' logprobs", param="n_probs", code="unsupported_parameter")
+    n_predict = _opt_int(body, "n_predict")
+    request = ChatRequest(
+        prompt=_text("prompt", prompt),
+        sampling=_sampling(body, server.engine.default_sampling),
+        # -1 (llama-server's default): until the end of text
+        max_tokens=n_predict if n_predict is not None and n_predict >= 0 else None,
+        stop=_stop(body),
+        ignore_eos=_opt_bool(body, "ignore_eos"),
+        grammar=_grammar(body),
+    )
+    if request.max_tokens == 0:
+        raise bad_request("'n_predict' must be -1 or at least 1", param="n_predict", code="invalid_value")
+    return ParsedRequest(request, body.get("model") if isinstance(body.get("model"), str) else None, _opt_bool(body, "stream"), False)
+
+
+def _stop_type(finished: Finished) -> str:
+    if finished.reason == "length":
+        return "limit"
+    return "word" if finished.stop_sequence else "eos"
+
+
+class LlamaCppApi:
+    """llama-server's native routes on one app's _Server."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/completion", self.completion, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/apply-template", self.apply_template, methods=["POST"]),
+            Route("/props", self.props, methods=["GET"]),
+        ]
+
+    def settings(self, served) -> dict:
+        s = served.engine.default_sampling
+        return {
+            "n_ctx": served.engine.n_ctx,
+            "params": {
+                "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+                "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.penalty_last_n,
+                "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
+                "seed": -1 if s.seed is None else s.seed, "n_predict": -1,
+            },
+            "model": str(served.engine.model_info.path),
+        }
+
+    @_llamacpp_errors
+    async def props(self, request: Request) -> Response:
+        served, engine = self.server.primary, self.server.engine
+        return JSONResponse({
+            "default_generation_settings": self.settings(served),
+            "total_slots": engine.config.n_parallel,
+            "model_path": str(engine.model_info.path),
+            "chat_template": engine.format.source or "",
+            "n_ctx": engine.n_ctx,
+            "modalities": {"vision": False, "audio": False},
+            "build_info": f"edgechat {__version__}",
+        })
+
+    @_llamacpp_errors
+    async def tokenize(self, request: Request) -> Response:
+        body = await self.server.read_body(request)
+        content = _text("content", body.get("content"))
+        engine = self.server.engine
+        add_bos = _opt_bool(body, "add_special")
+        if body.get("parse_special") is None or _opt_bool(body, "parse_special"):
+            tokens = await run_in_threadpool(engine.prompt_text_tokens, content, add_bos)
+        else:
+            bos = engine.prompts.bos
+            tokens = ([bos] if add_bos and bos is not None else []) + await run_in_threadpool(engine.tokenize, content)
+        if not _opt_bool(body, "with_pieces"):
+            return JSONResponse({"tokens": tokens})
+        pieces = [{"id": t, "piece": engine.detokenize([t])} for t in tokens]
+        return JSONResponse({"tokens": pieces})
+
+    @_llamacpp_errors
+    async def detokenize(self, request: Request) -> Response:
+        body = await self.server.read_body(request)
+        tokens = body.get("tokens", [])
+        if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
+            raise _type_error("tokens", "a list of token ids", tokens)
+        return JSONResponse({"content": await run_in_threadpool(self.server.engine.detokenize, tokens)})
+
+    @_llamacpp_errors
+    async def apply_template(self, request: Request) -> Response:
+        body = await self.server.read_body(request)
+        messages = render_messages(_messages(body, self.server.settings.max_messages), None)
+        prompt = await run_in_threadpool(self.server.engine.format.render, messages, True)
+        return JSONResponse({"prompt": prompt})
+
+    @_llamacpp_errors
+    async def completion(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        parsed = parse_completion(await self.server.read_body(request), self.server)
+        served, req, gens = await (await self.server.launch(request, parsed, arrival))
+        self.server.opened(served, parsed, req, "text")
+        gen = gens[0]
+        if parsed.stream:
+            return StreamingResponse(self.events(gen, served, req), media_type="text/event-stream", headers=responses.SSE_HEADERS)
+        finished = await self.server.wait(request, gens)
+        if finished is None:
+            # the client left; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(self.end(finished[0], finished[0].text, served, req))
+
+    def end(self, finished: Finished, content: str, served, req: ChatRequest) -> dict:
+        m = finished.metrics
+        return {
+            "content": content,
+            "id_slot": 0,
+            "stop": True,
+            "model": served.id,
+            "tokens_predicted": m.completion_tokens,
+            "tokens_evaluated": m.prompt_tokens,
+            "tokens_cached": m.cached_tokens,
+            "generation_settings": self.settings(served),
+            "prompt": req.prompt,
+            "truncated": False,
+            "stop_type": _stop_type(finished),
+            "stopping_word": finished.stop_sequence or "",
+            "timings": {
+                "prompt_n": m.prompt_tokens - m.cached_tokens,
+                "prompt_ms": m.prefill * 1e3,
+                "predicted_n": m.completion_tokens,
+                "predicted_ms": m.decode * 1e3,
+                "predicted_per_second": m.completion_tokens / m.decode if m.decode > 0 else 0.0,
+            },
+        }
+
+    async def events(self, gen, served, req: ChatRequest) -> AsyncIterator[str]:
+        """The SSE stream: `{"content", "stop": false}` per batch of tokens, then the counts with `"stop": true`."""
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(gen.events.get(), gen.remaining())
+                except asyncio.TimeoutError:
+                    gen.time_out()
+                    yield responses.sse(error_body(ApiError(504, "the request timed out and was cancelled", type="timeout")))
+                    return
+                text, finished = [], None
+                # under load several tokens queue up between two writes: send them as one event
+                while True:
+                    _, ev = event
+                    if isinstance(ev, TextDelta):
+                        text.append(ev.text)
+                    elif isinstance(ev, Finished):
+                        finished = ev
+                    if gen.events.empty():
+                        break
+                    event = gen.events.get_nowait()
+                if text:
+                    yield responses.sse({"content": "".join(text), "stop": False, "id_slot": 0})
+                if finished is not None:
+                    if finished.reason not in ("stop", "length"):
+                        message = finished.error or f"the generation ended: {finished.reason}"
+                        yield responses.sse(error_body(ApiError(500, message, type="server_error")))
+                    else:
+                        yield responses.sse(self.end(finished, "", served, req))
+                    return
+        finally:
+            # the client left (the task was cancelled) or the request timed out: free the sequence now
+            if not gen.finished.done():
+                gen.handle.cancel()

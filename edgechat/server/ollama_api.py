@@ -1,0 +1,385 @@
+"""Ollama's API (`/api/...`): its bodies into the server's one internal request (a ParsedRequest
+holding the engine's ChatRequest), engine events back into its JSON objects and NDJSON streams,
+and every error as Ollama writes it: `{"error": "..."}` with the status.
+
+What changes the answer and is not here (images, tools, a request's own template, suffix, an
+earlier `context`) is refused in one line; what only tunes how Ollama itself loads models
+(`keep_alive`, `num_ctx`, `num_gpu`, ...) is accepted and ignored, as Ollama ignores options a
+model does not use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import functools
+import hashlib
+import json
+import time
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from edgechat.engine.request import ChatRequest, Finished, TextDelta
+from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.schemas import (
+    REASONING_EFFORT,
+    ParsedRequest,
+    _messages,
+    _opt_bool,
+    _opt_int,
+    _sampling,
+    _stop,
+    _text,
+    _type_error,
+)
+from edgechat.server.structured import response_format_grammar
+from edgechat.server.tools import render_messages
+
+#: the Ollama API version whose fields this follows; clients gate features on it (`think` came in 0.9)
+OLLAMA_VERSION = "0.9.0"
+#: Ollama names models name:tag; a name without a tag means this one
+DEFAULT_TAG = ":latest"
+#: Ollama keeps a model loaded until this time; this server keeps it until it stops
+LOADED_UNTIL = "9999-12-31T23:59:59Z"
+
+
+def owns(path: str) -> bool:
+    return path.startswith("/api/")
+
+
+def error_response(exc: ApiError) -> Response:
+    return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def _ollama_errors(handler):
+    """Errors raised inside a handler, answered in Ollama's shape (the app's handlers would use OpenAI's)."""
+
+    @functools.wraps(handler)
+    async def wrapped(self, request: Request) -> Response:
+        try:
+            return await handler(self, request)
+        except ApiError as exc:
+            return error_response(exc)
+
+    return wrapped
+
+
+def _refuse(body: dict, name: str, why: str) -> None:
+    if body.get(name):
+        raise bad_request(f"'{name}' is not supported by this server: {why}", param=name, code="unsupported_parameter")
+
+
+def _options(body: dict) -> dict:
+    options = body.get("options")
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise _type_error("options", "an object", options)
+    return options
+
+
+def _format_grammar(value: object):
+    """`format`: "json" (any JSON value an object) or a JSON schema, onto response_format's grammar."""
+    if value is None or value == "":
+        return None
+    if value == "json":
+        return response_format_grammar({"type": "json_object"})
+    if isinstance(value, dict):
+        return response_format_grammar({"type": "json_schema", "json_schema": {"name": "format", "schema": value}})
+    raise bad_request("'format' must be \"json\" or a JSON schema object", param="format", code="invalid_value")
+
+
+def _reasoning_budget(body: dict, default: int | None) -> int | None:
+    """`think`: true thinks as long as the model likes, false not at all; the effort levels
+    ("low", "medium", "high") some models take are the budgets reasoning_effort means."""
+    think = body.get("think")
+    if think is None:
+        return default
+    if isinstance(think, bool):
+        return None if think else 0
+    if think in ("low", "medium", "high"):
+        return REASONING_EFFORT[think]
+    raise bad_request("'think' must be true, false, \"low\", \"medium\" or \"high\"", param="think", code="invalid_value")
+
+
+def _request(body: dict, options: dict, server, **fields) -> ChatRequest:
+    """The ChatRequest of a chat or generate body, `fields` saying what to answer."""
+    num_predict = _opt_int(options, "num_predict")
+    request = ChatRequest(
+        sampling=_sampling(options, server.engine.default_sampling),
+        # -1: until the end of text, -2: until the context is full (both: no cap of our own)
+        max_tokens=num_predict if num_predict is not None and num_predict > 0 else None,
+        stop=_stop(options),
+        reasoning_budget=_reasoning_budget(body, server.settings.reasoning_budget),
+        grammar=_format_grammar(body.get("format")),
+        **fields,
+    )
+    request.split_reasoning = server.settings.reasoning_format != "none"
+    return request
+
+
+def _model(body: dict) -> str | None:
+    model = body.get("model", body.get("name"))
+    if model is not None and not isinstance(model, str):
+        raise _type_error("model", "a string", model)
+    return model
+
+
+def _stream(body: dict) -> bool:
+    # Ollama streams unless told not to
+    return body.get("stream") is None or _opt_bool(body, "stream")
+
+
+def parse_chat(body: dict, server) -> ParsedRequest:
+    _refuse(body, "tools", "tool calling is served on /v1/chat/completions")
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for i, m in enumerate(messages):
+            if isinstance(m, dict):
+                _refuse(m, "images", "this server has no vision model")
+                if m.get("tool_calls") or m.get("role") == "tool":
+                    raise bad_request(f"messages[{i}]: tool calls and results are served on /v1/chat/completions", param=f"messages[{i}]")
+    checked = _messages(body, server.settings.max_messages)
+    request = _request(body, _options(body), server, messages=render_messages(checked, None))
+    return ParsedRequest(request, _model(body), _stream(body), False, messages=checked)
+
+
+def parse_generate(body: dict, server) -> ParsedRequest:
+    _refuse(body, "images", "this server has no vision model")
+    _refuse(body, "template", "the model's own chat template is used")
+    _refuse(body, "suffix", "fill-in-the-middle is not served")
+    _refuse(body, "context", "send the conversation as messages to /api/chat")
+    prompt = _text("prompt", body.get("prompt", ""))
+    if _opt_bool(body, "raw"):
+        fields = {"prompt": prompt}
+    else:
+        system = body.get("system")
+        messages = ([{"role": "system", "content": _text("system", system)}] if system else []) + [{"role": "user", "content": prompt}]
+        fields = {"messages": messages}
+    return ParsedRequest(_request(body, _options(body), server, **fields), _model(body), _stream(body), False)
+
+
+def _tagged(name: str) -> str:
+    return name if ":" in name else name + DEFAULT_TAG
+
+
+def _untagged(name: str | None) -> str | None:
+    return name[: -len(DEFAULT_TAG)] if name and name.endswith(DEFAULT_TAG) else name
+
+
+class OllamaApi:
+    """The /api/ routes on one app's _Server."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/api/chat", self.chat, methods=["POST"]),
+            Route("/api/generate", self.generate, methods=["POST"]),
+            Route("/api/tags", self.tags, methods=["GET"]),
+            Route("/api/show", self.show, methods=["POST"]),
+            Route("/api/ps", self.ps, methods=["GET"]),
+            Route("/api/version", self.version, methods=["GET"]),
+        ]
+
+    # ---- models ------------------------------------------------------------------------------
+
+    def find(self, name: str | None):
+        """The served model a name means: as Ollama lists it (name:latest) or as the OpenAI routes do."""
+        try:
+            return self.server.find_model(name)
+        except ApiError:
+            return self.server.find_model(_untagged(name))
+
+    def entry(self, served) -> dict:
+        info = served.engine.model_info
+        stat = info.path.stat()
+        # a digest of the file's identity, not its bytes: hashing gigabytes per listing is too slow
+        digest = hashlib.sha256(f"{info.path}:{info.size_bytes}:{stat.st_mtime_ns}".encode()).hexdigest()
+        n = info.n_params
+        size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+        name = _tagged(served.id)
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": datetime.datetime.fromtimestamp(stat.st_mtime, datetime.timezone.utc).isoformat().replace("+00:00", "Z"),
+            "size": info.size_bytes,
+            "digest": digest,
+            "details": {
+                "parent_model": "",
+                "format": "gguf" if info.path.suffix == ".gguf" else "onnx",
+                "family": info.architecture,
+                "families": [info.architecture],
+                "parameter_size": size,
+                "quantization_level": info.quant,
+            },
+        }
+
+    @_ollama_errors
+    async def tags(self, request: Request) -> Response:
+        return JSONResponse({"models": [self.entry(m) for m in self.server.served()]})
+
+    @_ollama_errors
+    async def ps(self, request: Request) -> Response:
+        models = []
+        for served in self.server.served():
+            entry = self.entry(served)
+            split = getattr(served.engine, "gpu", None)
+            on_gpu = split.gpu_layers / split.n_layer if split is not None and split.n_layer else 0.0
+            del entry["modified_at"]
+            models.append({**entry, "expires_at": LOADED_UNTIL, "size_vram": int(entry["size"] * on_gpu),
+                           "context_length": served.engine.n_ctx})
+        return JSONResponse({"models": models})
+
+    @_ollama_errors
+    async def show(self, request: Request) -> Response:
+        body = await self.server.read_body(request)
+        served = self.find(_model(body))
+        engine, info = served.engine, served.engine.model_info
+        entry = self.entry(served)
+        arch = info.architecture
+        sampling = engine.default_sampling
+        parameters = "\n".join(
+            f"{name:<15}{value}"
+            for name, value in (("temperature", sampling.temperature), ("top_k", sampling.top_k), ("top_p", sampling.top_p),
+                                ("min_p", sampling.min_p), ("repeat_penalty", sampling.repeat_penalty), ("num_ctx", engine.n_ctx))
+        )
+        capabilities = ["completion"] + (["thinking"] if engine.format.reasoning else [])
+        return JSONResponse({
+            "modelfile": f"FROM {info.path}\n",
+            "parameters": parameters,
+            "template": engine.format.source or "",
+            "details": entry["details"],
+            "model_info": {
+                "general.architecture": arch,
+                "general.name": info.name,
+                "general.parameter_count": info.n_params,
+                f"{arch}.context_length": info.context_length,
+                f"{arch}.embedding_length": info.n_embd,
+                f"{arch}.block_count": info.n_layer,
+                f"{arch}.attention.head_count": info.n_head,
+                f"{arch}.attention.head_count_kv": info.n_head_kv,
+            },
+            "capabilities": capabilities,
+            "modified_at": entry["modified_at"],
+        })
+
+    @_ollama_errors
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": OLLAMA_VERSION})
+
+    # ---- generation --------------------------------------------------------------------------
+
+    @_ollama_errors
+    async def chat(self, request: Request) -> Response:
+        return await self.answer(request, parse_chat, "message")
+
+    @_ollama_errors
+    async def generate(self, request: Request) -> Response:
+        return await self.answer(request, parse_generate, "response")
+
+    async def answer(self, request: Request, parse, field: str) -> Response:
+        """`field`: "message" (chat) or "response" (generate), where each shape puts the text."""
+        arrival = time.monotonic()
+        body = await self.server.read_body(request)
+        served = self.find(_model(body))
+        if not body.get("prompt" if field == "response" else "messages"):
+            # an empty prompt or conversation is how Ollama clients load a model before using it
+            return JSONResponse({**_Shape(_tagged(served.id), field).part("", ""), "done": True, "done_reason": "load"})
+        parsed = parse(body, self.server)
+        parsed.model = served.id
+        served, req, gens = await (await self.server.launch(request, parsed, arrival))
+        self.server.opened(served, parsed, req, "chat")
+        shape = _Shape(_tagged(served.id), field)
+        if parsed.stream:
+            return StreamingResponse(self.lines(gens[0], shape), media_type="application/x-ndjson")
+        finished = await self.server.wait(request, gens)
+        if finished is None:
+            # the client left; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(shape.end(finished[0], finished[0].text, finished[0].reasoning))
+
+    async def lines(self, gen, shape: _Shape) -> AsyncIterator[str]:
+        """The NDJSON stream: a line per batch of tokens, then the counts; an error as its own line."""
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(gen.events.get(), gen.remaining())
+                except asyncio.TimeoutError:
+                    gen.time_out()
+                    yield _line({"error": "the request timed out and was cancelled"})
+                    return
+                # under load several tokens queue up between two writes: send them as one line
+                deltas: list[TextDelta] = []
+                finished = None
+                while True:
+                    _, ev = event
+                    if isinstance(ev, TextDelta):
+                        deltas.append(ev)
+                    elif isinstance(ev, Finished):
+                        finished = ev
+                    if gen.events.empty():
+                        break
+                    event = gen.events.get_nowait()
+                text = "".join(d.text for d in deltas if not d.reasoning)
+                thought = "".join(d.text for d in deltas if d.reasoning)
+                if text or thought:
+                    yield _line(shape.part(text, thought))
+                if finished is not None:
+                    if finished.reason not in ("stop", "length"):
+                        yield _line({"error": finished.error or f"the generation ended: {finished.reason}"})
+                    else:
+                        yield _line(shape.end(finished, "", ""))
+                    return
+        finally:
+            # the client left (the task was cancelled) or the request timed out: free the sequence now
+            if not gen.finished.done():
+                gen.handle.cancel()
+
+
+class _Shape:
+    """Ollama's objects for one answer: chat's `message` or generate's `response`."""
+
+    def __init__(self, model: str, field: str):
+        self.model, self.field = model, field
+
+    def part(self, text: str, thought: str, done: bool = False) -> dict:
+        if self.field == "message":
+            message = {"role": "assistant", "content": text}
+            if thought:
+                message["thinking"] = thought
+            out = {"model": self.model, "created_at": _now(), "message": message, "done": done}
+        else:
+            out = {"model": self.model, "created_at": _now(), "response": text, "done": done}
+            if thought:
+                out["thinking"] = thought
+        return out
+
+    def end(self, finished: Finished, text: str, thought: str | None) -> dict:
+        m = finished.metrics
+        return {
+            **self.part(text, thought or "", done=True),
+            "done_reason": finished.reason,
+            "total_duration": _ns(m.total),
+            "load_duration": 0,
+            "prompt_eval_count": m.prompt_tokens,
+            "prompt_eval_duration": _ns(m.prefill),
+            "eval_count": m.completion_tokens,
+            "eval_duration": _ns(m.decode),
+        }
+
+
+def _line(obj: dict) -> str:
+    return json.dumps(obj, ensure_ascii=False) + "\n"

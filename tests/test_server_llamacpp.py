@@ -1,0 +1,96 @@
+"""llama-server's own endpoints on `edgechat serve`, against a real engine on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from edgechat.engine import ChatRequest, Engine, EngineConfig
+from edgechat.server import ServerSettings, create_app
+from serving import serving
+
+KEY = "sk-test-key"
+MODEL = "smollm2-135m-instruct"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+HI = [{"role": "user", "content": "Say hello."}]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine(models_root):
+    eng = Engine(EngineConfig(model=MODEL, n_ctx=512, n_threads=2, n_parallel=2, max_queue=2, paths=models_root))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def http(engine):
+    settings = ServerSettings(api_key=KEY, model_id=MODEL, degrade_queue_wait=None)
+    with serving(create_app(settings, engine)) as url:
+        with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
+            yield client
+
+
+def test_tokenize_and_detokenize_round_trip(http, engine):
+    text = "Hello, world! Ünïcode too."
+    tokens = http.post("/tokenize", json={"content": text}).json()["tokens"]
+    assert tokens == engine.tokenize(text)
+    assert http.post("/detokenize", json={"tokens": tokens}).json()["content"] == text
+    pieces = http.post("/tokenize", json={"content": "Hello, world!", "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == tokens[:len(pieces)] and "".join(p["piece"] for p in pieces) == "Hello, world!"
+    # special tokens are parsed, as in a prompt
+    assert len(http.post("/tokenize", json={"content": "<|im_start|>"}).json()["tokens"]) == 1
+
+
+def test_apply_template_gives_the_engines_prompt(http, engine):
+    messages = [{"role": "system", "content": "Be brief."}, *HI]
+    prompt = http.post("/apply-template", json={"messages": messages}).json()["prompt"]
+    assert "Say hello." in prompt
+    assert engine.prompt_text_tokens(prompt) == engine.prompt_tokens(ChatRequest(messages=messages))
+
+
+def test_completion_streamed_equals_whole(http):
+    body = {"prompt": "The capital of France is", "n_predict": 8, "temperature": 0}
+    whole = http.post("/completion", json=body).json()
+    assert whole["stop"] and whole["content"] and 0 < whole["tokens_predicted"] <= 8
+    assert whole["tokens_evaluated"] > 3 and whole["stop_type"] in ("eos", "limit", "word")
+    with http.stream("POST", "/completion", json={**body, "stream": True}) as r:
+        events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert "".join(e["content"] for e in events) == whole["content"]
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert events[-1]["tokens_predicted"] == whole["tokens_predicted"]
+    # the same greedy text as the OpenAI legacy endpoint
+    legacy = http.post("/v1/completions", json={"prompt": body["prompt"], "max_tokens": 8, "temperature": 0}).json()
+    assert legacy["choices"][0]["text"] == whole["content"]
+
+
+def test_props_describe_the_server(http, engine):
+    props = http.get("/props").json()
+    assert props["total_slots"] == 2 and props["n_ctx"] == engine.n_ctx
+    assert props["default_generation_settings"]["n_ctx"] == engine.n_ctx
+    assert "temperature" in props["default_generation_settings"]["params"]
+    assert props["model_path"] == str(engine.model_info.path) and props["chat_template"] == engine.format.source
+
+
+def test_unprefixed_openai_routes_answer(http):
+    client = openai.OpenAI(base_url=str(http.base_url), api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    chat = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=4, temperature=0)
+    assert chat.choices[0].message.content
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_errors_in_llama_servers_shape(http):
+    for r in (
+        http.get("/props", headers={"Authorization": "Bearer wrong"}),
+        http.post("/detokenize", json={"tokens": [10**9]}),  # outside the vocabulary
+        http.post("/completion", json={"prompt": [1, 2, 3]}),
+        http.post("/completion", json={"prompt": "x", "temperature": "warm"}),
+        http.post("/tokenize", content=b"x" * (9 << 20)),
+    ):
+        error = r.json()["error"]
+        assert 400 <= r.status_code < 500 and error["code"] == r.status_code and error["message"], r.text

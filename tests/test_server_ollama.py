@@ -1,0 +1,120 @@
+"""Ollama's API on `edgechat serve`: the official `ollama` client against a real engine on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import ollama
+import openai
+import pytest
+
+from edgechat.engine import Engine, EngineConfig
+from edgechat.server import ServerSettings, create_app
+from serving import serving
+
+KEY = "sk-test-key"
+MODEL = "smollm2-135m-instruct"
+HI = [{"role": "user", "content": "Say hello."}]
+GREEDY = {"temperature": 0, "seed": 1, "num_predict": 12}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine(models_root):
+    eng = Engine(EngineConfig(model=MODEL, n_ctx=512, n_threads=2, n_parallel=2, max_queue=2, paths=models_root))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def base_url(engine):
+    settings = ServerSettings(api_key=KEY, model_id=MODEL, degrade_queue_wait=None)
+    with serving(create_app(settings, engine)) as url:
+        yield url
+
+
+@pytest.fixture
+def client(base_url):
+    return ollama.Client(host=base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+
+def test_chat_streamed_and_not_give_the_openai_endpoints_greedy_answer(client, base_url):
+    whole = client.chat(model=MODEL, messages=HI, options=GREEDY)
+    assert whole.done and whole.done_reason in ("stop", "length") and whole.message.role == "assistant"
+    assert whole.message.content and 0 < whole.eval_count <= 12 and whole.prompt_eval_count > 5
+    assert whole.total_duration > 0 and whole.eval_duration > 0
+
+    parts = list(client.chat(model=MODEL, messages=HI, options=GREEDY, stream=True))
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
+    assert parts[-1].done_reason == whole.done_reason and parts[-1].eval_count == whole.eval_count
+
+    oa = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
+    same = oa.chat.completions.create(model=MODEL, messages=HI, max_tokens=12, temperature=0, seed=1)
+    assert same.choices[0].message.content == whole.message.content
+
+
+def test_generate_answers_as_chat_does_and_raw_takes_the_prompt_as_is(client):
+    out = client.generate(model=MODEL, prompt="Say hello.", options=GREEDY)
+    chat = client.chat(model=MODEL, messages=HI, options=GREEDY)
+    assert out.done and out.response == chat.message.content
+    streamed = "".join(p.response for p in client.generate(model=MODEL, prompt="Say hello.", options=GREEDY, stream=True))
+    assert streamed == out.response
+    raw = client.generate(model=MODEL, prompt="The capital of France is", raw=True, options={**GREEDY, "num_predict": 4})
+    assert raw.response and raw.eval_count <= 4
+    # an empty prompt is how clients load a model
+    assert client.generate(model=MODEL).done_reason == "load"
+
+
+def test_format_json_gives_valid_json(client):
+    ask = [{"role": "user", "content": "List three colours."}]
+    out = client.chat(model=MODEL, messages=ask, format="json", options={"temperature": 0, "num_predict": 80})
+    assert out.done_reason == "stop" and isinstance(json.loads(out.message.content), dict)
+    colours = {"type": "object", "properties": {"colours": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}},
+               "required": ["colours"]}
+    streamed = "".join(p.message.content for p in client.chat(model=MODEL, messages=ask, format=colours, stream=True,
+                                                              options={"temperature": 0, "num_predict": 80}))
+    assert list(json.loads(streamed)) == ["colours"]
+
+
+def test_list_show_ps_and_version_describe_the_served_model(client, base_url, engine):
+    models = client.list().models
+    assert [m.model for m in models] == [f"{MODEL}:latest"]
+    m = models[0]
+    assert m.size == engine.model_info.size_bytes and len(m.digest) == 64
+    assert m.details.format == "gguf" and m.details.family == engine.model_info.architecture
+    assert m.details.parameter_size.endswith("M") and m.details.quantization_level == engine.model_info.quant
+
+    shown = client.show(f"{MODEL}:latest")
+    assert shown.details.family == engine.model_info.architecture and "completion" in shown.capabilities
+    assert shown.modelinfo["general.architecture"] == engine.model_info.architecture
+    assert shown.template == engine.format.source
+    assert client.show(MODEL).details == shown.details  # the name without its tag
+
+    assert [p.model for p in client.ps().models] == [f"{MODEL}:latest"]
+    assert httpx.get(f"{base_url}/api/version", headers={"Authorization": f"Bearer {KEY}"}).json()["version"]
+
+
+def test_bad_input_gets_ollamas_error_shape(client, base_url):
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model="llama3:8b", messages=HI)
+    assert info.value.status_code == 404 and "llama3:8b" in info.value.error
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model=MODEL, messages=HI, options={"temperature": "warm"})
+    assert info.value.status_code == 400 and "temperature" in info.value.error
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model=MODEL, messages=[{"role": "user", "content": "hi", "images": ["aGk="]}])
+    assert info.value.status_code == 400 and "images" in info.value.error
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for r in (
+        httpx.get(f"{base_url}/api/tags"),  # no key
+        httpx.post(f"{base_url}/api/chat", content=b"{", headers=auth),
+        httpx.post(f"{base_url}/api/chat", content=b"x" * (9 << 20), headers=auth),
+        httpx.get(f"{base_url}/api/chat", headers=auth),
+        httpx.post(f"{base_url}/api/chat", json={"model": MODEL, "messages": HI, "think": "hard"}, headers=auth),
+    ):
+        assert 400 <= r.status_code < 500 and set(r.json()) == {"error"} and isinstance(r.json()["error"], str), r.text
+    assert [r.status_code for r in (httpx.get(f"{base_url}/api/tags"),)] == [401]
