@@ -17,7 +17,8 @@ _EXTRA = """
 | Up / Down | earlier prompts (on the first / last line) |
 | Ctrl+P | command palette |
 
-Focus a message (click it, or Tab): **c** copy, **e** edit and resend, **b** branch here, **r** regenerate.
+Focus a message (click it, or Tab): **c** copy, **e** edit and resend, **b** branch here, **r** regenerate,
+**t** show or hide its thoughts (a reasoning model's; a click on their line does too).
 """
 
 

@@ -27,7 +27,7 @@ FIELDS = (
     ("max_tokens", "Max tokens", "integer"),
     ("seed", "Seed (empty: random)", "integer"),
     # a reasoning model's thoughts: on, off, or at most this many tokens (ChatRequest.reasoning_budget)
-    ("thinking", "Thinking on/off/tokens", "text"),
+    ("thinking", "Think on/off/tokens", "text"),
 )
 
 

@@ -36,7 +36,7 @@ def gauge(used: int, size: int, width: int) -> str:
 class StatusBar(Widget):
     model = reactive("no model")
     backend = reactive("")
-    #: "loading", "ready", "generating", "error"
+    #: "loading", "ready", "thinking…" (a reasoning model before its answer), "generating", "error"
     state = reactive("")
     context_used = reactive(0)
     context_size = reactive(0)
