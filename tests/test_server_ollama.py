@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import time
 
 import httpx
 import ollama
@@ -118,3 +120,35 @@ def test_bad_input_gets_ollamas_error_shape(client, base_url):
     ):
         assert 400 <= r.status_code < 500 and set(r.json()) == {"error"} and isinstance(r.json()["error"], str), r.text
     assert [r.status_code for r in (httpx.get(f"{base_url}/api/tags"),)] == [401]
+
+
+def test_full_queue_and_disconnect_keep_the_servers_properties(client, base_url, engine):
+    def one(_):
+        try:
+            client.generate(model=MODEL, prompt="1, 2, 3, 4,", raw=True, options={"temperature": 0, "num_predict": 24})
+            return 200, None
+        except ollama.ResponseError as exc:
+            return exc.status_code, exc.error
+
+    # 2 sequences and 2 places in the queue: the rest are refused at once, in Ollama's shape
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    assert sum(s == 200 for s, _ in results) >= 2 and any(s == 429 for s, _ in results), results
+    assert all(s in (200, 429) and (s == 200 or "capacity" in e) for s, e in results)
+
+    # a client leaving mid-stream frees its sequence
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4,", "raw": True, "options": {"num_predict": 400}}
+    with httpx.stream("POST", f"{base_url}/api/generate", json=body, headers=auth, timeout=60) as r:
+        assert json.loads(next(r.iter_lines()))["done"] is False
+    assert wait_idle(engine)["running"] == 0
+    assert engine.kv_problems() == []
+
+
+def wait_idle(engine, timeout=5.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine.stats()
+        if (stats["running"] == 0 and stats["waiting"] == 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)

@@ -143,6 +143,7 @@ def _stream(body: dict) -> bool:
 
 def parse_chat(body: dict, server) -> ParsedRequest:
     _refuse(body, "tools", "tool calling is served on /v1/chat/completions")
+    _refuse(body, "logprobs", "log probabilities are served on /v1/chat/completions")
     messages = body.get("messages")
     if isinstance(messages, list):
         for i, m in enumerate(messages):
@@ -160,6 +161,7 @@ def parse_generate(body: dict, server) -> ParsedRequest:
     _refuse(body, "template", "the model's own chat template is used")
     _refuse(body, "suffix", "fill-in-the-middle is not served")
     _refuse(body, "context", "send the conversation as messages to /api/chat")
+    _refuse(body, "logprobs", "log probabilities are served on /v1/completions")
     prompt = _text("prompt", body.get("prompt", ""))
     if _opt_bool(body, "raw"):
         fields = {"prompt": prompt}
