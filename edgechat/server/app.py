@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from edgechat.engine.request import ChatRequest, Finished, RequestStatus, TextDelta
 from edgechat.errors import EdgechatError
-from edgechat.server import llamacpp_api, ollama_api, responses
+from edgechat.server import anthropic_api, llamacpp_api, ollama_api, responses
 from edgechat.server.auth import BearerAuth
 from edgechat.server.bridge import Generation
 from edgechat.server.degrade import DegradeSwitch
@@ -265,6 +265,7 @@ class _Server:
             for i in range(parsed.n):
                 gen = Generation(loop, arrival + self.settings.request_timeout, self.on_finished, i, events)
                 gen.model, gen.priority, gen.ticket = served.id, priority, ticket
+                gen.prompt_tokens = len(prepared.tokens)
                 # each choice its own Prepared: eviction mid-answer edits its message spans
                 prep = prepared if i == 0 else dataclasses.replace(prepared, spans=[list(s) for s in prepared.spans])
                 gen.handle = served.engine.submit(_choice_request(req, i, gens), gen.on_event, prep)
@@ -576,7 +577,8 @@ async def _disconnected(request: Request) -> None:
 
 
 #: each API's error shape by the paths it serves; OpenAI's everywhere else
-_ERROR_SHAPES = ((ollama_api.owns, ollama_api.error_response), (llamacpp_api.owns, llamacpp_api.error_response))
+_ERROR_SHAPES = ((ollama_api.owns, ollama_api.error_response), (llamacpp_api.owns, llamacpp_api.error_response),
+                 (anthropic_api.owns, anthropic_api.error_response))
 
 
 def error_response(path: str, exc: ApiError) -> Response:
@@ -619,6 +621,7 @@ def create_app(settings: ServerSettings, engine, fallback=None) -> Starlette:
         Route("/completions", server.completions, methods=["POST"]),
         *ollama_api.OllamaApi(server).routes(),
         *llamacpp_api.LlamaCppApi(server).routes(),
+        *anthropic_api.MessagesApi(server).routes(),
     ]
     app = Starlette(
         routes=routes,
