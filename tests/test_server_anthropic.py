@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import time
 
 import anthropic
 import httpx
@@ -189,3 +191,29 @@ def test_errors_come_in_anthropics_shape(client, base_url):
 
     r = httpx.get(f"{base_url}/v1/messages", headers={"x-api-key": KEY})
     assert r.status_code == 405 and r.json()["type"] == "error"
+
+
+def test_full_queue_and_disconnect_keep_the_servers_properties(client, base_url, engine):
+    def one(_):
+        try:
+            client.messages.create(model=MODEL, max_tokens=24, messages=HI, **GREEDY)
+            return 200, None
+        except anthropic.APIStatusError as exc:
+            return exc.status_code, exc.body
+
+    # one sequence (deterministic) and 4 places in the queue: the rest are refused at once, as
+    # Anthropic's overloaded_error, which its clients retry after Retry-After
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    assert sum(s == 200 for s, _ in results) >= 1 and any(s == 529 for s, _ in results), results
+    assert all(s == 200 or (s == 529 and b["error"]["type"] == "overloaded_error") for s, b in results), results
+
+    # a client leaving mid-stream frees its sequence
+    body = {"model": MODEL, "max_tokens": 400, "messages": HI, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60) as r:
+        assert next(r.iter_lines()) == "event: message_start"
+    deadline = time.monotonic() + 5
+    while engine.stats()["running"] + engine.stats()["waiting"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.stats()["running"] == 0
+    assert engine.kv_problems() == []
