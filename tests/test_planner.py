@@ -84,11 +84,10 @@ def test_a_small_swa_cache_answers_as_the_full_one_and_recomputes_a_rewind_past_
                 # past the window, the small cache's sliding layers hold only its last cells: consistent all the same
                 assert engine.kv_problems() == []
             if swa == "small":
-                # drafts rolled back past the window leave the answer the full cache's (or parted at a near-tie)
-                third = prompts[2]
-                assert_same_tokens_or_near_tie(engine, engine.prompt_tokens(ChatRequest(prompt=third)),
-                                               answers["full"][2].token_ids, answers["small"][2].token_ids)
-    assert [a.text for a in answers["small"][:2]] == [a.text for a in answers["full"][:2]]
+                # the small cache's attention runs in other shapes (and drafts rolled back past the
+                # window): the full cache's answers, or parted where the top logits nearly tie
+                for p, full, small in zip(prompts, answers["full"], answers["small"]):
+                    assert_same_tokens_or_near_tie(engine, engine.prompt_tokens(ChatRequest(prompt=p)), full.token_ids, small.token_ids)
     assert answers["full"][1].metrics.cached_tokens > 100 and answers["small"][1].metrics.cached_tokens == 0
     # that refused rewind does not turn speculation off: drafts are rolled back within the window
     assert answers["small"][2].metrics.drafted_tokens > 0, answers["small"][2].metrics

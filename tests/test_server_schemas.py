@@ -125,7 +125,6 @@ def test_bad_completion_bodies_name_the_field(body, param):
         ("function_call", {"name": "f"}),
         ("modalities", ["text", "audio"]),
         ("audio", {"voice": "alloy", "format": "wav"}),
-        ("reasoning_effort", "low"),
         ("verbosity", "low"),
         ("web_search_options", {}),
         # llama-server and vLLM extensions the engine's sampler chain does not have

@@ -200,7 +200,7 @@ def _session_turn(cfg, name: str, text: str, system, context_policy, params: dic
 def stream_answer(engine, request: ChatRequest, echo: bool, answer: StoredAnswer | None = None, thoughts: bool = True):
     """Submit and print text as it comes, each piece handed to `answer` (the store) before it is
     printed; a reasoning model's thoughts go to stderr (dimmed on a terminal; not with
-    `thoughts` False) and are not stored. Ctrl+C cancels the generation and returns the partial
+    `thoughts` False) and to the store apart from the answer. Ctrl+C cancels the generation and returns the partial
     answer (reason "cancelled"). Returns (Finished, messages evicted from the context)."""
     handle = engine.submit(request)
     evicted = 0
@@ -209,6 +209,8 @@ def stream_answer(engine, request: ChatRequest, echo: bool, answer: StoredAnswer
         # a terminal needs no more than ~30 updates a second; fewer wake-ups leave the CPU to llama.cpp
         for event in handle.events(every=0.033):
             if isinstance(event, TextDelta) and event.reasoning:
+                if answer is not None:
+                    answer.append(event.text, reasoning=True)  # stored apart from the answer
                 if echo and thoughts:
                     click.echo(click.style(event.text, dim=True) if dim else event.text, err=True, nl=False)
                     thought = True
