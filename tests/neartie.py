@@ -12,10 +12,11 @@ from edgechat.engine import ChatRequest
 NEAR_TIE = 0.5
 #: the same where the model is unsure (its top token holds under FLAT of the top ten's mass): there,
 #: batch shapes moved Gemma 3's top logits by up to 0.71 against each other (measured, a base model
-#: rambling after the text it was asked to repeat), and which draft lengths a run picks, and so its
-#: batch shapes, depends on the step times it measured
+#: rambling after the text it was asked to repeat; 0.72 at a share of 0.31 with weights in plain
+#: buffers, as on AMX CPUs), and which draft lengths a run picks, and so its batch shapes, depends
+#: on the step times it measured
 FLAT_NEAR_TIE = 1.0
-FLAT = 0.25
+FLAT = 0.35
 
 
 def assert_same_or_near_tie(engine, messages: list[dict], expected: list[int], got: list[int]) -> None:

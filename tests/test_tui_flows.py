@@ -97,7 +97,7 @@ async def start_long_answer(app, pilot):
     """Open a conversation allowing a 3,000-token answer, send a prompt that loops, wait for text."""
     await ready(pilot)
     screen = app.chat_screen
-    long = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 3000})
+    long = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 3000, "loop_guard": False})
     await screen.open_conversation(long.id)
     screen.prompt.set_text(LOOPING)
     await pilot.press("enter")
@@ -398,7 +398,7 @@ async def test_switching_chats_while_answering(paths, client):
         screen = app.chat_screen
         other = app.store.create_conversation(title="Other chat")
         app.store.add_message(other.id, "user", "earlier question")
-        busy = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 3000})
+        busy = app.store.create_conversation(settings={**app.config.chat, "max_tokens": 3000, "loop_guard": False})
         await screen.open_conversation(busy.id)
         screen.prompt.set_text(LOOPING)
         await pilot.press("enter")

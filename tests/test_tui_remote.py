@@ -127,7 +127,8 @@ def test_remote_client_error_mid_stream_ends_in_error(cutoff_url):
     client = RemoteClient(cutoff_url, KEY)
     handle = client.submit(
         ChatRequest(
-            messages=[{"role": "user", "content": LOOPING}], max_tokens=900, sampling=SamplingParams(temperature=0.0)
+            messages=[{"role": "user", "content": LOOPING}], max_tokens=900, sampling=SamplingParams(temperature=0.0),
+            loop_guard=False,  # the server's timeout must cut it, not the loop guard
         )
     )
     events = list(handle)
@@ -163,7 +164,7 @@ async def test_app_in_remote_mode(server_url, isolated_dirs):
 @pytest.mark.asyncio
 async def test_app_stores_an_answer_cut_off_by_the_server_as_an_error(cutoff_url, isolated_dirs):
     isolated_dirs.config.mkdir(parents=True, exist_ok=True)
-    isolated_dirs.config_file.write_text("[chat]\nmax_tokens = 900\ntemperature = 0.0\n")
+    isolated_dirs.config_file.write_text("[chat]\nmax_tokens = 900\ntemperature = 0.0\nloop_guard = false\n")
     app = EdgechatApp(isolated_dirs, url=cutoff_url, api_key=KEY)
     async with app.run_test(size=(100, 30)) as pilot:
         user, answer = await answer_in_app(app, pilot, LOOPING)

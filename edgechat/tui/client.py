@@ -248,6 +248,8 @@ class RemoteClient:
             body["max_tokens"] = req.max_tokens
         if s.seed is not None:
             body["seed"] = s.seed
+        if not req.loop_guard:
+            body["loop_guard"] = False  # edgechat's own field: other servers ignore it
         if req.stop:
             body["stop"] = req.stop
         if req.speculative not in (None, "auto"):
