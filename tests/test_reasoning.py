@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from bench.bench_reasoning import TEMPLATE as THINK_TEMPLATE  # the template the benchmark measures
 from edgechat.engine import ChatRequest, Engine, EngineConfig
 from edgechat.engine.reasoning import ReasoningSplitter, reasoning_format, strip_thoughts
 from edgechat.engine.request import SamplingParams, TextDelta
@@ -23,14 +24,6 @@ from serving import serving
 from tests.test_cli import assert_one_line_error, edgechat
 
 MODEL = "smollm2-135m-instruct"
-THINK_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['role'] == 'assistant' %}{{ m['content'].split('</think>')[-1] | trim }}{% else %}{{ m['content'] }}{% endif %}"
-    "<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
-    "{% endif %}"
-)
 GREEDY = SamplingParams(temperature=0)
 ASK = [{"role": "user", "content": "Explain in detail how photosynthesis works."}]
 
