@@ -13,6 +13,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from edgechat.engine.stream import marker_tail
+
 #: (start, end) pairs, most specific first
 MARKERS = (("[THINK]", "[/THINK]"), ("<think>", "</think>"))
 
@@ -69,6 +71,10 @@ class ReasoningSplitter:
         self._pending = ""
         self._started = False  # any thought written yet
 
+    @property
+    def thinking(self) -> bool:
+        return self.phase is Phase.THINKING
+
     def feed(self, text: str) -> tuple[str, str]:
         buf, reasoning = self._pending + text, ""
         self._pending = ""
@@ -93,7 +99,7 @@ class ReasoningSplitter:
                     reasoning += buf[:at]
                     self.phase, buf = Phase.AFTER, buf[at + len(self.fmt.end):]
                     continue
-                keep = _partial_suffix(buf, self.fmt.end)
+                keep = marker_tail(buf, self.fmt.end)
                 self._pending = buf[len(buf) - keep:]
                 return reasoning + buf[: len(buf) - keep], ""
             if self.phase is Phase.AFTER:
@@ -111,10 +117,3 @@ class ReasoningSplitter:
             return held, ""
         return "", held if self.phase is Phase.MAYBE else ""
 
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of marker."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0

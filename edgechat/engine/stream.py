@@ -8,8 +8,19 @@ from __future__ import annotations
 
 import codecs
 from collections import deque
+from typing import TYPE_CHECKING
 
-from edgechat.engine.reasoning import Phase, ReasoningSplitter
+if TYPE_CHECKING:  # the splitter uses marker_tail from here
+    from edgechat.engine.reasoning import ReasoningSplitter
+
+
+def marker_tail(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`: what must be
+    held back because it may still become the marker (a stop string, a thinking or tool-call tag)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
 
 
 class LoopGuard:
@@ -65,7 +76,7 @@ class OutputProcessor:
 
     @property
     def thinking(self) -> bool:
-        return self._splitter is not None and self._splitter.phase is Phase.THINKING
+        return self._splitter is not None and self._splitter.thinking
 
     def feed(self, data: bytes, token: int | None = None) -> str:
         """Add one token's bytes (and its id, for the loop guard); return the answer's text that
@@ -125,10 +136,4 @@ class OutputProcessor:
 
     def _partial_stop_len(self, text: str) -> int:
         """Length of the longest suffix of text that is a proper prefix of some stop string."""
-        best = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+        return max((marker_tail(text, stop) for stop in self._stops), default=0)

@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass
 
 from edgechat.engine.request import Grammar
+from edgechat.engine.stream import marker_tail
 from edgechat.server.errors import bad_request
 from edgechat.server.structured import check_schema, schema_rules
 from edgechat.server.toolfamilies import GENERIC, CallSyntax, ToolFamily, call_objects
@@ -304,7 +305,7 @@ class ToolCallParser:
         """How many characters at the end of the held text may still start a call."""
         if self._bare and not self.calls and not self._held.strip():
             return len(self._held)
-        return max((_partial(self._held, s.opener) for s in self._openers), default=0)
+        return max((marker_tail(self._held, s.opener) for s in self._openers), default=0)
 
     def _read_call(self, new: list[ToolCall], out: list[str], final: bool) -> bool:
         """Read the call after an opener from the held text; False if it is not all there yet."""
@@ -362,10 +363,3 @@ class ToolCallParser:
 
 
 _DECODER = json.JSONDecoder()
-
-
-def _partial(text: str, opener: str) -> int:
-    for n in range(min(len(opener) - 1, len(text)), 0, -1):
-        if text.endswith(opener[:n]):
-            return n
-    return 0
