@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import datetime
+import functools
 import json
 from dataclasses import dataclass
 from typing import Callable
@@ -97,9 +98,10 @@ class ChatFormat:
     #: the Jinja source rendered (None in completion mode): the server reads its tool syntax there
     source: str | None = None
 
-    @property
+    @functools.cached_property
     def reasoning(self) -> ReasoningFormat | None:
-        """The thinking markers of a reasoning model's template (None: the model does not think)."""
+        """The thinking markers of a reasoning model's template (None: the model does not think);
+        read once, not on every prompt."""
         return reasoning_format(self.source)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
