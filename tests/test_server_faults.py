@@ -66,7 +66,7 @@ def test_a_dead_engine_answers_503_at_once(models_root, monkeypatch):
             started = time.monotonic()
             second = ask(url, "Say hello.")
             assert second.status_code == 503 and second.json()["error"]["code"] == "engine_stopped"
-            assert time.monotonic() - started < 2
+            assert time.monotonic() - started < 10  # refused, not queued behind a dead thread
 
 
 def test_each_request_builds_its_prompt_once(models_root, monkeypatch):

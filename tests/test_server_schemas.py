@@ -201,14 +201,23 @@ def test_deeply_nested_json_is_a_fast_400(raw):
     start = time.perf_counter()
     error = _error(decode_body, raw)
     assert "nested too deeply" in error.message
-    assert time.perf_counter() - start < 0.5
+    # a hang guard, not a benchmark: a parser that recursed or retried would take far longer
+    assert time.perf_counter() - start < 5
+
+
+class _Unread(list):
+    """A message list that fails the test if any message in it is looked at."""
+
+    def __iter__(self):
+        raise AssertionError("a message was read")
+
+    def __getitem__(self, index):
+        raise AssertionError("a message was read")
 
 
 def test_too_many_messages_are_refused_before_any_is_read():
-    start = time.perf_counter()
-    # not even valid messages: the count is checked first, so a flood costs no per-message work
-    error = _error(parse_chat, {"messages": ["x"] * 200_000}, 2048)
-    assert time.perf_counter() - start < 0.1
+    # the count is checked first, so a flood costs no per-message work
+    error = _error(parse_chat, {"messages": _Unread(["x"] * 200_000)}, 2048)
     assert (error.param, error.code) == ("messages", "too_many_messages")
     assert "200000" in error.message and "2048" in error.message
     assert len(parse_chat({"messages": USER * 3}, 3).request.messages) == 3

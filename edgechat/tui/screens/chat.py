@@ -204,8 +204,10 @@ class ChatScreen(Screen):
     def _measure_context(self, conv: Conversation) -> None:
         """Fill the context gauge for a conversation just opened (its whole history, template applied)."""
         count = getattr(self.client, "count_tokens", None)
+        if count is None:  # a client that cannot count (remote): the whole history is not worth reading
+            return
         history = model_messages(self.store, conv.id)
-        if count is None or not history:
+        if not history:
             return
         used = count(build_request({**conv.settings, "context_policy": "shift"}, history, session=None))
         self.app.call_from_thread(self._show_context, conv.id, used)
