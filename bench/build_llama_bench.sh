@@ -2,7 +2,7 @@
 # Build llama.cpp's own llama-bench, llama-server, llama-quantize and llama-imatrix from the llama.cpp
 # sources vendored in the pinned llama-cpp-python sdist, so reference numbers come from exactly the code our engine runs.
 # Usage: bench/build_llama_bench.sh [--check] [TOOL...]
-#          default: all four; prints the llama-bench path on its last line (the folder of every tool).
+#          TOOL: any of those four or ggml-rpc-server; default: the four; prints the llama-bench path on its last line (the folder of every tool).
 #          --check builds nothing: prints that path and exits 0 if every TOOL is built, 1 if not.
 # Env:   EDGECHAT_BENCH_CACHE  cache root (default ${XDG_CACHE_HOME:-~/.cache}/edgechat-bench): kept
 #        between runs like pip's wheel cache, one build per pinned version shared by the test suite
@@ -58,7 +58,9 @@ work="$prefix/work"
 llama_src="$(llama_sources "$work" "$ver")"
 
 # Same configuration as llama-cpp-python's CPU source build: Release, shared libraries, curl off,
-# GGML_NATIVE/OpenMP/llamafile at llama.cpp's defaults. GGML_NATIVE is pinned ON because its default
+# GGML_NATIVE/OpenMP/llamafile at llama.cpp's defaults, plus the RPC backend: one build then also
+# gives ggml-rpc-server and a libllama that reaches it (the RPC loopback test, packaging/GPU.md);
+# RPC adds a backend to the registry and changes no CPU kernel. GGML_NATIVE is pinned ON because its default
 # flips to OFF when SOURCE_DATE_EPOCH is set, and the reference must use the host's SIMD like the
 # engine. The web UI is neither built (npm) nor downloaded: the build must work offline.
 # $ORIGIN rpath: the binaries find the libllama/libggml copies installed next to them.
@@ -67,6 +69,7 @@ cmake -S "$llama_src" -B "$work/build" "${cmake_generator[@]}" \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=ON \
     -DGGML_NATIVE=ON \
+    -DGGML_RPC=ON \
     -DLLAMA_CURL=OFF \
     -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF \

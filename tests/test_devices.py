@@ -100,16 +100,6 @@ def test_auto_puts_every_layer_on_the_gpu_and_answers_as_the_cpu(model, isolated
         assert_same_or_near_tie(cpu, messages, expected.token_ids, got.token_ids)
 
 
-@pytest.fixture(scope="module")
-def rpc_build() -> Path:
-    """libllama with llama.cpp's RPC backend and ggml-rpc-server, built once from the pinned
-    sources into ~/.cache (about 10 minutes on 2 cores the first time)."""
-    script = Path(__file__).resolve().parents[1] / "packaging" / "build_llama_rpc.sh"
-    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=3600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return Path(proc.stdout.strip().splitlines()[-1])
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -157,12 +147,12 @@ def rpc_servers(build: Path, n: int, tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_layers_on_two_rpc_servers_give_the_local_greedy_answer(rpc_build, isolated_dirs, tmp_path):
+def test_layers_on_two_rpc_servers_give_the_local_greedy_answer(llama_tools, isolated_dirs, tmp_path):
     args = ["run", "--temperature", "0", "--max-tokens", "16", "--speculative", "off", "--json", "Name three colours."]
     local = edgechat(*args)
     assert local.returncode == 0, local.stderr
-    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(rpc_build))
-    with rpc_servers(rpc_build, 2, tmp_path) as endpoints:
+    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(llama_tools))
+    with rpc_servers(llama_tools, 2, tmp_path) as endpoints:
         rpc = ",".join(endpoints)
         remote = edgechat(*args, "--rpc", rpc, "--gpu-layers", "all", env=env)
         assert remote.returncode == 0, remote.stderr
