@@ -22,6 +22,7 @@ from typing import Any
 from edgechat.config import Paths, get_paths, make_data_dir, model_settings, read_chat_template
 from edgechat.engine import devices, planner
 from edgechat.engine.draft import DraftModel, DraftVocabError
+from edgechat.engine.embeddings import Embedder, EmbeddingJob
 from edgechat.engine.kvcache import KVManager, Slot
 from edgechat.engine.llama import LlamaBackend
 from edgechat.engine.metrics import RequestClock
@@ -76,6 +77,8 @@ class EngineConfig:
     speculative: str = "auto"
     #: a smaller model of the same vocabulary that guesses tokens for the model to verify
     draft_model: str | None = None
+    #: a GGUF that computes embeddings (engine/embeddings.py) instead of the model itself
+    embedding_model: str | None = None
     #: the same text for the same prompt, seed and settings whatever else the engine serves or
     #: holds: one sequence at a time, each prompt prefilled from position 0 of an empty cache, no
     #: prompt cache, no speculative decoding (llama.cpp's kernels round differently in other
@@ -166,6 +169,7 @@ class Engine(PromptQueries):
             be, self.n_slots, self._snapshot_store, self._saved_state, self._restored_state, self.prompt_cache
         )
         self.draft, self.draft_warning = self._load_draft()
+        self.embedder = self._load_embedder()
         self.scheduler = Scheduler(
             be, self.kv, self.states, self.n_ctx, 1 if cfg.deterministic else cfg.n_parallel, self._policy, self._speculative,
             self.draft, deterministic=cfg.deterministic, reasoning=self.format.reasoning,
@@ -208,6 +212,16 @@ class Engine(PromptQueries):
             self.scheduler.reserve(self.config.max_queue)
             self._inbox.put(Running(handle, request, prep, clock))
         return handle
+
+    def embed(self, inputs: list[str | list[int]], truncate: bool = False, on_done=None) -> EmbeddingJob:
+        """Queue texts or token arrays for embedding (engine/embeddings.py); bad inputs raise
+        EmbeddingInputError here. `on_done(job)` is called on the engine thread at its end."""
+        self._check_running()
+        job = EmbeddingJob(self.embedder.prepare(inputs, truncate), on_done)
+        with self._lock:
+            self._check_running()
+            self._inbox.put(job)
+        return job
 
     def tokenize(self, text: str) -> list[int]:
         return self.backend.tokenize(text, add_bos=False, special=False)
@@ -273,6 +287,9 @@ class Engine(PromptQueries):
         self.scheduler.close()
         if self.draft is not None:
             self.draft.close()
+        self.embedder.close()
+        if self.embedder.backend is not self.backend:
+            self.embedder.backend.close()
         self.backend.close()
 
     def __enter__(self):
@@ -352,6 +369,27 @@ class Engine(PromptQueries):
             return None, warning
         return draft, None
 
+    def _load_embedder(self) -> Embedder:
+        """Embeddings from the model itself, or from --embedding-model (a context made on the
+        first request, so a chat-only user never pays for it). A model that cannot embed is an
+        error: it was asked for by name."""
+        if self.config.embedding_model is None:
+            return Embedder(self.backend, self.n_ctx, self.n_threads)
+        try:
+            path = resolve_model(self.config.embedding_model, self.paths)
+            # LlamaBackend loads a model with a context: this one's is the smallest, never decoded
+            backend = LlamaBackend(path, n_ctx_total=256, n_seq_max=1, n_threads=self.n_threads, n_batch=1, n_ubatch=1)
+            try:
+                return Embedder(backend, min(read_model_info(path).context_length, self.n_ctx), self.n_threads)
+            except EdgechatError:
+                backend.close()
+                raise
+        except EdgechatError:
+            if self.draft is not None:
+                self.draft.close()
+            self.backend.close()
+            raise
+
     def _check_draft(self, mode: SpeculativeMode | None) -> None:
         if mode is SpeculativeMode.DRAFT and self.draft_ref is None and not self.config.deterministic:
             raise UsageError("speculative decoding 'draft' needs a draft model (--draft-model)")
@@ -379,7 +417,7 @@ class Engine(PromptQueries):
         sched = self.scheduler
         try:
             while True:
-                block = not sched.active and not sched.waiting
+                block = not sched.active and not sched.waiting and not self.embedder.pending
                 try:
                     item = self._inbox.get(timeout=IDLE_SNAPSHOT_S) if block else self._inbox.get_nowait()
                 except queue.Empty:
@@ -389,6 +427,8 @@ class Engine(PromptQueries):
                         sched.waiting.append(item)
                         if block and sched.n_parallel > 1:
                             time.sleep(BATCH_WINDOW_S)
+                    elif isinstance(item, EmbeddingJob):
+                        self.embedder.add(item)
                     elif isinstance(item, _Command):
                         if self._command(item):
                             return
@@ -399,6 +439,10 @@ class Engine(PromptQueries):
                         sched.admit()
                         if sched.active:
                             sched.step()
+                        # one embedding chunk per chat step: a long batch holds the streams up
+                        # for a chunk's decode at a time, never for the whole batch
+                        if self.embedder.pending:
+                            self.embedder.step()
                 except Exception as exc:  # a bug or a llama.cpp failure: fail the running requests, keep serving
                     log.exception("engine step failed")
                     sched.fail_running(exc)
@@ -421,10 +465,13 @@ class Engine(PromptQueries):
                 break
             if isinstance(item, Running):
                 unqueued.append(item)
+            elif isinstance(item, EmbeddingJob):
+                self.embedder.end(item, EngineStoppedError(f"the engine stopped ({reason}); restart edgechat"))
             else:
                 item.error = EngineStoppedError(f"the engine stopped ({reason}); restart edgechat")
                 item.done.set()
         self.scheduler.end_all(unqueued, None if reason == "closed" else f"the engine stopped ({reason})")
+        self.embedder.fail_all(EngineStoppedError(f"the engine stopped ({reason}); restart edgechat"))
 
     def _command(self, cmd: _Command) -> bool:
         """Run one command; True when the engine is to stop. Its caller always gets an answer."""
@@ -437,7 +484,7 @@ class Engine(PromptQueries):
             if cmd.name == "positions":
                 cmd.result = self.kv.positions(slot) if slot is not None else None
             elif cmd.name == "check":
-                cmd.result = self.kv.check() + (self.draft.problems() if self.draft is not None else [])
+                cmd.result = self.kv.check() + (self.draft.problems() if self.draft is not None else []) + self.embedder.problems()
             elif cmd.name == "continue":
                 cmd.result = self.scheduler.continuation(*cmd.arg)
             elif cmd.name == "top_logits":

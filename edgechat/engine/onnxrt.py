@@ -251,6 +251,9 @@ class OnnxEngine(PromptQueries):
             self._inbox.put(_Run(handle, request, prep, clock))
         return handle
 
+    def embed(self, inputs, truncate: bool = False, on_done=None):
+        raise UsageError("embeddings need a GGUF model; ONNX folders do not compute them")
+
     def tokenize(self, text: str) -> list[int]:
         return self.vocab.tokenize(text, add_bos=False, special=False)
 

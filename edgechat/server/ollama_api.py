@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgechat.engine.request import ChatRequest, Finished, TextDelta
+from edgechat.server.embeddings_api import check_dimensions, embed
 from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.schemas import (
     REASONING_EFFORT,
@@ -194,6 +195,8 @@ class OllamaApi:
             Route("/api/show", self.show, methods=["POST"]),
             Route("/api/ps", self.ps, methods=["GET"]),
             Route("/api/version", self.version, methods=["GET"]),
+            Route("/api/embed", self.embed, methods=["POST"]),
+            Route("/api/embeddings", self.embeddings, methods=["POST"]),
         ]
 
     # ---- models ------------------------------------------------------------------------------
@@ -281,6 +284,48 @@ class OllamaApi:
     @_ollama_errors
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": OLLAMA_VERSION})
+
+    # ---- embeddings --------------------------------------------------------------------------
+
+    @_ollama_errors
+    async def embed(self, request: Request) -> Response:
+        """`input` (a string or a list of them) -> `embeddings`; `truncate` (default true) cuts
+        an input the context does not hold instead of refusing it. Nothing to embed answers an
+        empty list, as Ollama does when a client preloads a model."""
+        body = await self.server.read_body(request)
+        served = self.find(_model(body))
+        value = body.get("input")
+        if value is None or value == "" or value == []:
+            return JSONResponse({"model": _tagged(served.id), "embeddings": [], "total_duration": 0, "load_duration": 0, "prompt_eval_count": 0})
+        if isinstance(value, str):
+            inputs = [_text("input", value)]
+        elif isinstance(value, list):
+            inputs = [_text(f"input[{i}]", v) for i, v in enumerate(value)]
+        else:
+            raise _type_error("input", "a string or a list of strings", value)
+        truncate = body.get("truncate") is None or _opt_bool(body, "truncate")
+        _options(body)  # accepted: none of them changes a vector
+        check_dimensions(body, served)
+        vectors, n_tokens, seconds = await embed(self.server, request, served, inputs, "input", truncate)
+        return JSONResponse({
+            "model": _tagged(served.id),
+            "embeddings": [v.tolist() for v in vectors],
+            "total_duration": _ns(seconds),
+            "load_duration": 0,
+            "prompt_eval_count": n_tokens,
+        })
+
+    @_ollama_errors
+    async def embeddings(self, request: Request) -> Response:
+        """The older route: one `prompt` -> one `embedding` (unit length here too)."""
+        body = await self.server.read_body(request)
+        served = self.find(_model(body))
+        prompt = _text("prompt", body.get("prompt", ""))
+        if not prompt:
+            raise bad_request("'prompt' is empty: there is nothing to embed", param="prompt", code="invalid_value")
+        _options(body)
+        vectors, _, _ = await embed(self.server, request, served, [prompt], "prompt", truncate=True)
+        return JSONResponse({"embedding": vectors[0].tolist()})
 
     # ---- generation --------------------------------------------------------------------------
 

@@ -1,0 +1,125 @@
+"""OpenAI's embeddings API (`POST /v1/embeddings`): its body into the engine's embedding inputs
+(texts or token arrays), the vectors back as floats or base64, errors in OpenAI's shape naming
+the field. `embed` is the one way every API here asks the engine for vectors (Ollama's too)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from edgechat.engine.embeddings import EmbeddingInputError, EmbeddingJob
+from edgechat.errors import EdgechatError
+from edgechat.server.errors import ApiError, bad_request, from_engine_error
+from edgechat.server.schemas import _text, _type_error
+
+#: how often a waiting request checks that its client is still there
+DISCONNECT_POLL_S = 0.5
+
+
+async def embed(server, request: Request, served, inputs: list, field: str, truncate: bool = False) -> tuple[list[np.ndarray], int, float]:
+    """The vectors of `inputs` on `served`'s engine, their token count and the seconds taken;
+    a bad input is a 400 naming `field`, a client that leaves cancels the work."""
+    started, loop = time.monotonic(), asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def finished(job: EmbeddingJob) -> None:  # on the engine thread
+        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    try:
+        # tokenizing long inputs takes a while: off the event loop
+        job = await asyncio.to_thread(served.engine.embed, inputs, truncate, finished)
+    except EmbeddingInputError as exc:
+        raise bad_request(f"'{field}': {exc}", param=field, code="invalid_value") from None
+    except EdgechatError as exc:
+        raise from_engine_error(exc, server.retry_after()) from None
+    deadline = started + server.settings.request_timeout
+    try:
+        while not done.done():
+            if time.monotonic() > deadline:
+                job.cancel()
+                raise ApiError(504, f"the embeddings were not computed within {server.settings.request_timeout:g} s", type="timeout", code="timeout")
+            await asyncio.wait({done}, timeout=DISCONNECT_POLL_S)
+            if not done.done() and await request.is_disconnected():
+                job.cancel()
+                raise ApiError(499, "the client left", code="client_closed")
+    except asyncio.CancelledError:
+        job.cancel()
+        raise
+    if isinstance(job.error, EmbeddingInputError):
+        raise bad_request(f"'{field}': {job.error}", param=field, code="invalid_value")
+    if isinstance(job.error, EdgechatError):
+        raise from_engine_error(job.error, server.retry_after())
+    if job.error is not None:
+        raise ApiError(500, str(job.error), type="server_error", code="embedding_failed")
+    return job.vectors, job.n_tokens, time.monotonic() - started
+
+
+def parse_input(value: object) -> list:
+    """`input`: a string, an array of strings, an array of token ids or an array of token arrays."""
+    if isinstance(value, str):
+        return [_text("input", value)]
+    if not isinstance(value, list):
+        raise _type_error("input", "a string or an array", value)
+    if not value:
+        raise bad_request("'input' is empty: there is nothing to embed", param="input", code="invalid_value")
+    if all(isinstance(v, str) for v in value):
+        return [_text(f"input[{i}]", v) for i, v in enumerate(value)]
+    if all(_is_id(v) for v in value):
+        return [value]
+    for i, v in enumerate(value):
+        if not isinstance(v, list) or not all(_is_id(t) for t in v):
+            raise bad_request(
+                f"'input[{i}]' must be a token array, as the other items are (strings, token ids and token arrays cannot be mixed)",
+                param="input", code="invalid_type",
+            )
+    return value
+
+
+def check_dimensions(body: dict, served) -> None:
+    """`dimensions` only as the model's own size: a shorter vector would need a model trained
+    for it (Matryoshka), and cutting another's loses what it means."""
+    dimensions = body.get("dimensions")
+    embedder = getattr(served.engine, "embedder", None)  # an ONNX engine has none; embed says so
+    if dimensions is not None and embedder is not None and (not _is_id(dimensions) or dimensions != embedder.n_embd):
+        raise bad_request(f"'dimensions' must be {embedder.n_embd}, this model's size: its vectors cannot be shortened", param="dimensions", code="invalid_value")
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class EmbeddingsApi:
+    """The /v1/embeddings route on one app's _Server."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/embeddings", self.embeddings, methods=["POST"])]
+
+    async def embeddings(self, request: Request) -> Response:
+        body = await self.server.read_body(request)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _type_error("model", "a string", model)
+        served = self.server.find_model(model)
+        inputs = parse_input(body.get("input"))
+        encoding = body.get("encoding_format", "float")
+        if encoding not in ("float", "base64"):
+            raise bad_request(f"'encoding_format' must be \"float\" or \"base64\", got {str(encoding)[:40]!r}", param="encoding_format", code="invalid_value")
+        check_dimensions(body, served)
+        vectors, n_tokens, _ = await embed(self.server, request, served, inputs, "input")
+        data = [{"object": "embedding", "index": i, "embedding": _encoded(v, encoding)} for i, v in enumerate(vectors)]
+        return JSONResponse({"object": "list", "data": data, "model": served.id, "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+
+
+def _encoded(vector: np.ndarray, encoding: str):
+    if encoding == "base64":  # what the openai SDK asks for by default: little-endian float32
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
