@@ -82,6 +82,11 @@ class LocalClient:
     def count_tokens(self, request: ChatRequest) -> int:
         return self.engine.count_tokens(request)
 
+    def prompt_room(self, request: ChatRequest) -> tuple[int, int]:
+        """(the request's prompt tokens, the most the context allows it): the engine's own figures,
+        for refusing a message before it is stored."""
+        return len(self.engine.prepare(request).tokens), self.engine.prompts.limit(request)
+
     def release_session(self, session: str) -> None:
         self.engine.release_session(session)
 

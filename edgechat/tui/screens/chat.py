@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shlex
+from pathlib import Path
 
 from textual import on, work
 from textual.binding import Binding
@@ -11,17 +13,22 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer, Label, TextArea
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from edgechat.errors import EdgechatError, StoreError
+from edgechat import attachments
+from edgechat.engine.request import ChatRequest
+from edgechat.errors import EdgechatError, StoreError, UsageError
 from edgechat.store import Conversation, atomic_write_text, export_conversation
 from edgechat.store import Message as StoredMessage
 from edgechat.store.answer import StoredAnswer
 from edgechat.store.history import model_messages
 from edgechat.tui.actions import ACTIONS, parse_slash, unknown_slash
 from edgechat.tui.config import build_request, validate_settings
+from edgechat.tui.presets import find_preset, load_presets
 from edgechat.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from edgechat.tui.screens.help import HelpScreen
 from edgechat.tui.screens.models import ModelPickerScreen
+from edgechat.tui.screens.pickers import AttachPickerScreen, PresetPickerScreen
 from edgechat.tui.screens.settings import SettingsScreen
+from edgechat.tui.widgets.attachbar import AttachBar
 from edgechat.tui.widgets.chatview import PAGE, ChatView, MessageBox
 from edgechat.tui.widgets.prompt import PromptInput
 from edgechat.tui.widgets.sidebar import Sidebar
@@ -75,6 +82,7 @@ class ChatScreen(Screen):
                     yield Button("☰", id="toggle-sidebar", compact=True)
                     yield Label("New chat", id="conv-title", markup=False)
                 yield ChatView(id="chat")
+                yield AttachBar(id="attachments")
                 yield PromptInput(id="prompt", placeholder="Message (Enter sends, Ctrl+J new line, /help)")
         yield StatusBar(id="status")
         yield Footer()
@@ -86,6 +94,10 @@ class ChatScreen(Screen):
     @property
     def prompt(self) -> PromptInput:
         return self.query_one(PromptInput)
+
+    @property
+    def attach_bar(self) -> AttachBar:
+        return self.query_one(AttachBar)
 
     @property
     def status(self) -> StatusBar:
@@ -272,6 +284,10 @@ class ChatScreen(Screen):
         if self.turn is not None or self._waiting is not None:
             self.notify("Still answering: wait, or press Esc to stop.", severity="warning")
             return
+        files = self.attach_bar.attachments
+        content = attachments.compose(text, files)
+        if files and not self._attachments_fit(text, content):
+            return
         if self._editing is not None and self.conv is not None:
             self.store.delete_messages_from(self.conv.id, self._editing)
             self._editing = None
@@ -282,17 +298,55 @@ class ChatScreen(Screen):
                     model=self.client.model_name if self.client else self.app.model_ref,
                     settings=dict(self.app.config.chat),
                 )
-            user = self.store.add_message(self.conv.id, "user", text)
+            meta = {"attachments": [{"name": c.attachment.name, "tokens": c.tokens} for c in self.attach_bar.chips]}
+            user = self.store.add_message(self.conv.id, "user", content, meta=meta if files else None)
         except StoreError as exc:
             # Nothing was sent: the text stays in the input for when there is room.
             self._store_failed(str(exc))
             return
         self.conv = self.store.get_conversation(self.conv.id)
         self.prompt.clear()
+        self.attach_bar.clear()
         await self.chat.add(user)
         self._set_title()
         self.refresh_sidebar()
         await self.start_answer(user_id=user.id, prompt=text)
+
+    def _attachments_fit(self, text: str, content: str) -> bool:
+        """Whether the message with its attachments fits the context (with the system prompt and
+        room for the answer); says why not, with the figures. Unknown without a local model."""
+        room = getattr(self.client, "prompt_room", None)
+        if room is None:
+            return True
+        settings = self.conv.settings if self.conv is not None else self.app.config.chat
+
+        def need(body: str) -> tuple[int, int]:
+            return room(build_request(settings, [{"role": "user", "content": body}], session=None))
+
+        tokens, limit = need(content)
+        if tokens <= limit:
+            return True
+        bare, _ = need(text if text.strip() else ".")
+        self.notify(
+            f"Too large: the attachments take {tokens - bare:,} tokens and this context allows "
+            f"{limit:,} for the whole prompt, so about {max(limit - bare, 0):,} tokens of attachments "
+            "would fit; remove some (click a chip, or /detach).",
+            severity="error", timeout=12,
+        )
+        return False
+
+    def _token_counter(self):
+        """The loaded model's count of a text's tokens (its tokens in a message, less a one-token
+        message's), for the chips; None where the client cannot count (remote)."""
+        count = getattr(self.client, "count_tokens", None)
+        if count is None:
+            return None
+
+        def tokens(text: str) -> int:
+            one = count(ChatRequest(messages=[{"role": "user", "content": "."}]))
+            return count(ChatRequest(messages=[{"role": "user", "content": text}])) - one + 1
+
+        return tokens
 
     async def start_answer(self, user_id: int | None, prompt: str) -> None:
         assert self.conv is not None
@@ -329,6 +383,7 @@ class ChatScreen(Screen):
         self.status.model = client.model_name
         self.status.backend = client.backend
         self.status.context_size = client.n_ctx or 0
+        self.attach_bar.context_size = client.n_ctx or 0
         self.status.state = "ready"
         self._welcome(client.model_name)
         if self.conv is not None:
@@ -418,6 +473,7 @@ class ChatScreen(Screen):
         if box is not None:
             box.finish(stored)
         if f.reason == "cancelled":
+            self._restore_attachments(turn)
             self._restore_prompt(turn.prompt)
         elif f.reason == "error":
             self.notify(f"The answer failed: {f.error}", severity="error", timeout=10)
@@ -434,6 +490,7 @@ class ChatScreen(Screen):
         self.notify(event.error, severity="error", timeout=12)
 
     async def _undo_turn(self, turn: StoredAnswer) -> None:
+        self._restore_attachments(turn)
         first = turn.undo()
         if self.conv is not None and self.conv.id == turn.conversation_id:
             for box in self.chat.boxes():
@@ -444,6 +501,13 @@ class ChatScreen(Screen):
     def _store_failed(self, error: str) -> None:
         """A write to the conversation store failed (a full disk): say so; what is on screen stays."""
         self.notify(f"Not saved: {error}", severity="error", timeout=12)
+
+    def _restore_attachments(self, turn: StoredAnswer) -> None:
+        """A stopped or undone send puts its attachments back above the input, as its text goes back in."""
+        user = self.store.get_message(turn.user_id) if turn.user_id is not None else None
+        if user is not None and user.meta.get("attachments") and not self.attach_bar.chips:
+            files, _ = attachments.split(user.content, len(user.meta["attachments"]))
+            self.attach_bar.add(files, self._token_counter())
 
     def _restore_prompt(self, text: str) -> None:
         if text and not self.prompt.text.strip():
@@ -508,7 +572,12 @@ class ChatScreen(Screen):
         if not self._idle():
             return
         self._editing = message.id
-        self.prompt.set_text(message.content)
+        text = message.content
+        if message.meta.get("attachments"):
+            files, text = attachments.split(message.content, len(message.meta["attachments"]))
+            self.attach_bar.clear()
+            self.attach_bar.add(files, self._token_counter())
+        self.prompt.set_text(text)
         self.prompt.focus()
         self.notify("Editing: Enter resends from this message (later ones are replaced); Esc cancels.")
 
@@ -610,6 +679,61 @@ class ChatScreen(Screen):
         current = dict(self.app.config.chat) if self.conv is None else {**self.app.config.chat, **self.conv.settings}
         self._save_settings(validate_settings({**current, "system_prompt": arg}))
         self.notify("System prompt set for this conversation.")
+
+    def action_preset(self, arg: str = "") -> None:
+        try:
+            presets = load_presets(self.app.paths)
+            if arg:
+                self._apply_preset(find_preset(presets, arg.strip()).name, presets)
+                return
+        except UsageError as exc:
+            self.notify(str(exc), severity="warning", timeout=10)
+            return
+        self.app.push_screen(PresetPickerScreen(presets), lambda name: name and self._apply_preset(name, presets))
+
+    def _apply_preset(self, name: str, presets) -> None:
+        preset = presets[name]
+        current = dict(self.app.config.chat) if self.conv is None else {**self.app.config.chat, **self.conv.settings}
+        self._save_settings(preset.apply(current))
+        current_model = self.client.model_name if self.client else self.app.model_ref
+        if preset.model and preset.model != current_model and self._idle():
+            self.app.load_model(preset.model)
+        self.notify(f"Preset {name} applied to this conversation.")
+
+    def action_attach(self, arg: str = "") -> None:
+        if not arg.strip():
+            self.app.push_screen(AttachPickerScreen(Path.cwd()), lambda picked: picked and self.action_attach(picked))
+            return
+        try:
+            found = attachments.gather(arg)
+        except UsageError as exc:
+            self.notify(str(exc), severity="warning")
+            return
+        self._add_attachments(found)
+
+    def _add_attachments(self, found: attachments.Gathered) -> None:
+        if found.attachments:
+            self.attach_bar.add(found.attachments, self._token_counter())
+        self.notify(found.summary(), severity="warning" if found.skipped else "information")
+        self.prompt.focus()
+
+    def action_detach(self, arg: str = "") -> None:
+        if not self.attach_bar.chips:
+            self.notify("No attachments to remove.")
+        elif not arg.strip():
+            self.attach_bar.clear()
+        elif not self.attach_bar.remove_named(arg.strip()):
+            names = ", ".join(c.attachment.name for c in self.attach_bar.chips)
+            self.notify(f"No attachment {arg.strip()}; attached: {names}", severity="warning")
+
+    @on(PromptInput.Pasted)
+    def _pasted(self, event: PromptInput.Pasted) -> None:
+        path = attachments.pasted_path(event.text)
+        if path is not None:
+            self.action_attach(shlex.quote(str(path)))
+        else:
+            number = sum(c.attachment.name.startswith("pasted text") for c in self.attach_bar.chips) + 1
+            self._add_attachments(attachments.Gathered([attachments.from_paste(event.text, number)]))
 
     def action_model(self, arg: str = "") -> None:
         if not self._idle():

@@ -7,15 +7,17 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Label, Markdown
 
+from edgechat.attachments import LONG_PASTE
 from edgechat.tui.actions import ACTIONS, key_label
 
-_EXTRA = """
+_EXTRA = f"""
 | Key | In the input |
 |---|---|
 | Enter | send |
 | Ctrl+J | new line (also Shift+Enter where the terminal supports it) |
 | Up / Down | earlier prompts (on the first / last line) |
 | Ctrl+P | command palette |
+| Paste | a file's path (or a file dropped on the terminal) attaches it; over {LONG_PASTE:,} characters becomes an attachment |
 
 Focus a message (click it, or Tab): **c** copy, **e** edit and resend, **b** branch here, **r** regenerate,
 **t** show or hide its thoughts (a reasoning model's; a click on their line does too).

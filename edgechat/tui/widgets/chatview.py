@@ -19,6 +19,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Button, Label, Markdown, Static
 
+from edgechat.attachments import split
 from edgechat.engine.request import (
     ChatRequest,
     Evicted,
@@ -175,7 +176,13 @@ class MessageBox(Vertical, can_focus=True):
             yield self.thoughts
             self._body = Markdown(self.text, classes="body")
         else:
-            self._body = Static(self.text, markup=False, classes="body")
+            shown = self.text
+            files = self.message.meta.get("attachments")
+            if files:
+                # the files as chips, not their text (the message holds it: copy and the model get it)
+                yield Label("📎 " + " · ".join(f["name"] for f in files), classes="attached", markup=False)
+                _, shown = split(self.text, len(files))
+            self._body = Static(shown, markup=False, classes="body")
         yield self._body
         yield Label(self._status_note(), classes="status-note", markup=False)
 

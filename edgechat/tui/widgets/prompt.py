@@ -1,4 +1,5 @@
-"""The message input: multi-line, Enter sends, Ctrl+J (or Shift+Enter where the terminal tells) adds a line."""
+"""The message input: multi-line, Enter sends, Ctrl+J (or Shift+Enter where the terminal tells) adds a line;
+a paste that is a file's path (a file dropped on the terminal) or very long goes to the attachments."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import TextArea
 
+from edgechat.attachments import LONG_PASTE, pasted_path
+
 
 class PromptInput(TextArea):
     BINDINGS = [
@@ -14,6 +17,14 @@ class PromptInput(TextArea):
     ]
 
     class Submitted(Message):
+        def __init__(self, prompt: PromptInput, text: str):
+            super().__init__()
+            self.prompt = prompt
+            self.text = text
+
+    class Pasted(Message):
+        """A paste to attach rather than type: a file's path, or more than LONG_PASTE characters."""
+
         def __init__(self, prompt: PromptInput, text: str):
             super().__init__()
             self.prompt = prompt
@@ -36,6 +47,13 @@ class PromptInput(TextArea):
                 self.post_message(self.Submitted(self, text))
             return
         await super()._on_key(event)
+
+    async def _on_paste(self, event: events.Paste) -> None:
+        # Textual calls TextArea's handler after this one (unless prevented): it inserts any other paste.
+        if len(event.text) > LONG_PASTE or pasted_path(event.text) is not None:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Pasted(self, event.text))
 
     def action_newline(self) -> None:
         start, end = self.selection
