@@ -162,3 +162,12 @@ def test_ollama_embed_and_the_legacy_route(base_url, client):
         oc.embed(model=MODEL, input=long, truncate=False)
     assert refused.value.status_code == 400 and "256" in refused.value.error
     assert oc.embed(model=MODEL, input=[]).embeddings == []
+
+
+def test_an_embedding_model_of_its_own(models_root, smollm2_path, engine):
+    # --embedding-model: resolved as any model name or path is, in its own backend
+    with Engine(EngineConfig(model=MODEL, n_ctx=256, n_threads=2, embedding_model=str(smollm2_path), paths=models_root)) as eng:
+        assert eng.embedder.backend is not eng.backend
+        ours = eng.embed(SENTENCES).result(60)
+        assert eng.kv_problems() == []
+    assert all(float(a @ b) > 0.9999 for a, b in zip(ours, engine.embed(SENTENCES).result(60)))

@@ -57,6 +57,7 @@ def _is_loopback(host: str) -> bool:
 @click.option("--degrade-queue-wait", type=click.FloatRange(min=0.0), default=10.0, show_default=True, help="Queue wait (s) that turns on the degrade switch (max_tokens cap, --fallback-model); 0 disables.")
 @click.option("--degrade-max-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="The max_tokens cap while degraded.")
 @click.option("--fallback-model", default=None, help="A smaller model that serves new requests while degraded.")
+@click.option("--embedding-model", default=None, help="A GGUF that computes /v1/embeddings and /api/embed (default: the model itself, mean-pooled where its file names no pooling).")
 @click.option("--priority-class", "priority_classes", multiple=True, metavar="NAME=SHARE[:QUEUE]", help="A priority class with its own share of the --parallel sequences and its own queue (repeatable); requests pick one by API key or X-Priority.")
 @click.option("--key-class", "key_classes", multiple=True, metavar="KEY=CLASS", help="An API key (accepted besides --api-key) whose requests are in CLASS (repeatable).")
 @click.option("--failover-after", type=click.FloatRange(min=0.0), default=None, help="Seconds without a first token after which a request moves to --fallback-model (X-Failover-After per request).")
@@ -93,6 +94,7 @@ def serve_cmd(
     degrade_queue_wait: float,
     degrade_max_tokens: int,
     fallback_model: str | None,
+    embedding_model: str | None,
     priority_classes: tuple[str, ...],
     key_classes: tuple[str, ...],
     failover_after: float | None,
@@ -122,7 +124,7 @@ def serve_cmd(
 
     template = read_chat_template(chat_template)
 
-    def load(name: str, draft: str | None = None):
+    def load(name: str, draft: str | None = None, embedding: str | None = None):
         return open_engine(
             EngineConfig(
                 model=name,
@@ -137,6 +139,7 @@ def serve_cmd(
                 swa_cache=swa_cache,
                 speculative=speculative,
                 draft_model=draft,
+                embedding_model=embedding,
                 max_queue=max_queue,
                 paths=paths,
                 deterministic=deterministic,
@@ -144,7 +147,7 @@ def serve_cmd(
             )
         )
 
-    engine = load(model or DEFAULT_MODEL, draft_model)
+    engine = load(model or DEFAULT_MODEL, draft_model, embedding_model)
     fallback = None
     try:
         if fallback_model:

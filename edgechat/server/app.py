@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from edgechat.engine.request import ChatRequest, Finished, RequestStatus, TextDelta
 from edgechat.errors import EdgechatError
-from edgechat.server import anthropic_api, embeddings_api, llamacpp_api, ollama_api, responses
+from edgechat.server import anthropic_api, embeddings_api, llamacpp_api, ollama_api, openai_responses_api, responses
 from edgechat.server.auth import BearerAuth
 from edgechat.server.bridge import Generation
 from edgechat.server.degrade import DegradeSwitch
@@ -622,6 +622,7 @@ def create_app(settings: ServerSettings, engine, fallback=None) -> Starlette:
         *ollama_api.OllamaApi(server).routes(),
         *llamacpp_api.LlamaCppApi(server).routes(),
         *anthropic_api.MessagesApi(server).routes(),
+        *openai_responses_api.ResponsesApi(server).routes(),
         *embeddings_api.EmbeddingsApi(server).routes(),
     ]
     app = Starlette(

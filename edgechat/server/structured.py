@@ -169,16 +169,18 @@ def response_format_grammar(value: object) -> Grammar | None:
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
         raise bad_request("response_format.json_schema must be an object", param="response_format.json_schema", code="invalid_type")
+    return json_schema_grammar(spec, "response_format.json_schema")
+
+
+def json_schema_grammar(spec: dict, where: str) -> Grammar:
+    """The grammar for a `{name, schema, strict}` object at `where` (chat nests it in
+    response_format.json_schema, Responses has it flat in text.format)."""
     name = spec.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
-        raise bad_request(
-            "response_format.json_schema.name must be 1-64 letters, digits, _ or -",
-            param="response_format.json_schema.name",
-            code="invalid_value",
-        )
+        raise bad_request(f"{where}.name must be 1-64 letters, digits, _ or -", param=f"{where}.name", code="invalid_value")
     if not isinstance(spec.get("strict", False), bool):
-        raise bad_request("response_format.json_schema.strict must be a boolean", param="response_format.json_schema.strict", code="invalid_type")
+        raise bad_request(f"{where}.strict must be a boolean", param=f"{where}.strict", code="invalid_type")
     # an absent schema means any JSON object; strict or not, the grammar holds it to the schema
     schema = spec.get("schema", {"type": "object"})
-    check_schema(schema, "response_format.json_schema.schema")
-    return Grammar(schema_rules([("", schema)], "response_format.json_schema.schema"))
+    check_schema(schema, f"{where}.schema")
+    return Grammar(schema_rules([("", schema)], f"{where}.schema"))

@@ -89,20 +89,7 @@ def parse_tools(body: dict) -> Tools | None:
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise bad_request(f"{where}.function must be an object", param=f"{where}.function", code="invalid_type")
-        name = fn.get("name")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise bad_request(f"{where}.function.name must be 1-64 letters, digits, _ or -", param=f"{where}.function.name", code="invalid_value")
-        if any(f["name"] == name for f in functions):
-            raise bad_request(f"{where}.function.name: '{name}' is offered twice", param=f"{where}.function.name", code="invalid_value")
-        description = fn.get("description", "")
-        if not isinstance(description, str):
-            raise bad_request(f"{where}.function.description must be a string", param=f"{where}.function.description", code="invalid_type")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        param = f"{where}.function.parameters"
-        if not isinstance(params, dict) or params.get("type", "object") != "object":
-            raise bad_request(f"{param} must be a JSON Schema of type object", param=param, code="invalid_schema")
-        check_schema(params, param)
-        functions.append({"name": name, "description": description, "parameters": params})
+        functions.append(check_function(f"{where}.function", fn, functions))
     named = None
     if choice is None or choice in ("auto", "none", "required"):
         kind = choice or "auto"
@@ -123,6 +110,25 @@ def parse_tools(body: dict) -> Tools | None:
             code="invalid_value",
         )
     return Tools(functions, kind, named, parallel)
+
+
+def check_function(where: str, fn: dict, functions: list[dict]) -> dict:
+    """One function a request offers, `{name, description, parameters}`, checked against the
+    ones before it; `where` is the field holding them (chat nests them, Responses does not)."""
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise bad_request(f"{where}.name must be 1-64 letters, digits, _ or -", param=f"{where}.name", code="invalid_value")
+    if any(f["name"] == name for f in functions):
+        raise bad_request(f"{where}.name: '{name}' is offered twice", param=f"{where}.name", code="invalid_value")
+    description = fn.get("description", "")
+    if not isinstance(description, str):
+        raise bad_request(f"{where}.description must be a string", param=f"{where}.description", code="invalid_type")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    param = f"{where}.parameters"
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise bad_request(f"{param} must be a JSON Schema of type object", param=param, code="invalid_schema")
+    check_schema(params, param)
+    return {"name": name, "description": description, "parameters": params}
 
 
 def tool_grammar(tools: Tools, family: ToolFamily = GENERIC) -> Grammar:

@@ -99,15 +99,16 @@ def applied(db: sqlite3.Connection) -> list[str]:
     return [row[0] for row in db.execute("SELECT name FROM _migrations ORDER BY rowid")]
 
 
-def migrate(db: sqlite3.Connection) -> list[str]:
+def migrate(db: sqlite3.Connection, migrations: list[Migration] = MIGRATIONS) -> list[str]:
     """Apply every migration not yet recorded, each in its own transaction; return the names applied.
+    `migrations`: another database's own list (the server's stored responses).
 
     Another process may be migrating the same new database (two first runs at once): each
     migration takes the write lock first (BEGIN IMMEDIATE, waiting out the other's) and only then
     checks whether it was applied, so neither runs one twice."""
     done = set(applied(db))
     ran = []
-    for func in MIGRATIONS:
+    for func in migrations:
         if func.__name__ in done:
             continue
         # Explicit BEGIN: the connection runs in autocommit mode, and a migration is all or nothing.

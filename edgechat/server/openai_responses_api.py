@@ -1,0 +1,600 @@
+"""OpenAI's Responses API (`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`) as a
+translator: its body into the one internal request (a ParsedRequest holding the engine's
+ChatRequest, the same one chat completions builds), the engine's events into a Response object
+or its numbered SSE events. Errors are OpenAI's own shape, as for chat completions.
+
+Mapping: `instructions` is a system message; `input` items are chat messages (`function_call`
+items an assistant's tool calls, `function_call_output` the tool messages answering them;
+`reasoning` items are dropped, since earlier thoughts are never given to the model again), so
+tools go through the same machinery (tools.py) as chat's; `text.format` is response_format;
+`reasoning.effort` is reasoning_effort. A stored response (`store`, on by default as at OpenAI)
+keeps its whole context, so `previous_response_id` continues from it. Fields that would change
+the answer and are not built here (background runs, conversations, prompt templates, logprobs,
+images and files) are refused; bookkeeping fields (metadata echoed, user, service_tier,
+prompt_cache_key, include, truncation) are accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from edgechat.engine.request import ChatRequest, Finished, TextDelta
+from edgechat.errors import StoreError
+from edgechat.server import responses
+from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.schemas import REASONING_EFFORT, ParsedRequest, _describe, _is_off, _opt_bool, _opt_int, _sampling, _text, _type_error
+from edgechat.server.settings import ServerSettings
+from edgechat.server.structured import json_schema_grammar, response_format_grammar
+from edgechat.server.tools import ToolCall, ToolCallParser, Tools, check_function, render_messages, tool_grammar
+from edgechat.store.responses import ResponseStore
+
+log = logging.getLogger("edgechat.server")
+#: an SSE comment: sent while a request waits for its turn and while nothing else is due
+KEEPALIVE = ": keep-alive\n\n"
+#: fields that would change the answer, with the values that leave them off
+_UNSUPPORTED: dict[str, tuple] = {"background": (False,), "conversation": (), "prompt": (), "top_logprobs": (0,)}
+#: the content part types each role's message may hold
+_PARTS = {"user": "input_text", "system": "input_text", "developer": "input_text", "assistant": "output_text"}
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# ---- the body into the internal request ------------------------------------------------------
+
+
+class ResponsesRequest:
+    """A checked body: the internal request, the context a stored response keeps (the input
+    items of this response and of every one before it) and what the Response object echoes."""
+
+    def __init__(self, parsed: ParsedRequest, context: list[dict], echo: dict, store: bool):
+        self.parsed = parsed
+        self.context = context
+        self.echo = echo
+        self.store = store
+
+
+def _content(where: str, content: object, part_type: str) -> str:
+    """A message's content: a string or a list of text parts of the role's type."""
+    if isinstance(content, str):
+        return _text(where, content)
+    if not isinstance(content, list):
+        raise _type_error(where, "a string or a list of content parts", content)
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise _type_error(at, "an object", part)
+        kind = part.get("type")
+        if kind in ("input_image", "input_file", "input_audio"):
+            raise bad_request(f"{at}: {kind} parts are not supported here (the model reads text only)", param=f"{at}.type", code="unsupported_parameter")
+        if kind != part_type:
+            raise bad_request(f"{at}.type must be '{part_type}' here, got {_describe(kind)}", param=f"{at}.type", code="invalid_value")
+        texts.append(_text(f"{at}.text", part.get("text")))
+    return "".join(texts)
+
+
+def _function_call(where: str, item: dict) -> dict:
+    """An earlier call: {id, name, arguments (JSON object text)}, as chat's tool_calls are kept."""
+    call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
+    if not isinstance(call_id, str) or not call_id:
+        raise _type_error(f"{where}.call_id", "a string", call_id)
+    if not isinstance(name, str):
+        raise _type_error(f"{where}.name", "a string", name)
+    try:
+        parsed = json.loads(_text(f"{where}.arguments", args))
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise bad_request(f"{where}.arguments must be a JSON object in a string", param=f"{where}.arguments", code="invalid_value")
+    return {"id": call_id, "name": name, "arguments": json.dumps(parsed, ensure_ascii=False)}
+
+
+def _messages(items: list[dict], first: int) -> list[dict]:
+    """Input items -> the checked chat messages chat completions makes too (schemas._messages):
+    {role, content[, tool_calls | tool_call_id]}. Items before `first` came from a stored
+    response (checked when it was made); errors name the others by their place in `input`."""
+    out: list[dict] = []
+    calls: set[str] = set()  # the call_ids of function_call items so far
+    for i, item in enumerate(items):
+        where = f"input[{i - first}]"
+        if not isinstance(item, dict):
+            raise _type_error(where, "an object", item)
+        # a message may leave its type out (OpenAI's EasyInputMessage)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in _PARTS:
+                raise bad_request(f"{where}.role must be one of {', '.join(_PARTS)}, got {_describe(role)}", param=f"{where}.role", code="invalid_value")
+            text = _content(f"{where}.content", item.get("content"), _PARTS[role])
+            out.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "function_call":
+            call = _function_call(where, item)
+            if out and out[-1]["role"] == "assistant":
+                # the text before a call and calls made together are one assistant turn
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            calls.add(call["id"])
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or call_id not in calls:
+                raise bad_request(f"{where}.call_id must be the call_id of an earlier function_call item, got {_describe(call_id)}",
+                                  param=f"{where}.call_id", code="invalid_value")
+            output = item.get("output")
+            text = _content(f"{where}.output", "" if output is None else output, "input_text")
+            out.append({"role": "tool", "content": text, "tool_call_id": call_id})
+        elif kind != "reasoning":  # earlier thoughts are never given to the model again (the engine's rule)
+            raise bad_request(f"{where}.type: unknown or unsupported item type {_describe(kind)} (message, function_call, "
+                              "function_call_output and reasoning are)", param=f"{where}.type", code="invalid_value")
+    return out
+
+
+def _input(body: dict) -> list[dict]:
+    value = body.get("input")
+    if value is None:
+        raise bad_request("'input' is required", param="input", code="missing_required_parameter")
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": _text("input", value)}]
+    if not isinstance(value, list):
+        raise _type_error("input", "a string or a list of input items", value)
+    return value
+
+
+def _tools(body: dict) -> Tools | None:
+    """`tools` (function tools in Responses' flat shape), `tool_choice` (auto, none, required,
+    {type: function, name}) and `parallel_tool_calls` as tools.Tools."""
+    raw, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise _type_error("parallel_tool_calls", "a boolean", parallel)
+    named = None
+    if choice is None or choice in ("auto", "none", "required"):
+        kind = choice or "auto"
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        kind, named = "function", choice.get("name")
+    else:
+        raise bad_request("'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}",
+                          param="tool_choice", code="invalid_value")
+    if raw is None or raw == []:
+        if kind not in ("auto", "none"):
+            raise bad_request("'tool_choice' needs 'tools'", param="tool_choice", code="invalid_value")
+        return None
+    if not isinstance(raw, list):
+        raise _type_error("tools", "a list", raw)
+    functions: list[dict] = []
+    for i, tool in enumerate(raw):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise _type_error(where, "an object", tool)
+        if tool.get("type") != "function":
+            raise bad_request(f"{where}.type: only function tools run here, not {_describe(tool.get('type'))}",
+                              param=f"{where}.type", code="unsupported_parameter")
+        functions.append(check_function(where, tool, functions))
+    if named is not None and not any(f["name"] == named for f in functions):
+        offered = ", ".join(f["name"] for f in functions)
+        raise bad_request(f"tool_choice.name {_describe(named)} is not in 'tools' ({offered})", param="tool_choice.name", code="invalid_value")
+    return Tools(functions, kind, named, parallel)
+
+
+def _text_format(body: dict):
+    """`text.format` (text, json_object, json_schema with name and schema flat): (grammar, echo)."""
+    text = body.get("text")
+    if text is None:
+        return None, {"type": "text"}
+    if not isinstance(text, dict):
+        raise _type_error("text", "an object", text)
+    if text.get("verbosity") not in (None, "medium"):
+        raise bad_request("'text.verbosity' is not supported by this server; leave it out", param="text.verbosity", code="unsupported_parameter")
+    fmt = text.get("format")
+    if fmt is None:
+        return None, {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise _type_error("text.format", "an object", fmt)
+    kind = fmt.get("type")
+    if kind == "text":
+        return None, fmt
+    if kind == "json_object":
+        return response_format_grammar({"type": "json_object"}), fmt
+    if kind == "json_schema":
+        return json_schema_grammar(fmt, "text.format"), fmt
+    raise bad_request("text.format.type must be one of text, json_object, json_schema", param="text.format.type", code="invalid_value")
+
+
+def _reasoning_budget(body: dict, default: int | None) -> tuple[int | None, str | None]:
+    """The thinking budget and the effort named: edgechat's `reasoning_budget` (tokens, -1: no
+    limit, as on chat completions) wins over `reasoning.effort` (as chat's reasoning_effort)."""
+    if body.get("reasoning_budget") is not None:
+        budget = _opt_int(body, "reasoning_budget", lo=-1)
+        return (None if budget == -1 else budget), None
+    value = body.get("reasoning")
+    if value is None:
+        return default, None
+    if not isinstance(value, dict):
+        raise _type_error("reasoning", "an object", value)
+    effort = value.get("effort")
+    if effort is None:
+        return default, None
+    if effort not in REASONING_EFFORT:
+        raise bad_request(f"'reasoning.effort' must be one of {', '.join(REASONING_EFFORT)}", param="reasoning.effort", code="invalid_value")
+    return REASONING_EFFORT[effort], effort
+
+
+def parse_responses(body: dict, settings: ServerSettings, sampling=None, history: list[dict] | None = None) -> ResponsesRequest:
+    """A Responses body as the internal request; `history`: the context of the response
+    `previous_response_id` names (its own context, then its output)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _type_error("model", "a string", model)
+    for name, off_values in _UNSUPPORTED.items():
+        if name in body and not _is_off(body[name], off_values):
+            raise bad_request(f"'{name}' is not supported by this server; leave it out", param=name, code="unsupported_parameter")
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise _type_error("metadata", "an object", metadata)
+    store = body.get("store") is None or _opt_bool(body, "store")
+    instructions = body.get("instructions")
+    if instructions is not None:
+        instructions = _text("instructions", instructions)
+    history = history or []
+    context = history + _input(body)
+    messages = _messages(context, len(history))
+    if not messages:
+        raise bad_request("'input' must hold at least one message", param="input", code="invalid_value")
+    if len(messages) > settings.max_messages:
+        raise bad_request(f"'input' makes {len(messages)} messages, more than the {settings.max_messages} this server accepts",
+                          param="input", code="too_many_messages")
+    if instructions:
+        messages.insert(0, {"role": "system", "content": instructions})
+    tools = _tools(body)
+    active = tools if tools is not None and tools.active else None
+    grammar, fmt = _text_format(body)
+    if active is not None and grammar is not None:
+        raise bad_request("'text.format' cannot be combined with tools here; set tool_choice to 'none' or leave text.format out",
+                          param="text.format", code="unsupported_parameter")
+    budget, effort = _reasoning_budget(body, settings.reasoning_budget)
+    request = ChatRequest(
+        messages=render_messages(messages, active),
+        sampling=_sampling({k: body[k] for k in ("temperature", "top_p") if k in body}, sampling),
+        max_tokens=_opt_int(body, "max_output_tokens", lo=1),
+        reasoning_budget=budget,
+        split_reasoning=settings.reasoning_format != "none",
+        grammar=tool_grammar(active) if active is not None else grammar,
+    )
+    parsed = ParsedRequest(request, model, _opt_bool(body, "stream"), False, 1, active, messages)
+    echo = {
+        "instructions": instructions,
+        "max_output_tokens": request.max_tokens,
+        "metadata": metadata or {},
+        "parallel_tool_calls": tools.parallel if tools is not None else True,
+        "previous_response_id": body.get("previous_response_id"),
+        "reasoning": {"effort": effort, "summary": None},
+        "store": store,
+        "temperature": request.sampling.temperature,
+        "text": {"format": fmt},
+        "tool_choice": _tool_choice_body(tools),
+        "tools": [{"type": "function", "strict": False, **f} for f in (tools.functions if tools is not None else [])],
+        "top_p": request.sampling.top_p,
+        "truncation": "disabled",
+    }
+    return ResponsesRequest(parsed, context, echo, store)
+
+
+def _tool_choice_body(tools: Tools | None) -> str | dict:
+    if tools is None:
+        return "auto"
+    return {"type": "function", "name": tools.named} if tools.choice == "function" else tools.choice
+
+
+# ---- engine events into the Responses shapes -------------------------------------------------
+
+
+def _usage(finished: Finished) -> dict:
+    m = finished.metrics
+    return {
+        "input_tokens": m.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": m.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": m.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": m.reasoning_tokens},
+        "total_tokens": m.prompt_tokens + m.completion_tokens,
+    }
+
+
+def _status(finished: Finished) -> str:
+    # cut by max_output_tokens (or the loop guard): OpenAI's "incomplete"
+    return "incomplete" if finished.reason == "length" else "completed"
+
+
+def response_body(r: ResponsesRequest, response_id: str, created: int, model: str, status: str, output: list[dict],
+                  usage: dict | None = None, error: dict | None = None) -> dict:
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "model": model,
+        "output": output,
+        "usage": usage,
+        **r.echo,
+    }
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: str | None, status: str) -> dict:
+    """An answer's text; None: no content part yet (as a streamed item starts)."""
+    content = [] if text is None else [_text_part(text)]
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+
+def _reasoning_item(item_id: str, text: str | None, status: str) -> dict:
+    """A reasoning model's thoughts, whole (edgechat does not summarize them)."""
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
+def _call_item(item_id: str, call: ToolCall, status: str) -> dict:
+    arguments = call.arguments if status == "completed" else ""
+    return {"id": item_id, "type": "function_call", "call_id": call.id, "name": call.name, "arguments": arguments, "status": status}
+
+
+def output_items(choice: responses.Choice) -> list[dict]:
+    """A finished answer's output: its thoughts, its text (left out when it only calls), its calls."""
+    finished, out = choice.finished, []
+    if finished.reasoning:
+        out.append(_reasoning_item(_new_id("rs"), finished.reasoning, "completed"))
+    if choice.content or not choice.tool_calls:
+        out.append(_message_item(_new_id("msg"), choice.content, _status(finished)))
+    return out + [_call_item(_new_id("fc"), c, "completed") for c in choice.tool_calls]
+
+
+class _Events:
+    """One response's SSE events: numbered from 0; output items streamed one at a time, in
+    order, each text item with one content part (index 0)."""
+
+    def __init__(self):
+        self.sequence = 0
+        self.output: list[dict] = []  # the items done, as response.completed lists them
+        self.open: dict | None = None  # the text item being streamed (reasoning or message)
+        self.text = ""  # its text so far
+
+    def event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def _place(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.output), "content_index": 0}
+
+    def start(self, kind: str) -> list[str]:
+        """Open a text item: "reasoning" or "message"."""
+        out = self.close()
+        if kind == "reasoning":
+            self.open, part = _reasoning_item(_new_id("rs"), None, "in_progress"), {"type": "reasoning_text", "text": ""}
+        else:
+            self.open, part = _message_item(_new_id("msg"), None, "in_progress"), _text_part("")
+        self.text = ""
+        return out + [self.event("response.output_item.added", output_index=len(self.output), item=self.open),
+                      self.event("response.content_part.added", **self._place(), part=part)]
+
+    def delta(self, kind: str, text: str) -> list[str]:
+        """Text or thoughts, in the open item of their kind or a new one."""
+        out = [] if self.open is not None and self.open["type"] == kind else self.start(kind)
+        self.text += text
+        if kind == "reasoning":
+            return out + [self.event("response.reasoning_text.delta", **self._place(), delta=text)]
+        return out + [self.event("response.output_text.delta", **self._place(), delta=text, logprobs=[])]
+
+    def close(self, status: str = "completed") -> list[str]:
+        if self.open is None:
+            return []
+        place, text = self._place(), self.text
+        if self.open["type"] == "reasoning":
+            done, part = _reasoning_item(self.open["id"], text, "completed"), {"type": "reasoning_text", "text": text}
+            out = [self.event("response.reasoning_text.done", **place, text=text)]
+        else:
+            done, part = _message_item(self.open["id"], text, status), _text_part(text)
+            out = [self.event("response.output_text.done", **place, text=text, logprobs=[])]
+        out += [self.event("response.content_part.done", **place, part=part),
+                self.event("response.output_item.done", output_index=place["output_index"], item=done)]
+        self.output.append(done)
+        self.open = None
+        return out
+
+    def call(self, call: ToolCall) -> list[str]:
+        """A whole call: its item, its arguments in one delta, its end."""
+        out = self.close()
+        item_id, index = _new_id("fc"), len(self.output)
+        place = {"item_id": item_id, "output_index": index}
+        done = _call_item(item_id, call, "completed")
+        out += [self.event("response.output_item.added", output_index=index, item=_call_item(item_id, call, "in_progress")),
+                self.event("response.function_call_arguments.delta", **place, delta=call.arguments),
+                self.event("response.function_call_arguments.done", **place, arguments=call.arguments),
+                self.event("response.output_item.done", output_index=index, item=done)]
+        self.output.append(done)
+        return out
+
+    def has_message(self) -> bool:
+        return any(i["type"] == "message" for i in self.output + ([self.open] if self.open else []))
+
+
+def _held_whitespace(text: str) -> tuple[str, str]:
+    """(what to send, what to hold): trailing whitespace waits for more text, since before a
+    tool call (or at the end of one) it is not content (ToolCallParser.text leaves it out)."""
+    body = text.rstrip()
+    return body, text[len(body):]
+
+
+class ResponsesApi:
+    """The endpoints on a running server (app._Server: its admission, queue and models)."""
+
+    def __init__(self, server):
+        self.server = server
+        #: in the data directory the server's engine was given (`serve --data-dir`)
+        self.store = ResponseStore(server.engine.paths)
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/responses", self.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.retrieve, methods=["GET"]),
+            Route("/v1/responses/{response_id}", self.delete, methods=["DELETE"]),
+        ]
+
+    def _not_found(self, response_id: str, param: str | None = None) -> ApiError:
+        return ApiError(404, f"no response with id {_describe(response_id)} is stored here", param=param, code="not_found")
+
+    async def retrieve(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        found = await run_in_threadpool(self.store.get, response_id)
+        if found is None:
+            raise self._not_found(response_id)
+        return JSONResponse(found[0])
+
+    async def delete(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if not await run_in_threadpool(self.store.delete, response_id):
+            raise self._not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def _history(self, body: dict) -> list[dict]:
+        """The context `previous_response_id` continues: that response's context and output."""
+        previous = body.get("previous_response_id")
+        if previous is None:
+            return []
+        if not isinstance(previous, str):
+            raise _type_error("previous_response_id", "a string", previous)
+        found = await run_in_threadpool(self.store.get, previous)
+        if found is None:
+            raise self._not_found(previous, "previous_response_id")
+        stored, context = found
+        return context + stored["output"]
+
+    async def _keep(self, r: ResponsesRequest, body: dict) -> None:
+        if not r.store:
+            return
+        try:
+            await run_in_threadpool(self.store.put, body["id"], body, r.context)
+        except StoreError as exc:
+            # the answer is made: the client gets it; only a later GET or continuation will miss it
+            log.warning("could not store response %s: %s", body["id"], exc)
+
+    async def create(self, request: Request) -> Response:
+        server = self.server
+        arrival = time.monotonic()
+        body = await server.read_body(request)
+        r = parse_responses(body, server.settings, server.engine.default_sampling, await self._history(body))
+        # every refusal (queue full, prompt too long, unknown model) is an HTTP status from here
+        start = await server.launch(request, r.parsed, arrival)
+        response_id, created = _new_id("resp"), int(time.time())
+        if r.parsed.stream:
+            return StreamingResponse(self.stream(start, r, response_id, created), media_type="text/event-stream", headers=responses.SSE_HEADERS)
+        served, req, gens = await start
+        server.opened(served, r.parsed, req, "chat")
+        finished = await server.wait(request, gens)
+        if finished is None:
+            return Response(status_code=499)  # the client left; nobody reads this
+        choice = server.choice(finished[0], r.parsed, served)
+        out = response_body(r, response_id, created, served.id, _status(choice.finished), output_items(choice), _usage(choice.finished))
+        await self._keep(r, out)
+        return JSONResponse(out)
+
+    async def stream(self, start: asyncio.Future, r: ResponsesRequest, response_id: str, created: int):
+        server, keepalive, events = self.server, self.server.settings.keepalive_s, _Events()
+        try:
+            while not (await asyncio.wait({start}, timeout=keepalive))[0]:
+                yield KEEPALIVE  # its class's share, or the failover's first token, is still to come
+        except BaseException:
+            # the client left while it waited: it leaves the queue, or its answer is cancelled
+            if not start.cancel() and not start.cancelled() and start.exception() is None:
+                start.result()[2][0].handle.cancel()
+            raise
+        try:
+            served, req, gens = start.result()
+        except ApiError as exc:
+            yield events.event("error", code=exc.code, message=exc.message, param=exc.param)
+            return
+        server.opened(served, r.parsed, req, "chat")
+        gen = gens[0]
+
+        def failed(message: str) -> str:
+            body = response_body(r, response_id, created, served.id, "failed", events.output, error={"code": "server_error", "message": message})
+            return events.event("response.failed", response=body)
+
+        pending = response_body(r, response_id, created, served.id, "in_progress", [])
+        yield events.event("response.created", response=pending)
+        yield events.event("response.in_progress", response=pending)
+        parser = ToolCallParser(served.tool_family) if r.parsed.tools is not None else None
+        calls: list[ToolCall] = []
+        finished, held = None, ""
+        try:
+            while finished is None:
+                remaining = gen.remaining()
+                try:
+                    _, ev = await asyncio.wait_for(gen.events.get(), min(remaining, keepalive))
+                except asyncio.TimeoutError:
+                    if remaining > keepalive:
+                        yield KEEPALIVE
+                        continue
+                    gen.time_out()
+                    yield failed("the request timed out and was cancelled")
+                    return
+                # under load several tokens queue up between two writes: send them as one delta
+                batch = [ev]
+                while not gen.events.empty():
+                    batch.append(gen.events.get_nowait()[1])
+                deltas = [e for e in batch if isinstance(e, TextDelta)]
+                finished = next((e for e in batch if isinstance(e, Finished)), None)
+                thought = "".join(d.text for d in deltas if d.reasoning)
+                text = "".join(d.text for d in deltas if not d.reasoning)
+                new: list[ToolCall] = []
+                if parser is not None and text:
+                    text, new = parser.feed(text)
+                for out in events.delta("reasoning", thought) if thought else []:
+                    yield out
+                text, held = _held_whitespace(held + text)
+                for out in events.delta("message", text) if text else []:
+                    yield out
+                for call in new:
+                    server.metrics.tool_calls.inc()
+                    calls.append(call)
+                    for out in events.call(call):
+                        yield out
+            if finished.reason not in ("stop", "length"):
+                yield failed(finished.error or f"the generation ended: {finished.reason}")
+                return
+            text, held = _held_whitespace(held + (parser.finish() if parser is not None else ""))
+            for out in events.delta("message", text) if text else []:
+                yield out
+            for call in parser.calls[len(calls):] if parser is not None else []:
+                # a call the end of text closed (a syntax without a closer)
+                server.metrics.tool_calls.inc()
+                calls.append(call)
+                for out in events.call(call):
+                    yield out
+            if not calls:
+                # the whitespace at the end is content after all; and an answer is a message, if empty
+                for out in events.delta("message", held) if held else ([] if events.has_message() else events.start("message")):
+                    yield out
+            for out in events.close(_status(finished)):
+                yield out
+            body = response_body(r, response_id, created, served.id, _status(finished), events.output, _usage(finished))
+            await self._keep(r, body)
+            yield events.event(f"response.{body['status']}", response=body)
+        finally:
+            # the client left (the task was cancelled), or it timed out: free the sequence now
+            if finished is None:
+                gen.handle.cancel()
