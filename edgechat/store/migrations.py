@@ -99,16 +99,16 @@ def applied(db: sqlite3.Connection) -> list[str]:
     return [row[0] for row in db.execute("SELECT name FROM _migrations ORDER BY rowid")]
 
 
-def migrate(db: sqlite3.Connection, migrations: list[Migration] = MIGRATIONS) -> list[str]:
+def migrate(db: sqlite3.Connection, migrations: list[Migration] | None = None) -> list[str]:
     """Apply every migration not yet recorded, each in its own transaction; return the names applied.
-    `migrations`: another database's own list (the server's stored responses).
+    `migrations`: another database's own list (the server's stored responses) instead of MIGRATIONS.
 
     Another process may be migrating the same new database (two first runs at once): each
     migration takes the write lock first (BEGIN IMMEDIATE, waiting out the other's) and only then
     checks whether it was applied, so neither runs one twice."""
     done = set(applied(db))
     ran = []
-    for func in migrations:
+    for func in MIGRATIONS if migrations is None else migrations:
         if func.__name__ in done:
             continue
         # Explicit BEGIN: the connection runs in autocommit mode, and a migration is all or nothing.
