@@ -130,8 +130,6 @@ def test_bad_completion_bodies_name_the_field(body, param):
         # llama-server and vLLM extensions the engine's sampler chain does not have
         ("typical_p", 0.5),
         ("mirostat", 2),
-        ("grammar", 'root ::= "a"'),
-        ("json_schema", {"type": "object"}),
         ("guided_json", {"type": "object"}),
         ("repetition_penalty", 1.3),
     ],

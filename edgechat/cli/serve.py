@@ -31,9 +31,25 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _cors_origins(ctx, param, value: str | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    origins = tuple(o.strip().rstrip("/") for o in value.split(","))
+    if not all(origins) or any(o != "*" and "://" not in o for o in origins):
+        raise click.BadParameter(f"use * or origins such as http://localhost:5173 separated by commas, not {value!r}")
+    return origins
+
+
+def _aliases(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
+    if any(not a.strip() for a in value):
+        raise click.BadParameter("an alias must not be empty")
+    return tuple(a.strip() for a in value)
+
+
 @click.command("serve")
 @model_options
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on; anything but loopback exposes the model to your network.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on, or several separated by commas (127.0.0.1,::1); anything but loopback exposes the model to your network.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--parallel", type=click.IntRange(1, 256), default=4, show_default=True, help="Sequences generated at once (continuous batching).")
 @click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True, help="KV cache element type.")
@@ -61,6 +77,11 @@ def _is_loopback(host: str) -> bool:
 @click.option("--priority-class", "priority_classes", multiple=True, metavar="NAME=SHARE[:QUEUE]", help="A priority class with its own share of the --parallel sequences and its own queue (repeatable); requests pick one by API key or X-Priority.")
 @click.option("--key-class", "key_classes", multiple=True, metavar="KEY=CLASS", help="An API key (accepted besides --api-key) whose requests are in CLASS (repeatable).")
 @click.option("--failover-after", type=click.FloatRange(min=0.0), default=None, help="Seconds without a first token after which a request moves to --fallback-model (X-Failover-After per request).")
+@click.option("--cors-origins", default=None, metavar="ORIGINS", callback=_cors_origins,
+              help="Origins whose web pages may call the API, separated by commas (http://localhost:5173), or * for any; default: none.")
+@click.option("--alias", "aliases", multiple=True, callback=_aliases, metavar="NAME",
+              help="Another name the model answers to in every API and /v1/models lists (repeatable).")
+@click.option("--any-model-name", is_flag=True, help="Serve requests naming any unknown model with this one (clients that hard-code a model name).")
 @chat_template_option
 @click.option("--reasoning-budget", type=click.IntRange(min=-1), default=-1, show_default=True,
               help="Reasoning models: the most tokens a request may think when it names no budget (-1: no limit, 0: no thinking).")
@@ -98,15 +119,16 @@ def serve_cmd(
     priority_classes: tuple[str, ...],
     key_classes: tuple[str, ...],
     failover_after: float | None,
+    cors_origins: tuple[str, ...],
+    aliases: tuple[str, ...],
+    any_model_name: bool,
     data_dir: str | None,
 ) -> None:
     """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
-    import uvicorn
-
     from edgechat.config import get_paths, read_chat_template
     from edgechat.engine import EngineConfig, open_engine
     from edgechat.models import DEFAULT_MODEL
-    from edgechat.server import create_app
+    from edgechat.server import create_app, listen
     from edgechat.server.priority import parse_class
 
     gpu_layers_note(gpu_layers, rpc)
@@ -117,12 +139,15 @@ def serve_cmd(
     unknown = sorted({c for c in keys.values() if c not in {k.name for k in classes}} | {"" for k in keys if not k})
     if unknown:
         raise UsageError(f"--key-class wants KEY=CLASS with CLASS one of the --priority-class names; got {', '.join(repr(u) for u in unknown)}")
+    hosts = listen.parse_hosts(host)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     log = logging.getLogger("edgechat.server")
-    if not _is_loopback(host):
-        log.warning("listening on %s: other machines can reach this server%s", host, "" if api_key else " and it has no --api-key")
-
     template = read_chat_template(chat_template)
+    # before the model loads: an address that cannot be had fails at once
+    sockets = listen.bind(hosts, port)
+    for h in hosts:
+        if not _is_loopback(h):
+            log.warning("listening on %s: other machines can reach this server%s", h, "" if api_key else " and it has no --api-key")
 
     def load(name: str, draft: str | None = None, embedding: str | None = None):
         return open_engine(
@@ -147,9 +172,9 @@ def serve_cmd(
             )
         )
 
-    engine = load(model or DEFAULT_MODEL, draft_model, embedding_model)
-    fallback = None
+    fallback = engine = None
     try:
+        engine = load(model or DEFAULT_MODEL, draft_model, embedding_model)
         if fallback_model:
             fallback = load(fallback_model)
             log.info("degraded requests go to %s", fallback.model_name)
@@ -170,13 +195,19 @@ def serve_cmd(
             failover_after=failover_after,
             reasoning_budget=None if reasoning_budget == -1 else reasoning_budget,
             reasoning_format=reasoning_format,
+            aliases=aliases,
+            any_model_name=any_model_name,
+            cors_origins=cors_origins,
         )
-        log.info("serving %s: %d sequences of %d tokens on http://%s:%d/v1", engine.model_name, parallel, engine.n_ctx, host, port)
-        uvicorn.run(create_app(settings, engine, fallback), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        urls = ", ".join(f"http://{listen.url_host(h)}:{s.getsockname()[1]}/v1" for h, s in zip(hosts, sockets))
+        log.info("serving %s: %d sequences of %d tokens on %s", engine.model_name, parallel, engine.n_ctx, urls)
+        listen.serve(create_app(settings, engine, fallback), sockets)
     finally:
-        engine.close()
-        if fallback is not None:
-            fallback.close()
+        for sock in sockets:
+            sock.close()
+        for eng in (engine, fallback):
+            if eng is not None:
+                eng.close()
 
 
 def register(cli: click.Group) -> None:

@@ -28,7 +28,8 @@ from edgechat.engine.llama import LlamaBackend
 from edgechat.engine.metrics import RequestClock
 from edgechat.engine.prompt import Prepared, PromptBuilder, PromptQueries
 from edgechat.engine.promptcache import PromptCache
-from edgechat.engine.request import ChatRequest, ContextPolicy, RequestHandle, SamplingParams
+from edgechat.engine.request import ChatRequest, ContextPolicy, Grammar, RequestHandle, SamplingParams
+from edgechat.engine.sampling import grammar_parses
 from edgechat.engine.scheduler import Running, Scheduler
 from edgechat.engine.sessions import ConversationStates
 from edgechat.engine.snapshots import SnapshotStore, model_fingerprint, state_version
@@ -225,6 +226,9 @@ class Engine(PromptQueries):
 
     def tokenize(self, text: str) -> list[int]:
         return self.backend.tokenize(text, add_bos=False, special=False)
+
+    def grammar_parses(self, grammar: Grammar) -> bool:
+        return grammar_parses(self.backend.vocab, grammar)
 
     def detokenize(self, tokens: list[int]) -> str:
         # llama.cpp aborts the process on an id outside the vocabulary

@@ -39,6 +39,7 @@ from edgechat.engine.request import (
     ContextPolicy,
     Evicted,
     Finished,
+    Grammar,
     Metrics,
     RequestHandle,
     RequestStatus,
@@ -46,7 +47,7 @@ from edgechat.engine.request import (
     TextDelta,
     TokenLogprob,
 )
-from edgechat.engine.sampling import SamplerChain
+from edgechat.engine.sampling import SamplerChain, grammar_parses
 from edgechat.engine.stream import OutputProcessor
 from edgechat.engine.templates import choose_format
 from edgechat.errors import (
@@ -257,6 +258,9 @@ class OnnxEngine(PromptQueries):
     def tokenize(self, text: str) -> list[int]:
         return self.vocab.tokenize(text, add_bos=False, special=False)
 
+    def grammar_parses(self, grammar: Grammar) -> bool:
+        return grammar_parses(self.vocab.vocab, grammar)
+
     def detokenize(self, tokens: list[int]) -> str:
         # llama.cpp aborts the process on an id outside the vocabulary
         if any(not 0 <= t < self.vocab.n_vocab for t in tokens):
@@ -415,6 +419,8 @@ class OnnxEngine(PromptQueries):
                 if len(self.cached) >= self.n_ctx:
                     self._make_room(run)
                 logits = self._step(token)
+            else:  # stopped or cancelled by its client
+                status = handle.end_status
         finally:
             sampler.free()
         self._finish(run, status, proc, out, cached, logprobs=logprobs, sent=sent)

@@ -227,6 +227,8 @@ class RequestHandle:
         self.request = request
         self.status = RequestStatus.WAITING
         self._cancel = threading.Event()
+        #: how a cancelled request ends: stop() ends it as finished, not as cancelled
+        self.end_status = RequestStatus.FINISHED_CANCELLED
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._on_event = on_event
         self.finished: Finished | None = None
@@ -256,6 +258,12 @@ class RequestHandle:
     # client side
     def cancel(self) -> None:
         """Stop generation; the engine checks before every token and finishes with reason 'cancelled'."""
+        self._cancel.set()
+
+    def stop(self) -> None:
+        """End the answer where it is, as the end of text would (reason 'stop'): the client has
+        what it needs (a tool call that repeats an earlier one ends the calls)."""
+        self.end_status = RequestStatus.FINISHED_STOPPED
         self._cancel.set()
 
     def __iter__(self) -> Iterator[Event]:

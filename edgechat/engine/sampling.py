@@ -126,6 +126,17 @@ class SamplerChain:
             self.chain = None
 
 
+def grammar_parses(vocab, grammar: Grammar) -> bool:
+    """Whether llama.cpp takes this grammar: a client's own GBNF is checked before its request
+    is queued (llama.cpp's parser is the only judge of what it accepts)."""
+    try:
+        smpl = _grammar_sampler(vocab, grammar)
+    except ValueError:
+        return False
+    L.llama_sampler_free(smpl)
+    return True
+
+
 def _grammar_sampler(vocab, grammar: Grammar):
     gbnf, root = grammar.gbnf.encode(), grammar.root.encode()
     if grammar.triggers:

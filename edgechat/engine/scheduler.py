@@ -212,7 +212,7 @@ class Scheduler:
         decoding: list[Running] = []
         for run in list(self.active):
             if run.handle.cancelled:
-                self.finish(run, RequestStatus.FINISHED_CANCELLED)
+                self.finish(run, run.handle.end_status)
                 continue
             if run.next_token is None:
                 continue

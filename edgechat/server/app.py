@@ -29,6 +29,7 @@ from edgechat.errors import EdgechatError
 from edgechat.server import anthropic_api, embeddings_api, llamacpp_api, ollama_api, openai_responses_api, responses
 from edgechat.server.auth import BearerAuth
 from edgechat.server.bridge import Generation
+from edgechat.server.cors import Cors
 from edgechat.server.degrade import DegradeSwitch
 from edgechat.server.errors import ApiError, bad_request, from_engine_error, overloaded, prompt_too_long
 from edgechat.server.metrics import ServerMetrics
@@ -37,7 +38,7 @@ from edgechat.server.responses import ResponseIds, sse
 from edgechat.server.schemas import ParsedRequest, decode_body, parse_chat, parse_completion
 from edgechat.server.settings import ServerSettings
 from edgechat.server.toolfamilies import family_for, native_messages
-from edgechat.server.tools import ToolCallParser, tool_grammar
+from edgechat.server.tools import RepeatStop, ToolCallParser, tool_grammar
 
 log = logging.getLogger("edgechat.server")
 #: an SSE comment: clients ignore it, connections with idle timeouts stay open
@@ -49,12 +50,13 @@ DEFAULT_CLASS = "default"
 class _Served:
     """One engine and the names requests may call it by."""
 
-    def __init__(self, engine, model_id: str | None):
+    def __init__(self, engine, model_id: str | None, aliases: tuple[str, ...] = ()):
         path = engine.model_info.path
         self.engine = engine
         self.id = model_id or path.stem
+        self.aliases = aliases
         # requests may also name the model by its file or by the name in its metadata
-        self.names = {n.lower() for n in (self.id, path.stem, path.name, engine.model_name) if n}
+        self.names = {n.lower() for n in (self.id, path.stem, path.name, engine.model_name, *aliases) if n}
         #: the tool-call syntax its template writes (the generic one where it takes no tools)
         self.tool_family = family_for(engine.format.source)
 
@@ -71,10 +73,10 @@ class _Served:
         grammar = tool_grammar(parsed.tools, family) if parsed.tools else req.grammar
         return dataclasses.replace(req, messages=None, prompt=prompt, grammar=grammar)
 
-    def card(self, created: int) -> dict:
+    def card(self, created: int, name: str | None = None) -> dict:
         info, engine = self.engine.model_info, self.engine
         return {
-            "id": self.id,
+            "id": name or self.id,
             "object": "model",
             "created": created,
             "owned_by": "edgechat",
@@ -92,7 +94,7 @@ class _Server:
     def __init__(self, settings: ServerSettings, engine, fallback=None):
         self.settings = settings
         self.engine = engine
-        self.primary = _Served(engine, settings.model_id)
+        self.primary = _Served(engine, settings.model_id, settings.aliases)
         #: the smaller model degraded requests go to, if any
         self.fallback = _Served(fallback, None) if fallback is not None else None
         self.metrics = ServerMetrics()
@@ -150,7 +152,8 @@ class _Server:
         return [self.primary] + ([self.fallback] if self.fallback else [])
 
     async def list_models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [m.card(self.created) for m in self.served()]})
+        cards = [m.card(self.created, name) for m in self.served() for name in (m.id, *m.aliases)]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def get_model(self, request: Request) -> Response:
         return JSONResponse(self.find_model(request.path_params["model"]).card(self.created))
@@ -168,6 +171,8 @@ class _Server:
         for served in self.served():
             if name.lower() in served.names:
                 return served
+        if self.settings.any_model_name:
+            return self.primary
         have = ", ".join(f"'{m.id}'" for m in self.served())
         raise ApiError(404, f"the model '{name}' does not exist here; this server has {have}", param="model", code="model_not_found")
 
@@ -268,7 +273,11 @@ class _Server:
                 gen.prompt_tokens = len(prepared.tokens)
                 # each choice its own Prepared: eviction mid-answer edits its message spans
                 prep = prepared if i == 0 else dataclasses.replace(prepared, spans=[list(s) for s in prepared.spans])
-                gen.handle = served.engine.submit(_choice_request(req, i, gens), gen.on_event, prep)
+                # with tools, a call that repeats an earlier one ends the answer
+                watch = RepeatStop(served.tool_family, gen.on_event) if parsed.tools is not None else None
+                gen.handle = served.engine.submit(_choice_request(req, i, gens), watch or gen.on_event, prep)
+                if watch is not None:
+                    watch.handle = gen.handle
                 gens.append(gen)
                 if not gen.finished.done():
                     self.in_flight.add(gen)
@@ -544,6 +553,9 @@ async def _done_within(task: asyncio.Future, timeout: float) -> bool:
 
 def _build(served: _Served, parsed: ParsedRequest) -> tuple[ChatRequest, object]:
     req = served.request(parsed)
+    if parsed.client_grammar and not served.engine.grammar_parses(req.grammar):
+        raise bad_request("'grammar' is not a GBNF grammar llama.cpp can parse (a 'root' rule, every rule it names defined); fix it",
+                          param="grammar", code="invalid_grammar")
     return req, served.engine.prepare(req)
 
 
@@ -625,9 +637,11 @@ def create_app(settings: ServerSettings, engine, fallback=None) -> Starlette:
         *openai_responses_api.ResponsesApi(server).routes(),
         *embeddings_api.EmbeddingsApi(server).routes(),
     ]
+    # CORS outside the key check: a browser's preflight carries no key
+    cors = [Middleware(Cors, origins=settings.cors_origins, render=error_response)] if settings.cors_origins else []
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(BearerAuth, api_key=settings.api_key, key_classes=settings.key_classes, render=error_response)],
+        middleware=[*cors, Middleware(BearerAuth, api_key=settings.api_key, key_classes=settings.key_classes, render=error_response)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
     )
     app.state.server = server

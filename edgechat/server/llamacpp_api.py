@@ -17,12 +17,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgechat import __version__
-from edgechat.engine.request import ChatRequest, Finished, Grammar, TextDelta
+from edgechat.engine.request import ChatRequest, Finished, TextDelta
 from edgechat.errors import UsageError
 from edgechat.server import responses
 from edgechat.server.errors import ApiError, bad_request
-from edgechat.server.schemas import ParsedRequest, _messages, _opt_bool, _opt_int, _sampling, _stop, _text, _type_error
-from edgechat.server.structured import response_format_grammar
+from edgechat.server.schemas import ParsedRequest, _messages, _opt_bool, _opt_int, _sampling, _stop, _text, _type_error, extension_grammar
 from edgechat.server.tools import render_messages
 
 PATHS = frozenset({"/completion", "/tokenize", "/detokenize", "/apply-template", "/props"})
@@ -55,18 +54,6 @@ def _llamacpp_errors(handler):
     return wrapped
 
 
-def _grammar(body: dict) -> Grammar | None:
-    """`grammar` (GBNF) or `json_schema`, llama-server's two ways to constrain an answer."""
-    gbnf, schema = body.get("grammar"), body.get("json_schema")
-    if gbnf and schema is not None:
-        raise bad_request("give 'grammar' or 'json_schema', not both", param="grammar")
-    if gbnf:
-        return Grammar(_text("grammar", gbnf))
-    if schema is not None:
-        return response_format_grammar({"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}})
-    return None
-
-
 def parse_completion(body: dict, server) -> ParsedRequest:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -83,11 +70,12 @@ def parse_completion(body: dict, server) -> ParsedRequest:
         max_tokens=n_predict if n_predict is not None and n_predict >= 0 else None,
         stop=_stop(body),
         ignore_eos=_opt_bool(body, "ignore_eos"),
-        grammar=_grammar(body),
+        grammar=extension_grammar(body),
     )
     if request.max_tokens == 0:
         raise bad_request("'n_predict' must be -1 or at least 1", param="n_predict", code="invalid_value")
-    return ParsedRequest(request, body.get("model") if isinstance(body.get("model"), str) else None, _opt_bool(body, "stream"), False)
+    return ParsedRequest(request, body.get("model") if isinstance(body.get("model"), str) else None, _opt_bool(body, "stream"), False,
+                         client_grammar=bool(body.get("grammar")))
 
 
 def _stop_type(finished: Finished) -> str:

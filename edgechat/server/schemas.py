@@ -13,10 +13,10 @@ import json
 import math
 from dataclasses import dataclass
 
-from edgechat.engine.request import ChatRequest, SamplingParams
+from edgechat.engine.request import ChatRequest, Grammar, SamplingParams
 from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.settings import ServerSettings
-from edgechat.server.structured import response_format_grammar
+from edgechat.server.structured import check_gbnf, check_schema, response_format_grammar, schema_rules
 from edgechat.server.tools import Tools, parse_tools, render_messages, tool_grammar
 
 #: roles a request may send; OpenAI's newer "developer" role is a system prompt, "tool" carries
@@ -54,8 +54,6 @@ _UNSUPPORTED: dict[str, tuple] = {
     "n_probs": (0,),
     "repetition_penalty": (1,),
     "use_beam_search": (False,),
-    "grammar": ("",),
-    "json_schema": (),
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),
@@ -75,6 +73,9 @@ class ParsedRequest:
     #: the checked chat messages, tool calls and results included: a model whose template takes
     #: tools renders them itself (app.py); `request` holds them in the generic format
     messages: list[dict] | None = None
+    #: the request's grammar is the client's own GBNF (`grammar`): llama.cpp's parser checks it
+    #: before anything is queued
+    client_grammar: bool = False
 
 
 def decode_body(raw: bytes) -> dict:
@@ -373,11 +374,35 @@ def _loop_guard(body: dict) -> bool:
     return body.get("loop_guard") is None or _opt_bool(body, "loop_guard")
 
 
+def extension_grammar(body: dict) -> Grammar | None:
+    """llama-server's two fields that constrain an answer: `grammar` (GBNF; empty: none) or
+    `json_schema` (a JSON Schema, as response_format's)."""
+    gbnf, schema = body.get("grammar"), body.get("json_schema")
+    if gbnf and schema is not None:
+        raise bad_request("give 'grammar' or 'json_schema', not both", param="grammar", code="invalid_value")
+    if gbnf:
+        check_gbnf(_text("grammar", gbnf), "grammar")
+        return Grammar(gbnf)
+    if schema is not None:
+        check_schema(schema, "json_schema")
+        return Grammar(schema_rules([("", schema)], "json_schema"))
+    return None
+
+
 def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages, sampling: SamplingParams | None = None,
                reasoning_budget: int | None = None) -> ParsedRequest:
     model, stream, include_usage, n = _common(body)
     tools = parse_tools(body)
     grammar = response_format_grammar(body.get("response_format"))
+    extension = extension_grammar(body)
+    if extension is not None:
+        field = "grammar" if body.get("grammar") else "json_schema"
+        if grammar is not None:
+            raise bad_request(f"'{field}' cannot be combined with response_format; give one of them", param=field, code="invalid_value")
+        if tools is not None and tools.active:
+            raise bad_request(f"'{field}' cannot be combined with tools; set tool_choice to 'none' or leave '{field}' out",
+                              param=field, code="invalid_value")
+        grammar = extension
     if tools is not None and tools.active:
         if grammar is not None:
             raise bad_request(
@@ -389,7 +414,8 @@ def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages, samp
     ignore_eos = _opt_bool(body, "ignore_eos")
     if ignore_eos and grammar is not None:
         # a finished grammar allows only the end of text: ignoring it would repeat that to max_tokens
-        raise bad_request("'ignore_eos' cannot be combined with response_format or tools", param="ignore_eos", code="invalid_value")
+        raise bad_request("'ignore_eos' cannot be combined with response_format, grammar, json_schema or tools", param="ignore_eos",
+                          code="invalid_value")
     messages = _messages(body, max_messages)
     request = ChatRequest(
         messages=render_messages(messages, tools),
@@ -404,7 +430,8 @@ def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages, samp
         grammar=grammar,
         logprobs=_chat_logprobs(body),
     )
-    return ParsedRequest(request, model, stream, include_usage, n, tools if tools is not None and tools.active else None, messages)
+    return ParsedRequest(request, model, stream, include_usage, n, tools if tools is not None and tools.active else None, messages,
+                         client_grammar=bool(body.get("grammar")))
 
 
 def parse_completion(body: dict, sampling: SamplingParams | None = None) -> ParsedRequest:
@@ -431,5 +458,6 @@ def parse_completion(body: dict, sampling: SamplingParams | None = None) -> Pars
         loop_guard=_loop_guard(body),
         speculative=_speculative(body),
         logprobs=_opt_int(body, "logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS),
+        grammar=extension_grammar(body),
     )
-    return ParsedRequest(request, model, stream, include_usage, n)
+    return ParsedRequest(request, model, stream, include_usage, n, client_grammar=bool(body.get("grammar")))

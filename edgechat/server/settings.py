@@ -17,6 +17,13 @@ class ServerSettings:
     request_timeout: float = 600.0
     #: the id /v1/models lists and responses carry (None: the model file's name without .gguf)
     model_id: str | None = None
+    #: more names the primary model answers to in every API; /v1/models lists them too
+    aliases: tuple[str, ...] = ()
+    #: a request naming a model this server does not have gets the primary one, not a 404
+    #: (for clients that hard-code a model name)
+    any_model_name: bool = False
+    #: origins whose browser pages may call the API ("*": any); empty: no CORS headers at all
+    cors_origins: tuple[str, ...] = ()
     #: average queue wait (seconds) that turns the degrade switch on; None disables it
     degrade_queue_wait: float | None = 10.0
     #: the max_tokens cap while degraded

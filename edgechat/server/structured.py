@@ -184,3 +184,17 @@ def json_schema_grammar(spec: dict, where: str) -> Grammar:
     schema = spec.get("schema", {"type": "object"})
     check_schema(schema, f"{where}.schema")
     return Grammar(schema_rules([("", schema)], f"{where}.schema"))
+
+
+#: `{m,n}` after an element of a GBNF grammar; literals, classes and comments are skipped first
+_GBNF_SKIP = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*')
+_GBNF_BOUNDS = re.compile(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}")
+
+
+def check_gbnf(gbnf: str, param: str) -> None:
+    """What llama.cpp's grammar parser would not refuse but hang on: a repetition `{m,n}` with m
+    greater than n (it loops for good). The rest is left to its parser."""
+    for low, high in _GBNF_BOUNDS.findall(_GBNF_SKIP.sub(" ", gbnf)):
+        if int(low) > int(high):
+            raise bad_request(f"'{param}' repeats an element {{{low},{high}}} times: the minimum is above the maximum",
+                              param=param, code="invalid_grammar")

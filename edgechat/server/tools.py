@@ -25,8 +25,9 @@ import logging
 import re
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
-from edgechat.engine.request import Grammar
+from edgechat.engine.request import Event, Grammar, TextDelta
 from edgechat.engine.stream import marker_tail
 from edgechat.server.errors import bad_request
 from edgechat.server.structured import check_schema, schema_rules
@@ -238,12 +239,18 @@ class ToolCall:
 class ToolCallParser:
     """Splits streamed answer text into content and tool calls in one family's syntaxes; the
     call syntax never comes out as content (a call cut off by max_tokens is dropped, not shown).
+    A call identical to one the answer already made (name and arguments) ends the list: it and
+    everything after it are dropped and `ended` is set (a small model held to calls by the
+    grammar may repeat one until the limit instead of stopping).
     """
 
     def __init__(self, family: ToolFamily = GENERIC):
         self.family = family
         self.content: list[str] = []
         self.calls: list[ToolCall] = []
+        #: a call repeated an earlier one: the answer is over, the rest of the text is ignored
+        self.ended = False
+        self._made: set[tuple[str, str]] = set()
         self._held = ""
         self._syntax: CallSyntax | None = None  # the syntax of the call being read
         #: a bare JSON call can only be the whole answer: once other text is out, none can come
@@ -252,9 +259,11 @@ class ToolCallParser:
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """New content and newly completed calls in `text`."""
+        if self.ended:
+            return "", []
         self._held += text
         out, new = [], []
-        while True:
+        while not self.ended:
             if self._syntax is not None:
                 if not self._read_call(new, out, final=False):
                     break
@@ -282,7 +291,7 @@ class ToolCallParser:
         """The end: a call whose end never came is read as far as it goes (a closer-less one
         ends with the text); held text that never became an opener is content."""
         out: list[str] = []
-        if self._syntax is not None:
+        if self._syntax is not None and not self.ended:
             new: list[ToolCall] = []
             self._read_call(new, out, final=True)
             self.calls.extend(new)
@@ -364,8 +373,34 @@ class ToolCallParser:
             # only without a grammar (the model's own syntax gone wrong): dropped, never shown
             log.warning("dropped a malformed tool call: %.200s", body)
             return True
-        new.extend(ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False)) for name, args in calls)
+        for name, args in calls:
+            key = (name, json.dumps(args, sort_keys=True))
+            if key in self._made:
+                self.ended, self._held = True, ""
+                break
+            self._made.add(key)
+            new.append(ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False)))
         return True
+
+
+class RepeatStop:
+    """An engine event callback in front of another: it reads the answer's calls as they come
+    (on the engine thread) and stops the answer at a call that repeats an earlier one, so the
+    tokens of the repeats up to the call limit are never generated. `handle` is set once the
+    request is submitted; the answer ends with reason 'stop', and every parser of its text
+    drops the repeat."""
+
+    def __init__(self, family: ToolFamily, on_event: Callable[[Event], None]):
+        self.parser = ToolCallParser(family)
+        self.on_event = on_event
+        self.handle = None
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, TextDelta) and not event.reasoning and not self.parser.ended:
+            self.parser.feed(event.text)
+            if self.parser.ended and self.handle is not None:
+                self.handle.stop()
+        self.on_event(event)
 
 
 _DECODER = json.JSONDecoder()
