@@ -5,7 +5,7 @@ last); a model that names none (decoder chat models such as SmolLM2) is pooled b
 its tokens' hidden states. Many inputs go through one decode, one sequence id each, packed up to
 the context's batch; an input longer than the room left is split, its later part decoded in the
 next chunk on top of its cells, and its parts' vectors combined (a mean weighted by tokens; the
-first part's for cls, the last part's for last), so a batch never waits for a ubatch-sized input.
+first part's for cls, the last part's for last), so every chunk is full whatever the lengths.
 Encoder-only models (no cache) take each input whole.
 
 The engine thread runs one chunk per turn of its loop, between two chat steps (core.py), so a long
@@ -24,6 +24,7 @@ import llama_cpp as L
 import numpy as np
 
 from edgechat.engine.llama import Batch, EmbeddingContext, LlamaBackend
+from edgechat.engine.scheduler import PREFILL_CHUNK_BUSY
 from edgechat.errors import UsageError
 
 log = logging.getLogger("edgechat.engine")
@@ -31,14 +32,14 @@ log = logging.getLogger("edgechat.engine")
 #: tokens per decode: the scheduler's prompt chunk while streams run (a chunk stalls them no
 #: longer than a prefill does), less where the vocabulary is large: llama.cpp computes and copies
 #: logits for every token of an embedding batch, LOGITS_BUDGET bytes at most
-MAX_BATCH = 512
+MAX_BATCH = PREFILL_CHUNK_BUSY
 LOGITS_BUDGET = 128 << 20
 #: sequences per decode (llama.cpp's unified cache allows 256)
 MAX_SEQS = 64
 #: the most inputs one request may send (OpenAI's limit)
 MAX_INPUTS = 2048
 
-POOLING = {L.LLAMA_POOLING_TYPE_MEAN: "mean", L.LLAMA_POOLING_TYPE_CLS: "cls", L.LLAMA_POOLING_TYPE_LAST: "last"}
+POOLED = (L.LLAMA_POOLING_TYPE_MEAN, L.LLAMA_POOLING_TYPE_CLS, L.LLAMA_POOLING_TYPE_LAST)
 
 
 class EmbeddingInputError(UsageError):
@@ -85,7 +86,7 @@ def pooling_of(backend: LlamaBackend) -> int:
     pooling = int(value) if value and value.lstrip("-").isdigit() else L.LLAMA_POOLING_TYPE_NONE
     if pooling == L.LLAMA_POOLING_TYPE_RANK:
         raise UsageError(f"{backend.path.name} is a reranker (rank pooling), not an embedding model")
-    return pooling if pooling in POOLING else L.LLAMA_POOLING_TYPE_MEAN
+    return pooling if pooling in POOLED else L.LLAMA_POOLING_TYPE_MEAN
 
 
 class Embedder:
@@ -216,7 +217,7 @@ class Embedder:
         key = (id(job), index)
         finished = job.next > index
         first = key not in self._sums
-        if self.pooling == L.LLAMA_POOLING_TYPE_MEAN:
+        if self.pooling == L.LLAMA_POOLING_TYPE_MEAN:  # a sum of the parts: its direction is the mean's
             total = vec.astype(np.float64) * take + (self._sums.pop(key) if not first else 0)
         elif self.pooling == L.LLAMA_POOLING_TYPE_CLS:
             total = vec.astype(np.float64) if first else self._sums.pop(key)
