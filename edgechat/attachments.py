@@ -76,8 +76,10 @@ def gather(arg: str, cwd: Path | None = None) -> Gathered:
         raise UsageError("name a file: /attach PATH (several, globs and directories too)")
     out = Gathered()
     for path, name, reason in _expand(words, cwd):
-        if not reason and len(out.attachments) >= MAX_FILES:
-            reason = f"over {MAX_FILES} files"
+        if len(out.attachments) >= MAX_FILES:
+            # stops the walk too: /attach ~ must not read a whole home directory
+            out.skipped.append((name, f"over {MAX_FILES} files; nothing after it was read"))
+            break
         if not reason:
             try:
                 out.attachments.append(read_file(path, name))
@@ -95,7 +97,10 @@ def _expand(words: list[str], cwd: Path):
     for word in words:
         pattern = Path(os.path.expanduser(word))
         pattern = pattern if pattern.is_absolute() else cwd / pattern
-        matches = sorted(glob.glob(str(pattern), recursive=True)) if glob.has_magic(word) else [str(pattern)]
+        if glob.has_magic(word) and not pattern.exists():  # a file named with [ or * is that file
+            matches = sorted(glob.glob(str(pattern), recursive=True))
+        else:
+            matches = [str(pattern)]
         if not matches:
             yield pattern, word, "no file matches"
         for match in matches:

@@ -10,7 +10,7 @@ import pytest
 from textual import events
 from test_tui_layout import ScriptedClient, make_app, until
 
-from edgechat.attachments import MAX_FILE_BYTES, read_file
+from edgechat.attachments import MAX_FILE_BYTES, gather, read_file
 from edgechat.tui.app import EdgechatApp
 from edgechat.tui.client import LocalClient
 from edgechat.tui.presets import SHIPPED, load_presets
@@ -50,7 +50,7 @@ def engine(tmp_path_factory, smollm2_path):
 @pytest.fixture
 def paths(isolated_dirs):
     isolated_dirs.config.mkdir(parents=True, exist_ok=True)
-    isolated_dirs.config_file.write_text("[chat]\nmax_tokens = 8\ntemperature = 0.0\nseed = 7\n")
+    isolated_dirs.config_file.write_text("[chat]\nmax_tokens = 4\ntemperature = 0.0\nseed = 7\n")
     return isolated_dirs
 
 
@@ -90,9 +90,10 @@ async def test_attached_file_is_sent_as_a_fenced_block_and_stored_by_name(paths,
         assert SECRET in user.content and user.content.endswith("````\n\nWhat is the code word?")
         assert [f["name"] for f in user.meta["attachments"]] == ["notes.md"]
         assert client.requests[-1].messages[-1]["content"] == user.content
+        assert screen.conv.title == "What is the code word?"
         # shown as a chip line and the question, not the file; the bar is empty again
         box = screen.chat.boxes()[0]
-        assert "📎 notes.md" in str(box.query_one(".attached").render())
+        assert str(box.query_one(".attached").render()) == "▪ notes.md"
         assert str(box.query_one(".body").render()) == "What is the code word?"
         assert screen.attach_bar.chips == []
         # editing the message puts the file back as a chip and the question in the input
@@ -113,7 +114,7 @@ async def test_real_model_is_given_the_file_and_answers(paths, engine, tmp_path)
         await counted(pilot, 1)
         tokens = screen.attach_bar.chips[0].tokens
         assert 15 < tokens < 60  # the model's own count of the block
-        assert "of the 2,048-token context" in str(screen.attach_bar.query_one("#attach-summary").render())
+        assert "% of 2,048 context tokens" in str(screen.attach_bar.query_one("#attach-summary").render())
         await command(pilot, "Repeat the code word from the memo.")
         await until(pilot, lambda: screen.turn is None and len(app.store.messages(screen.conv.id)) == 2, timeout=60)
         prompt = engine.engine.detokenize(engine.engine.prompt_tokens(client.requests[-1]))
@@ -136,8 +137,8 @@ async def test_too_large_for_the_context_is_refused_with_the_figures(paths, engi
         # the attachments' tokens, what the context allows (2,048 less max_tokens for the answer),
         # and how much of attachments would fit
         took, allowed, fit = (int(x.replace(",", "")) for x in re.findall(r"\d[\d,]*(?= tokens| for)", refusal))
-        assert abs(took - screen.attach_bar.tokens) <= 2 and took > 2040
-        assert allowed == 2048 - 8 and 2000 < fit < 2040 and "\n" not in refusal
+        assert abs(took - screen.attach_bar.tokens) <= 2 and took > 2044
+        assert allowed == 2048 - 4 and 2000 < fit < 2044 and "\n" not in refusal
         # nothing stored or lost: the question stays in the input, the file above it
         assert screen.conv is None and screen.prompt.text == "Summarise it."
         assert [c.attachment.name for c in screen.attach_bar.chips] == ["report.txt"]
@@ -182,6 +183,15 @@ async def test_folders_and_globs_with_the_size_cap_saying_what_it_skipped(paths,
         await command(pilot, f"/attach {src}/*.md {src}/**/*.py")
         await counted(pilot, 2)
         assert [a.lang for a in screen.attach_bar.attachments] == ["md", "py"]
+
+
+async def test_a_folder_is_read_up_to_the_file_cap(tmp_path, monkeypatch):
+    monkeypatch.setattr("edgechat.attachments.MAX_FILES", 3)
+    for i in range(6):
+        (tmp_path / f"{i}.txt").write_text(f"{i}\n")
+    found = gather(str(tmp_path), cwd=tmp_path)
+    assert [a.name for a in found.attachments] == [f"{tmp_path.name}/{i}.txt" for i in range(3)]
+    assert found.summary().endswith(f"skipped 1: {tmp_path.name}/3.txt (over 3 files; nothing after it was read).")
 
 
 def _pdf(text: str) -> bytes:
@@ -265,7 +275,7 @@ async def test_preset_applies_to_the_conversation_and_a_bad_name_lists_them(path
         await command(pilot, "/preset code")
         assert screen.conv.settings["system_prompt"] == SHIPPED["code"]["system_prompt"]
         assert screen.conv.settings["temperature"] == 0.2 and screen.conv.settings["top_p"] == 0.95
-        assert screen.conv.settings["max_tokens"] == 8  # what the preset leaves alone stays
+        assert screen.conv.settings["max_tokens"] == 4  # what the preset leaves alone stays
         await command(pilot, "Hello")
         await until(pilot, lambda: screen.turn is None and client.requests)
         request = client.requests[-1]

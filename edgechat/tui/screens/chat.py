@@ -16,7 +16,7 @@ from textual.worker import Worker, WorkerState, get_current_worker
 from edgechat import attachments
 from edgechat.engine.request import ChatRequest
 from edgechat.errors import EdgechatError, StoreError, UsageError
-from edgechat.store import Conversation, atomic_write_text, export_conversation
+from edgechat.store import DEFAULT_TITLE, Conversation, atomic_write_text, export_conversation, title_from
 from edgechat.store import Message as StoredMessage
 from edgechat.store.answer import StoredAnswer
 from edgechat.store.history import model_messages
@@ -299,7 +299,11 @@ class ChatScreen(Screen):
                     settings=dict(self.app.config.chat),
                 )
             meta = {"attachments": [{"name": c.attachment.name, "tokens": c.tokens} for c in self.attach_bar.chips]}
+            untitled = self.conv.title == DEFAULT_TITLE
             user = self.store.add_message(self.conv.id, "user", content, meta=meta if files else None)
+            if files and untitled and text.strip():
+                # titled from the question, not from the first file's header
+                self.store.update_conversation(self.conv.id, title=title_from(text))
         except StoreError as exc:
             # Nothing was sent: the text stays in the input for when there is room.
             self._store_failed(str(exc))
@@ -384,6 +388,7 @@ class ChatScreen(Screen):
         self.status.backend = client.backend
         self.status.context_size = client.n_ctx or 0
         self.attach_bar.context_size = client.n_ctx or 0
+        self.attach_bar.refresh_summary()
         self.status.state = "ready"
         self._welcome(client.model_name)
         if self.conv is not None:

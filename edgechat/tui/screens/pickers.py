@@ -55,7 +55,7 @@ class PresetPickerScreen(ModalScreen[str | None]):
 
     def compose(self):
         with Vertical(classes="dialog picker-dialog"):
-            yield Label("Apply a preset to this conversation  (Esc cancels)", classes="dialog-title")
+            yield Label("Preset for this conversation  (Esc cancels)", classes="dialog-title")
             yield OptionList(
                 *(Option(Text(f"{p.name} · {p.description}" if p.description else p.name), id=p.name)
                   for _, p in sorted(self.presets.items())),

@@ -1,5 +1,5 @@
 """The files going with the next message, as chips above the input: each one's name and tokens,
-and what they take of the context. A click on a chip takes it off."""
+and what they take of the context. A click on a chip (its ✕) takes it off."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ class Chip(Static):
             size = "counting…"
         else:
             size = f"{'~' if self.estimated else ''}{self.tokens:,} tokens"
-        return f"📎 {self.attachment.name} · {size}  ✕"
+        # size first: a long name is cut at the right edge, not the figure
+        return f"✕ {size} · {self.attachment.name}"
 
     def on_mount(self) -> None:
         self.update(self.label())
@@ -106,7 +107,7 @@ class AttachBar(VerticalScroll):
         if not self.counted:
             text = f"{files}, counting tokens…"
         else:
-            share = f", {100 * self.tokens / self.context_size:.0f}% of the {self.context_size:,}-token context" \
+            share = f", {100 * self.tokens / self.context_size:.0f}% of {self.context_size:,} context tokens" \
                 if self.context_size else ""
-            text = f"{files}: {self.tokens:,} tokens{share} (click one to remove it)"
+            text = f"{files}, {self.tokens:,} tokens{share}"
         self.query_one("#attach-summary", Static).update(text)

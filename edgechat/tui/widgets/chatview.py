@@ -180,7 +180,7 @@ class MessageBox(Vertical, can_focus=True):
             files = self.message.meta.get("attachments")
             if files:
                 # the files as chips, not their text (the message holds it: copy and the model get it)
-                yield Label("📎 " + " · ".join(f["name"] for f in files), classes="attached", markup=False)
+                yield Label("▪ " + " · ".join(f["name"] for f in files), classes="attached", markup=False)
                 _, shown = split(self.text, len(files))
             self._body = Static(shown, markup=False, classes="body")
         yield self._body
