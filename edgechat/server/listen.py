@@ -60,4 +60,7 @@ def serve(app, sockets: list[socket.socket]) -> None:
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
-    server.run(sockets=sockets)
+    try:
+        server.run(sockets=sockets)
+    except KeyboardInterrupt:
+        pass  # uvicorn raises the signal again once it has shut down; Ctrl+C is how a server stops
