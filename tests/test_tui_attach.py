@@ -11,6 +11,7 @@ from textual import events
 from test_tui_layout import ScriptedClient, make_app, until
 
 from edgechat.attachments import MAX_FILE_BYTES, gather, read_file
+from edgechat.errors import UsageError
 from edgechat.tui.app import EdgechatApp
 from edgechat.tui.client import LocalClient
 from edgechat.tui.presets import SHIPPED, load_presets
@@ -261,6 +262,13 @@ async def test_shipped_and_configured_presets_load(paths):
     assert presets["code"].settings == {"temperature": 0.0}  # config.toml's replaces the shipped one
     for name in SHIPPED:
         assert len(SHIPPED[name]["system_prompt"]) < 400  # each one short
+    # a mistake in one is one line naming it and what a preset takes
+    paths.config_file.write_text('[presets.hot]\ntemperture = 2.0\n')
+    with pytest.raises(UsageError, match=r"\[presets\.hot\]: unknown temperture; a preset takes description, model, "):
+        load_presets(paths)
+    paths.config_file.write_text('[presets.hot]\ntop_p = 7\n')
+    with pytest.raises(UsageError, match=r"\[presets\.hot\]: top-p must be above 0 and at most 1$"):
+        load_presets(paths)
 
 
 async def test_preset_applies_to_the_conversation_and_a_bad_name_lists_them(paths):
