@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -148,15 +149,18 @@ def test_a_tool_round_trip(client):
     assert delta.delta == done.arguments == item_done.item.arguments == call.arguments
     assert events[-1].response.output[0].call_id == item_done.item.call_id
 
-    # the result goes back: manually, the output as input; stored, through previous_response_id
+    # the result goes back, after the stored call (previous_response_id: the same as sending the
+    # whole history, test_previous_response_id_continues_and_get_delete shows)
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "22 degrees and sunny"}
-    manual = client.responses.create(model=MODEL, input=[{"role": "user", "content": args["input"]}, *as_input(response.output), result],
-                                     tools=[WEATHER], max_output_tokens=8, temperature=0, store=False)
-    assert manual.output[0].type == "message" and manual.output_text
-    chained = client.responses.create(model=MODEL, previous_response_id=response.id, input=[result], tools=[WEATHER],
-                                      max_output_tokens=8, temperature=0)
-    assert chained.output_text == manual.output_text and chained.usage.input_tokens == manual.usage.input_tokens
-    assert chained.previous_response_id == response.id
+    answer = client.responses.create(model=MODEL, previous_response_id=response.id, input=[result], tools=[WEATHER],
+                                     max_output_tokens=6, temperature=0)
+    assert answer.output[0].type == "message" and answer.output_text and answer.previous_response_id == response.id
+    assert answer.usage.input_tokens > response.usage.input_tokens + response.usage.output_tokens
+    # a result whose call the stored response did not make is refused
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model=MODEL, previous_response_id=response.id,
+                                input=[{**result, "call_id": "call_other"}], max_output_tokens=6)
+    assert bad.value.body["param"] == "input[0].call_id"
 
 
 def test_previous_response_id_continues_and_get_delete(client, base_url):
@@ -245,10 +249,14 @@ def test_bad_input_is_a_400_naming_the_field(base_url, body, param):
     assert error["param"] == param and error["type"] == "invalid_request_error" and "\n" not in error["message"]
 
 
-def test_the_sdk_raises_a_400_with_its_param(client):
-    with pytest.raises(openai.BadRequestError) as bad:
-        client.responses.create(model=MODEL, input=[{"type": "function_call_output", "call_id": "call_nope", "output": "x"}])
-    assert bad.value.body["param"] == "input[0].call_id"
+def test_a_client_leaving_mid_stream_frees_its_sequence(base_url, engine):
+    body = {"model": MODEL, "input": "Say hello.", "max_output_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        assert next(r.iter_lines()) == "event: response.created"
+    deadline = time.monotonic() + 10
+    while engine.stats()["running"] + engine.stats()["waiting"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.stats()["running"] == 0 and engine.kv_problems() == []
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -53,15 +54,15 @@ def _new_id(prefix: str) -> str:
 # ---- the body into the internal request ------------------------------------------------------
 
 
+@dataclass
 class ResponsesRequest:
     """A checked body: the internal request, the context a stored response keeps (the input
     items of this response and of every one before it) and what the Response object echoes."""
 
-    def __init__(self, parsed: ParsedRequest, context: list[dict], echo: dict, store: bool):
-        self.parsed = parsed
-        self.context = context
-        self.echo = echo
-        self.store = store
+    parsed: ParsedRequest
+    context: list[dict]
+    echo: dict
+    store: bool
 
 
 def _content(where: str, content: object, part_type: str) -> str:
@@ -283,7 +284,7 @@ def parse_responses(body: dict, settings: ServerSettings, sampling=None, history
         "temperature": request.sampling.temperature,
         "text": {"format": fmt},
         "tool_choice": _tool_choice_body(tools),
-        "tools": [{"type": "function", "strict": False, **f} for f in (tools.functions if tools is not None else [])],
+        "tools": [{"type": "function", **f} for f in (tools.functions if tools is not None else [])],
         "top_p": request.sampling.top_p,
         "truncation": "disabled",
     }
