@@ -38,7 +38,8 @@ class Attachment:
         # a fence longer than any backtick run inside, so the file's own fences stay inside
         runs = [len(r) for r in re.findall(r"`+", self.text)]
         fence = "`" * max(3, max(runs, default=0) + 1)
-        return f"File: {self.name}\n{fence}{self.lang}\n{self.text.rstrip(chr(10))}\n{fence}"
+        body = self.text.rstrip("\n")
+        return f"File: {self.name}\n{fence}{self.lang}\n{body}\n{fence}"
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Gathered:
         if len(self.attachments) > 3:
             names += f" and {len(self.attachments) - 3} more"
         if not self.skipped:
-            return f"Attached {names}."
+            return f"Attached {names}." if names else "Nothing to attach there (hidden files and folders are skipped)."
         if not self.attachments and len(self.skipped) == 1:
             name, why = self.skipped[0]
             hint = "; attach text, source code, Markdown, JSON/CSV or PDF files" if "binary" in why else ""
@@ -61,7 +62,8 @@ class Gathered:
         shown = ", ".join(f"{name} ({why})" for name, why in self.skipped[:4])
         if len(self.skipped) > 4:
             shown += f" and {len(self.skipped) - 4} more"
-        return f"{f'Attached {names}; s' if self.attachments else 'S'}kipped {len(self.skipped)}: {shown}."
+        what = f"{len(self.skipped)}: {shown}."
+        return f"Attached {names}; skipped {what}" if self.attachments else f"Skipped {what}"
 
 
 def gather(arg: str, cwd: Path | None = None) -> Gathered:
