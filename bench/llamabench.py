@@ -47,6 +47,11 @@ def ensure_llama_bench() -> Path:
     return llama_tools_dir() / "llama-bench"
 
 
+def find_llama_server() -> Path:
+    """Path of llama-server, building it first if the cache lacks it."""
+    return llama_tools_dir("llama-server") / "llama-server"
+
+
 def run_llama_bench(
     model_path: str | Path,
     threads: int = 2,
