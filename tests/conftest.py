@@ -65,7 +65,7 @@ def smollm2_split(smollm2_path, tmp_path_factory):
 # whose libllama beside them has the RPC backend), from the build bench/ uses too
 # (bench/build_llama_bench.sh: the vendored sources of the pinned llama-cpp-python, cached under
 # ~/.cache/edgechat-bench and kept between runs, as pip keeps its wheels).
-LLAMA_TOOLS = ("llama-quantize", "llama-imatrix", "ggml-rpc-server")
+LLAMA_TOOLS = ("llama-quantize", "llama-imatrix", "ggml-rpc-server", "llama-server")
 LLAMA_BUILD_TIMEOUT_S = 3600  # ~10 minutes on 2 cores; its own bound, not a test's 600 s
 _llama_tools = pytest.StashKey[object]()
 

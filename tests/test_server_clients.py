@@ -95,6 +95,8 @@ def test_an_alias_answers_in_every_api_and_is_listed(client, base_url):
     ollama = httpx.post(f"{base_url}/api/chat", headers=_auth(),
                         json={"model": ALIAS, "messages": HI, "stream": False, "options": {"num_predict": 2}}, timeout=120)
     assert ollama.status_code == 200 and ollama.json()["done"], ollama.text
+    tags = httpx.get(f"{base_url}/api/tags", headers=_auth()).json()["models"]
+    assert [m["name"] for m in tags] == [f"{MODEL}:latest", f"{ALIAS}:latest"]
     # without --any-model-name an unknown name stays a 404, in each API's shape
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=HI, max_tokens=2)

@@ -94,3 +94,34 @@ def test_errors_in_llama_servers_shape(http):
     ):
         error = r.json()["error"]
         assert 400 <= r.status_code < 500 and error["code"] == r.status_code and error["message"], r.text
+
+
+@pytest.fixture(scope="module")
+def llama_server(llama_tools, smollm2_path, tmp_path_factory):
+    """llama-server itself, built from the same vendored sources, on the same file."""
+    from bench.bench_serve import _free_port, _server
+    from quantize.llm import use_extra_buffers
+
+    port = _free_port()
+    cmd = [str(llama_tools / "llama-server"), "-m", str(smollm2_path), "-c", "512", "-np", "1", "-t", "2",
+           "--no-webui", "--host", "127.0.0.1", "--port", str(port),
+           *([] if use_extra_buffers() else ["--no-repack"])]  # the engine's weight layout on this CPU
+    with _server(cmd, port, "llama-server", tmp_path_factory.mktemp("llama-server")) as url:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            yield client
+
+
+def test_tokenize_template_and_greedy_completion_agree_with_llama_server(http, llama_server):
+    for body in ({"content": "Hello, world! Ünïcode too."}, {"content": "<|im_start|>user\nhi<|im_end|>"},
+                 {"content": "Hello", "add_special": True}, {"content": "Hello, world!", "with_pieces": True}):
+        assert http.post("/tokenize", json=body).json() == llama_server.post("/tokenize", json=body).json(), body
+    tokens = llama_server.post("/tokenize", json={"content": "Ünïcode, too."}).json()["tokens"]
+    assert http.post("/detokenize", json={"tokens": tokens}).json() == llama_server.post("/detokenize", json={"tokens": tokens}).json()
+    messages = [{"role": "system", "content": "Be brief."}, *HI, {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "Again."}]
+    ours = http.post("/apply-template", json={"messages": messages}).json()["prompt"]
+    assert ours == llama_server.post("/apply-template", json={"messages": messages}).json()["prompt"]
+    body = {"prompt": "The capital of France is", "n_predict": 12, "temperature": 0}
+    ours, theirs = http.post("/completion", json=body).json(), llama_server.post("/completion", json=body).json()
+    assert ours["content"] == theirs["content"] and ours["tokens_predicted"] == theirs["tokens_predicted"]
+    assert ours["tokens_evaluated"] == theirs["tokens_evaluated"]

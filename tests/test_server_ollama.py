@@ -12,8 +12,11 @@ import openai
 import pytest
 
 from edgechat.engine import Engine, EngineConfig
+from edgechat.models import hub, resolve_model
 from edgechat.server import ServerSettings, create_app
 from serving import serving
+from test_hub import TEST_REPO, fake_hub  # noqa: F401  (fake_hub: the stand-in Hub fixture)
+from test_tui_pull import online  # noqa: F401  (this process online, against the stand-in Hub)
 
 KEY = "sk-test-key"
 MODEL = "smollm2-135m-instruct"
@@ -152,3 +155,26 @@ def wait_idle(engine, timeout=5.0) -> dict:
         if (stats["running"] == 0 and stats["waiting"] == 0) or time.monotonic() > deadline:
             return stats
         time.sleep(0.02)
+
+
+def test_pull_streams_progress_into_the_cache_and_a_model_here_asks_the_hub_nothing(isolated_dirs, online, smollm2_path):  # noqa: F811
+    ref = f"{TEST_REPO}:Q4_1"
+    with Engine(EngineConfig(model=MODEL, n_ctx=256, n_threads=2, paths=isolated_dirs)) as engine:
+        with serving(create_app(ServerSettings(api_key=KEY, model_id=MODEL), engine)) as url:
+            client = ollama.Client(host=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+            lines = list(client.pull(ref, stream=True))
+            assert lines[0].status == "pulling manifest" and lines[-1].status == "success"
+            progress = [line.completed for line in lines if line.total]
+            assert progress == sorted(progress) and progress[-1] == lines[-2].total == smollm2_path.stat().st_size
+            assert resolve_model(ref, isolated_dirs).is_relative_to(hub.hub_cache(isolated_dirs))
+            seen = len(online.requests)
+            assert client.pull(ref).status == "success" and len(online.requests) == seen
+            # what the Hub does not have, streamed or not; what is not a reference at all
+            for stream in (False, True):
+                with pytest.raises(ollama.ResponseError, match="no Hub repository nobody/nothing-GGUF") as missing:
+                    result = client.pull("nobody/nothing-GGUF:Q4_K_M", stream=stream)
+                    list(result) if stream else None
+                assert missing.value.status_code == (-1 if stream else 404)
+            with pytest.raises(ollama.ResponseError, match="neither a catalog name nor a Hub reference") as bad:
+                client.pull("no such thing")
+            assert bad.value.status_code == 400

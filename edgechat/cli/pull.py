@@ -35,19 +35,16 @@ def pull_cmd(ref: str, yes: bool, data_dir: str | None) -> None:
 
 
 def _pull(ref: str, yes: bool, paths):
+    hub_ref = hub.pull_ref(ref)
     found = catalog.lookup(ref)
     if found:
         entry, cfile = found
-        hub_ref = hub.HubRef(entry.repo, cfile.file, cfile.quant, ref)
         if not hub.is_downloaded(entry, cfile, paths):
             hub.check_reachable(ref)  # before saying what would be downloaded
             click.echo(f"{entry.name} {cfile.quant}: about {format_size(cfile.size)}, licence {entry.licence}, from {entry.repo}", err=True)
             if not yes and not planner.weights_fit(cfile.size):
                 _confirm_too_large(ref, cfile.size)
     else:
-        hub_ref = hub.parse_hub_ref(ref)
-        if hub_ref is None:
-            raise UsageError(f"'{ref}' is neither a catalog name nor a Hub reference; see: edgechat models --catalog")
         # any Hub file: the listing gives its size before a byte is downloaded
         if not yes and not hub.offline() and (size := hub.download_size(hub_ref, paths)) and not planner.weights_fit(size):
             _confirm_too_large(ref, size)

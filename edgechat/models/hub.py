@@ -19,8 +19,8 @@ from pathlib import Path
 
 from edgechat.android import on_android
 from edgechat.config import Paths
-from edgechat.errors import ModelFormatError, ModelNotFoundError
-from edgechat.models.catalog import QUANT_RE, CatalogEntry, CatalogFile, load_catalog
+from edgechat.errors import ModelFormatError, ModelNotFoundError, UsageError
+from edgechat.models.catalog import QUANT_RE, CatalogEntry, CatalogFile, load_catalog, lookup
 from edgechat.models.ggufinfo import GGUF_MAGIC, split_part_names
 
 if on_android():
@@ -69,6 +69,17 @@ def parse_hub_ref(ref: str) -> HubRef | None:
             return None
         raise ModelNotFoundError(f"{text}: '{m['quant']}' is not a GGUF quant name like Q4_K_M or Q8_0")
     return HubRef(m["repo"], None, quant, text)
+
+
+def pull_ref(text: str) -> HubRef:
+    """What a pull of `text` downloads: a catalog name (NAME or NAME:QUANT) or a Hub reference."""
+    if found := lookup(text):
+        entry, cfile = found
+        return HubRef(entry.repo, cfile.file, cfile.quant, text)
+    ref = parse_hub_ref(text)
+    if ref is None:
+        raise UsageError(f"'{text}' is neither a catalog name nor a Hub reference; see: edgechat models --catalog")
+    return ref
 
 
 def looks_like_repo(ref: str) -> bool:
@@ -206,23 +217,25 @@ def _catalog_file_for(ref: HubRef) -> str | None:
 Progress = Callable[[int, int | None], None]
 
 
-def resolve_hub(ref: HubRef, paths: Paths, progress: Progress | None = None) -> Path:
-    """Local GGUF for a Hub reference: from the cache, else downloaded (unless offline)."""
+def cached(ref: HubRef, paths: Paths) -> Path | None:
+    """The local GGUF for a Hub reference when the cache holds all of it, asking no network."""
     file = ref.file or _catalog_file_for(ref)
     if file is None:
-        if picked := _cached_pick(ref, paths):
-            return picked
-        if offline():
-            raise _unreachable(ref.text)
-        file = _pick(ref, _list_repo_files(ref))
+        return _cached_pick(ref, paths)
     # a split model's parts, all of them, side by side in one snapshot: llama.cpp opens them by name
     parts = [cached_file(ref.repo, part, paths) for part in split_part_names(file)]
-    if all(parts):
-        return parts[0]
+    return parts[0] if all(parts) else None
+
+
+def resolve_hub(ref: HubRef, paths: Paths, progress: Progress | None = None) -> Path:
+    """Local GGUF for a Hub reference: from the cache, else downloaded (unless offline)."""
+    if found := cached(ref, paths):
+        return found
     if offline():
         raise _unreachable(ref.text)
-    return [found or _download(ref.repo, part, ref.text, paths, progress)
-            for part, found in zip(split_part_names(file), parts)][0]
+    file = ref.file or _catalog_file_for(ref) or _pick(ref, _list_repo_files(ref))
+    return [cached_file(ref.repo, part, paths) or _download(ref.repo, part, ref.text, paths, progress)
+            for part in split_part_names(file)][0]
 
 
 def _cached_pick(ref: HubRef, paths: Paths) -> Path | None:

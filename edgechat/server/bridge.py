@@ -12,8 +12,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from edgechat.engine.request import Event, Finished
+from edgechat.engine.request import Event, Finished, TextDelta
 
 #: while streams run, the event loop takes their events this often, on its own timer: 20 updates
 #: a second read as smooth text, and on 2 cores every chunk the loop streams is CPU taken from
@@ -133,6 +134,37 @@ class Generation:
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
+    async def batch(self, keepalive: float | None = None) -> Batch:
+        """What the engine sent since the last call, waiting for at least one event: under load
+        several tokens queue up between two writes, and every API sends them as one. Waits at
+        most `keepalive` seconds (an idle batch, for the stream's keep-alive) and never past the
+        deadline (an expired batch: the request is cancelled)."""
+        remaining = self.remaining()
+        try:
+            _, event = await asyncio.wait_for(self.events.get(), remaining if keepalive is None else min(remaining, keepalive))
+        except asyncio.TimeoutError:
+            if keepalive is not None and remaining > keepalive:
+                return Batch(idle=True)
+            self.time_out()
+            return Batch(expired=True)
+        events = [event]
+        while not self.events.empty():
+            events.append(self.events.get_nowait()[1])
+        deltas = [e for e in events if isinstance(e, TextDelta)]
+        return Batch("".join(d.text for d in deltas if d.reasoning), "".join(d.text for d in deltas if not d.reasoning),
+                     next((e for e in events if isinstance(e, Finished)), None))
+
     def time_out(self) -> None:
         self.timed_out = True
         self.handle.cancel()
+
+
+@dataclass
+class Batch:
+    """One Generation.batch(): the thoughts and the answer text that came, and the end if it came."""
+
+    thought: str = ""
+    text: str = ""
+    finished: Finished | None = None
+    idle: bool = False
+    expired: bool = False

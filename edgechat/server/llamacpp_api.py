@@ -6,7 +6,6 @@ request; errors in llama-server's shape, `{"error": {"code": status, "message", 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 from typing import AsyncIterator
@@ -17,7 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgechat import __version__
-from edgechat.engine.request import ChatRequest, Finished, TextDelta
+from edgechat.engine.request import ChatRequest, Finished
 from edgechat.errors import UsageError
 from edgechat.server import responses
 from edgechat.server.errors import ApiError, bad_request
@@ -199,25 +198,13 @@ class LlamaCppApi:
         """The SSE stream: `{"content", "stop": false}` per batch of tokens, then the counts with `"stop": true`."""
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(gen.events.get(), gen.remaining())
-                except asyncio.TimeoutError:
-                    gen.time_out()
+                batch = await gen.batch()
+                if batch.expired:
                     yield responses.sse(error_body(ApiError(504, "the request timed out and was cancelled", type="timeout")))
                     return
-                text, finished = [], None
-                # under load several tokens queue up between two writes: send them as one event
-                while True:
-                    _, ev = event
-                    if isinstance(ev, TextDelta):
-                        text.append(ev.text)
-                    elif isinstance(ev, Finished):
-                        finished = ev
-                    if gen.events.empty():
-                        break
-                    event = gen.events.get_nowait()
-                if text:
-                    yield responses.sse({"content": "".join(text), "stop": False, "id_slot": 0})
+                finished = batch.finished
+                if text := batch.thought + batch.text:  # this API has no thoughts of its own: they come first, as written
+                    yield responses.sse({"content": text, "stop": False, "id_slot": 0})
                 if finished is not None:
                     if finished.reason not in ("stop", "length"):
                         message = finished.error or f"the generation ended: {finished.reason}"

@@ -15,6 +15,7 @@ import datetime
 import functools
 import hashlib
 import json
+import threading
 import time
 from typing import AsyncIterator
 
@@ -22,7 +23,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgechat.engine.request import ChatRequest, Finished, TextDelta
+from edgechat.engine.request import ChatRequest, Finished
+from edgechat.errors import EdgechatError, ModelNotFoundError, UsageError
+from edgechat.models import hub
 from edgechat.server.embeddings_api import check_dimensions, embed
 from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.schemas import (
@@ -197,6 +200,7 @@ class OllamaApi:
             Route("/api/version", self.version, methods=["GET"]),
             Route("/api/embed", self.embed, methods=["POST"]),
             Route("/api/embeddings", self.embeddings, methods=["POST"]),
+            Route("/api/pull", self.pull, methods=["POST"]),
         ]
 
     # ---- models ------------------------------------------------------------------------------
@@ -208,14 +212,14 @@ class OllamaApi:
         except ApiError:
             return self.server.find_model(_untagged(name))
 
-    def entry(self, served) -> dict:
+    def entry(self, served, name: str | None = None) -> dict:
         info = served.engine.model_info
         stat = info.path.stat()
         # a digest of the file's identity, not its bytes: hashing gigabytes per listing is too slow
         digest = hashlib.sha256(f"{info.path}:{info.size_bytes}:{stat.st_mtime_ns}".encode()).hexdigest()
         n = info.n_params
         size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
-        name = _tagged(served.id)
+        name = _tagged(name or served.id)
         return {
             "name": name,
             "model": name,
@@ -234,7 +238,8 @@ class OllamaApi:
 
     @_ollama_errors
     async def tags(self, request: Request) -> Response:
-        return JSONResponse({"models": [self.entry(m) for m in self.server.served()]})
+        # each alias is listed as a model of its own, as /v1/models lists them
+        return JSONResponse({"models": [self.entry(m, name) for m in self.server.served() for name in (m.id, *m.aliases)]})
 
     @_ollama_errors
     async def ps(self, request: Request) -> Response:
@@ -327,6 +332,29 @@ class OllamaApi:
         vectors, _, _ = await embed(self.server, request, served, [prompt], "prompt", truncate=True)
         return JSONResponse({"embedding": vectors[0].tolist()})
 
+    @_ollama_errors
+    async def pull(self, request: Request) -> Response:
+        """edgechat's own pull into this machine's model cache (a catalog name or a Hub reference,
+        as `edgechat pull` takes them), told in Ollama's status lines. The model is downloaded,
+        not served: this server goes on serving the models it started with."""
+        body = await self.server.read_body(request)
+        name = _text("model", body.get("model", body.get("name", "")))
+        if not name:
+            raise bad_request("'model' is required: a catalog name or a Hub reference (see: edgechat models --catalog)",
+                              param="model", code="missing_required_parameter")
+        try:
+            ref = hub.pull_ref(name)
+        except EdgechatError as exc:
+            raise bad_request(str(exc), param="model") from None
+        download = _Download(self.server.engine.paths, ref)
+        if _stream(body):
+            return StreamingResponse(download.lines(), media_type="application/x-ndjson")
+        try:
+            await download.run()
+        except EdgechatError as exc:
+            raise _pull_error(exc) from None
+        return JSONResponse({"status": "success"})
+
     # ---- generation --------------------------------------------------------------------------
 
     @_ollama_errors
@@ -362,26 +390,11 @@ class OllamaApi:
         """The NDJSON stream: a line per batch of tokens, then the counts; an error as its own line."""
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(gen.events.get(), gen.remaining())
-                except asyncio.TimeoutError:
-                    gen.time_out()
+                batch = await gen.batch()
+                if batch.expired:
                     yield _line({"error": "the request timed out and was cancelled"})
                     return
-                # under load several tokens queue up between two writes: send them as one line
-                deltas: list[TextDelta] = []
-                finished = None
-                while True:
-                    _, ev = event
-                    if isinstance(ev, TextDelta):
-                        deltas.append(ev)
-                    elif isinstance(ev, Finished):
-                        finished = ev
-                    if gen.events.empty():
-                        break
-                    event = gen.events.get_nowait()
-                text = "".join(d.text for d in deltas if not d.reasoning)
-                thought = "".join(d.text for d in deltas if d.reasoning)
+                text, thought, finished = batch.text, batch.thought, batch.finished
                 if text or thought:
                     yield _line(shape.part(text, thought))
                 if finished is not None:
@@ -394,6 +407,76 @@ class OllamaApi:
             # the client left (the task was cancelled) or the request timed out: free the sequence now
             if not gen.finished.done():
                 gen.handle.cancel()
+
+
+class _Left(Exception):
+    """Raised from the progress callback: the client is gone, so the download stops between two
+    chunks (hf_hub_download keeps what it has for the next pull to resume)."""
+
+
+def _pull_error(exc: EdgechatError) -> ApiError:
+    if isinstance(exc, UsageError):
+        return bad_request(str(exc), param="model")
+    if isinstance(exc, ModelNotFoundError) and not isinstance(exc, hub.HubUnreachableError):
+        return ApiError(404, str(exc), code="model_not_found")
+    return ApiError(502, str(exc), type="server_error", code="pull_failed")  # the Hub failed, not the request
+
+
+class _Download:
+    """One pull on a worker thread, its progress read on the event loop."""
+
+    def __init__(self, paths, ref: hub.HubRef):
+        self.paths, self.ref = paths, ref
+        self.left = threading.Event()
+        self.done = self.total = None
+        self.changed = asyncio.Event()
+
+    def _progress(self, done: int, total: int | None) -> None:
+        if self.left.is_set():
+            raise _Left
+        self.done, self.total = done, total
+        self.loop.call_soon_threadsafe(self.changed.set)
+
+    def _fetch(self):
+        if (found := hub.cached(self.ref, self.paths)) is not None:
+            return found  # a model already here needs no Hub
+        hub.check_reachable(self.ref.text)  # a second, not huggingface_hub's ~25 s of retries
+        return hub.resolve_hub(self.ref, self.paths, self._progress)
+
+    def start(self) -> asyncio.Future:
+        self.loop = asyncio.get_running_loop()
+        task = self.loop.run_in_executor(None, self._fetch)
+        # a stream the client left is not awaited: its end (_Left, most likely) is read here
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
+    async def run(self):
+        try:
+            return await self.start()
+        except asyncio.CancelledError:
+            self.left.set()
+            raise
+
+    async def lines(self) -> AsyncIterator[str]:
+        yield _line({"status": "pulling manifest"})
+        task = self.start()
+        layer = self.ref.file or self.ref.text
+        try:
+            while not task.done():
+                waiter = asyncio.ensure_future(self.changed.wait())
+                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if self.changed.is_set():
+                    self.changed.clear()
+                    yield _line({"status": f"pulling {layer}", "digest": layer, "total": self.total or 0, "completed": self.done})
+            try:
+                task.result()
+            except EdgechatError as exc:
+                yield _line({"error": _pull_error(exc).message})
+                return
+            yield _line({"status": "success"})
+        finally:
+            self.left.set()  # the client left mid-stream: stop the download at its next chunk
 
 
 class _Shape:

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgechat.engine.request import ChatRequest, Finished, TextDelta
+from edgechat.engine.request import ChatRequest, Finished
 from edgechat.errors import StoreError
 from edgechat.server import responses
 from edgechat.server.errors import ApiError, bad_request
@@ -543,24 +543,14 @@ class ResponsesApi:
         finished, held = None, ""
         try:
             while finished is None:
-                remaining = gen.remaining()
-                try:
-                    _, ev = await asyncio.wait_for(gen.events.get(), min(remaining, keepalive))
-                except asyncio.TimeoutError:
-                    if remaining > keepalive:
-                        yield KEEPALIVE
-                        continue
-                    gen.time_out()
+                batch = await gen.batch(keepalive)
+                if batch.idle:
+                    yield KEEPALIVE
+                    continue
+                if batch.expired:
                     yield failed("the request timed out and was cancelled")
                     return
-                # under load several tokens queue up between two writes: send them as one delta
-                batch = [ev]
-                while not gen.events.empty():
-                    batch.append(gen.events.get_nowait()[1])
-                deltas = [e for e in batch if isinstance(e, TextDelta)]
-                finished = next((e for e in batch if isinstance(e, Finished)), None)
-                thought = "".join(d.text for d in deltas if d.reasoning)
-                text = "".join(d.text for d in deltas if not d.reasoning)
+                thought, text, finished = batch.thought, batch.text, batch.finished
                 new: list[ToolCall] = []
                 if parser is not None and text:
                     text, new = parser.feed(text)
