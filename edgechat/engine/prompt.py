@@ -26,11 +26,15 @@ SUMMARY_PREFIX = "Summary of the earlier conversation: "
 TOKEN_CACHE_ENTRIES = 16384
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
+    """A built prompt, read by everyone and changed by no one: a request's `n` choices share one
+    (the scheduler keeps each run's own copy of the spans it moves when it makes room; the
+    tokens are copied wherever they are kept)."""
+
     tokens: list[int]
     keep: int  # tokens of the pinned prefix (never evicted)
-    spans: list[list[int]]  # [start, length] of each evictable message, oldest first
+    spans: tuple[tuple[int, int], ...]  # (start, length) of each evictable message, oldest first
     evicted_total: int  # messages of the conversation left out of the prompt
     evicted_now: int  # of which newly left out by this request
     summary: str | None = None  # what the model wrote of them (summarize policy)
@@ -82,7 +86,7 @@ class PromptBuilder:
             text = request.prompt or ""
             if not text.strip():
                 raise UsageError("the prompt is empty; type a message")
-            prep = Prepared(self.tokens_for([text])[0], 0, [], 0, 0)
+            prep = Prepared(self.tokens_for([text])[0], 0, (), 0, 0)
         else:
             prep = self._prepare_chat(request, policy, limit)
         if check_limit:
@@ -160,12 +164,12 @@ class PromptBuilder:
             summary = self.summarize(summary, msgs[keep_msgs + already : keep_msgs + evicted])
             retained, seg_tokens, pinned, evicted, tail = fit(evicted, summary, limit)
         tokens: list[int] = []
-        spans: list[list[int]] = []
+        spans: list[tuple[int, int]] = []
         keep = 0
         segmented = len(seg_tokens) == len(retained) + 1  # one segment per message, then the generation prompt
         for i, st in enumerate(seg_tokens):
             if segmented and pinned <= i < len(retained) - 1:
-                spans.append([len(tokens), len(st)])
+                spans.append((len(tokens), len(st)))
             tokens += st
             if segmented and i < pinned:
                 keep = len(tokens)
@@ -174,7 +178,7 @@ class PromptBuilder:
             # no switch in the template, but its prompt opened the block: close it before the model writes
             tokens = tokens + self._segment_tokens(fmt.closing)
             thinking = False
-        return Prepared(tokens, keep, spans, evicted, evicted - already, summary, thinking)
+        return Prepared(tokens, keep, tuple(spans), evicted, evicted - already, summary, thinking)
 
     def _fit(self, can_evict: bool, msgs: list[dict], keep_msgs: int, variables: dict, evicted: int, summary: str | None,
              limit: int):

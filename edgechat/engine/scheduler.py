@@ -76,6 +76,11 @@ class Running:
     draft_indices: list[int] = field(default_factory=list)  # batch indices of the logits to verify them
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per sampled token, when asked
     logprobs_sent: int = 0  # of which delivered with a TextDelta
+    #: [start, length] of each message still evictable, moved as _make_room drops the oldest
+    spans: list[list[int]] = field(init=False)
+
+    def __post_init__(self):
+        self.spans = [list(span) for span in self.prep.spans]  # the shared Prepared stays as built
 
 
 class Scheduler:
@@ -469,21 +474,21 @@ class Scheduler:
     def _make_room(self, run: Running) -> None:
         """The sequence is full: drop the oldest whole message(s), or failing that the older half
         of what follows the pinned prefix, then keep going. The stored conversation is untouched."""
-        slot, prep = run.slot, run.prep
+        slot, spans = run.slot, run.spans
         tokens = list(slot.tokens)
         need = max(self.n_ctx // 8, 1)
         dropped_msgs = 0
-        if prep.spans:
-            a = b = prep.spans[0][0]
-            while prep.spans and b - a < need:
-                start, length = prep.spans.pop(0)
+        if spans:
+            a = b = spans[0][0]
+            while spans and b - a < need:
+                start, length = spans.pop(0)
                 b = start + length
                 dropped_msgs += 1
         else:
-            a = prep.keep
+            a = run.prep.keep
             b = a + max((len(tokens) - a) // 2, 1)
         n = b - a
-        for span in prep.spans:
+        for span in spans:
             span[0] -= n
         policy = self.policy(run.request)
         if policy is ContextPolicy.TRUNCATE or not self.kv.drop(slot, a, b):

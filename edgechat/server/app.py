@@ -271,11 +271,9 @@ class _Server:
                 gen = Generation(loop, arrival + self.settings.request_timeout, self.on_finished, i, events)
                 gen.model, gen.priority, gen.ticket = served.id, priority, ticket
                 gen.prompt_tokens = len(prepared.tokens)
-                # each choice its own Prepared: eviction mid-answer edits its message spans
-                prep = prepared if i == 0 else dataclasses.replace(prepared, spans=[list(s) for s in prepared.spans])
                 # with tools, a call that repeats an earlier one ends the answer
                 watch = RepeatStop(served.tool_family, gen.on_event) if parsed.tools is not None else None
-                gen.handle = served.engine.submit(_choice_request(req, i, gens), watch or gen.on_event, prep)
+                gen.handle = served.engine.submit(_choice_request(req, i, gens), watch or gen.on_event, prepared)
                 if watch is not None:
                     watch.handle = gen.handle
                 gens.append(gen)
