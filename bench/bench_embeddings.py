@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 
 from bench.bench_serve import _free_port, _server
-from bench.llamabench import llama_tools_dir
+from bench.llamabench import find_llama_server
 from edgechat.config import get_paths
 from edgechat.models import resolve_model
 from quantize.llm import use_extra_buffers
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(args.rounds):
         llama_port, edge_port = _free_port(), _free_port()
         llama_cmd = [
-            str(llama_tools_dir("llama-server") / "llama-server"), "-m", str(model_path), "-t", str(THREADS), "-tb", str(THREADS),
+            str(find_llama_server()), "-m", str(model_path), "-t", str(THREADS), "-tb", str(THREADS),
             "--embeddings", "--pooling", "mean", "-np", str(args.batch), "-c", str(args.batch * 512), "--kv-unified",
             "--no-webui", "--host", "127.0.0.1", "--port", str(llama_port),
             # the engine keeps weights in plain buffers on AMX CPUs: the reference lays them out alike

@@ -27,6 +27,8 @@ from starlette.routing import Route
 from edgechat.engine.request import ChatRequest, Finished
 from edgechat.errors import EdgechatError
 from edgechat.server import responses
+from edgechat.server.bridge import abandon
+from edgechat.server.responses import KEEPALIVE
 from edgechat.server.errors import ApiError, bad_request, from_engine_error
 from edgechat.server.schemas import ParsedRequest, _describe, _opt_bool, _opt_float, _opt_int, _sampling, _text, _type_error
 from edgechat.server.settings import ServerSettings
@@ -45,8 +47,6 @@ _ERROR_TYPES = {
 }
 #: stop strings are searched for after every token: a bound keeps that cheap
 MAX_STOP_SEQUENCES = 64
-#: an SSE comment: sent while a request waits for its turn, before message_start can be
-KEEPALIVE = ": keep-alive\n\n"
 
 
 def owns(path: str) -> bool:
@@ -416,9 +416,7 @@ class MessagesApi:
             while not (await asyncio.wait({start}, timeout=keepalive))[0]:
                 yield KEEPALIVE  # its class's share, or the failover's first token, is still to come
         except BaseException:
-            # the client left while it waited: it leaves the queue, or its answer is cancelled
-            if not start.cancel() and not start.cancelled() and start.exception() is None:
-                start.result()[2][0].handle.cancel()
+            abandon(start)
             raise
         try:
             served, req, gens = start.result()

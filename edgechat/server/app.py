@@ -28,13 +28,13 @@ from edgechat.engine.request import ChatRequest, Finished, RequestStatus, TextDe
 from edgechat.errors import EdgechatError
 from edgechat.server import anthropic_api, embeddings_api, llamacpp_api, ollama_api, openai_responses_api, responses
 from edgechat.server.auth import BearerAuth
-from edgechat.server.bridge import Generation
+from edgechat.server.bridge import Generation, abandon
 from edgechat.server.cors import Cors
 from edgechat.server.degrade import DegradeSwitch
 from edgechat.server.errors import ApiError, bad_request, from_engine_error, overloaded, prompt_too_long
 from edgechat.server.metrics import ServerMetrics
 from edgechat.server.priority import ClassFull, PriorityGate
-from edgechat.server.responses import ResponseIds, sse
+from edgechat.server.responses import KEEPALIVE, ResponseIds, sse
 from edgechat.server.schemas import ParsedRequest, decode_body, parse_chat, parse_completion
 from edgechat.server.settings import ServerSettings
 from edgechat.server.toolfamilies import family_for, native_messages
@@ -42,7 +42,6 @@ from edgechat.server.tools import RepeatStop, ToolCallParser, tool_grammar
 
 log = logging.getLogger("edgechat.server")
 #: an SSE comment: clients ignore it, connections with idle timeouts stay open
-KEEPALIVE = ": keep-alive\n\n"
 #: the priority class of every request when no classes are configured
 DEFAULT_CLASS = "default"
 
@@ -430,10 +429,7 @@ class _Server:
             while not await _done_within(start, self.settings.keepalive_s):
                 yield KEEPALIVE
         except BaseException:
-            # the client left while the request waited: it leaves its class's queue, or, if it
-            # had just started, its answer is cancelled
-            if not start.cancel() and not start.cancelled() and start.exception() is None:
-                _cancel(start.result()[2])
+            abandon(start)
             raise
         try:
             served, req, gens = start.result()

@@ -159,6 +159,15 @@ class Generation:
         self.handle.cancel()
 
 
+def abandon(start: asyncio.Future) -> None:
+    """The client left while its launched request (`_Server.launch`'s task, giving the model,
+    its request and its Generations) still waited: it leaves its class's queue, or, if it had
+    just started, its answers are cancelled."""
+    if not start.cancel() and not start.cancelled() and start.exception() is None:
+        for gen in start.result()[2]:
+            gen.handle.cancel()
+
+
 @dataclass
 class Batch:
     """One Generation.batch(): the thoughts and the answer text that came, and the end if it came."""

@@ -31,6 +31,8 @@ from starlette.routing import Route
 from edgechat.engine.request import ChatRequest, Finished
 from edgechat.errors import StoreError
 from edgechat.server import responses
+from edgechat.server.bridge import abandon
+from edgechat.server.responses import KEEPALIVE
 from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.schemas import REASONING_EFFORT, ParsedRequest, _describe, _is_off, _opt_bool, _opt_int, _sampling, _text, _type_error
 from edgechat.server.settings import ServerSettings
@@ -39,8 +41,6 @@ from edgechat.server.tools import ToolCall, ToolCallParser, Tools, check_functio
 from edgechat.store.responses import ResponseStore
 
 log = logging.getLogger("edgechat.server")
-#: an SSE comment: sent while a request waits for its turn and while nothing else is due
-KEEPALIVE = ": keep-alive\n\n"
 #: fields that would change the answer, with the values that leave them off
 _UNSUPPORTED: dict[str, tuple] = {"background": (False,), "conversation": (), "prompt": (), "top_logprobs": (0,)}
 #: the content part types each role's message may hold
@@ -519,9 +519,7 @@ class ResponsesApi:
             while not (await asyncio.wait({start}, timeout=keepalive))[0]:
                 yield KEEPALIVE  # its class's share, or the failover's first token, is still to come
         except BaseException:
-            # the client left while it waited: it leaves the queue, or its answer is cancelled
-            if not start.cancel() and not start.cancelled() and start.exception() is None:
-                start.result()[2][0].handle.cancel()
+            abandon(start)
             raise
         try:
             served, req, gens = start.result()

@@ -13,6 +13,9 @@ from edgechat.server.tools import ToolCall
 
 #: proxies must pass each event on at once, not buffer the stream
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: an SSE comment every API's stream sends while a request waits for its turn (and while nothing
+#: else is due), so clients and proxies with read timeouts hold on
+KEEPALIVE = ": keep-alive\n\n"
 
 
 class ResponseIds(NamedTuple):
