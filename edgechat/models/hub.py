@@ -271,7 +271,7 @@ def resolve_catalog(entry: CatalogEntry, cfile: CatalogFile, paths: Paths, progr
 
 
 def is_downloaded(entry: CatalogEntry, cfile: CatalogFile, paths: Paths) -> bool:
-    return all(cached_file(entry.repo, part, paths) is not None for part in split_part_names(cfile.file))
+    return cached(HubRef(entry.repo, cfile.file, cfile.quant, entry.name), paths) is not None
 
 
 def _list_repo_files(ref: HubRef) -> list[str]:
