@@ -1,8 +1,10 @@
 """Shared fixtures: every test gets its own data/config/cache dirs; real models are located once;
-llama.cpp's own tools are built once per machine, before the first test."""
+llama.cpp's own tools are built once per machine, before the first test; the tests run in one
+worker process per physical core (pytest-xdist), each file in one worker."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -10,7 +12,24 @@ from pathlib import Path
 import pytest
 
 from edgechat.config import DATA_DIR_ENV, get_paths
+from edgechat.engine.planner import THREADS_ENV, physical_cores
 from edgechat.models import resolve_model
+
+MAX_WORKERS = 4  # past a few workers the suite is bound by its longest file (--dist loadfile)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the default, pyproject.toml): one worker per physical core, a few at most."""
+    return max(1, min(physical_cores(), MAX_WORKERS))
+
+
+def pytest_configure(config):
+    """Workers share the cores: each gives its engines, servers and llama.cpp tools its share of
+    threads (they inherit $EDGECHAT_THREADS), since llama.cpp's spinning threads crawl when the
+    cores are oversubscribed."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        os.environ.setdefault(THREADS_ENV, str(max(1, physical_cores() // workers)))
 
 
 @pytest.fixture(autouse=True)

@@ -43,7 +43,7 @@ def test_version_and_help():
 
 
 def test_run_json_answers_offline(isolated_dirs):
-    proc = edgechat("run", "--json", "--temperature", "0", "--max-tokens", "16", "--threads", "2",
+    proc = edgechat("run", "--json", "--temperature", "0", "--max-tokens", "16",
                     "What is the capital of France? Answer in one word.", env_extra={"HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
@@ -226,7 +226,7 @@ def test_run_speculative_modes_give_the_same_text_and_report_their_guesses(isola
     text = "Repeat exactly, twice: the quick brown fox jumps over the lazy dog near the river bank."
     runs = {}
     for mode in ("off", "lookup"):
-        proc = edgechat("run", "--json", "--temperature", "0", "--max-tokens", "40", "--threads", "2",
+        proc = edgechat("run", "--json", "--temperature", "0", "--max-tokens", "40",
                         "--speculative", mode, text)
         assert proc.returncode == 0, proc.stderr
         runs[mode] = json.loads(proc.stdout)

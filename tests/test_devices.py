@@ -130,7 +130,7 @@ def rpc_servers(build: Path, n: int, tmp_path: Path):
             for _attempt in range(3):
                 port = free_port()
                 log = open(tmp_path / f"rpc-{i}.log", "w")  # noqa: SIM115 (closed with the process)
-                proc = subprocess.Popen([str(build / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port)],
+                proc = subprocess.Popen([str(build / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", str(planner.default_threads())],
                                         stdout=log, stderr=subprocess.STDOUT)
                 procs.append((proc, log))
                 if _listening(proc, port):

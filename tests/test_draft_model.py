@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
+from edgechat.engine.planner import default_threads
 from edgechat.errors import UsageError
 from edgechat.models import catalog
 from edgechat.server import ServerSettings, create_app
@@ -36,7 +37,7 @@ PROMPTS = [
 def q8(smollm2_path, gemma3_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("q8")
     return {
-        name: requantize(src, out / f"{name}-Q8_0.gguf", "Q8_0", threads=2)
+        name: requantize(src, out / f"{name}-Q8_0.gguf", "Q8_0", threads=default_threads())
         for name, src in (("smol", smollm2_path), ("gemma", gemma3_path))
     }
 
@@ -45,7 +46,7 @@ def q8(smollm2_path, gemma3_path, tmp_path_factory):
 def drafted(q8, smollm2_path, gemma3_path, models_root):
     engines = {}
     for name, draft in (("smol", smollm2_path), ("gemma", gemma3_path)):
-        engines[name] = Engine(EngineConfig(model=str(q8[name]), draft_model=str(draft), n_ctx=1024, n_threads=2, paths=models_root))
+        engines[name] = Engine(EngineConfig(model=str(q8[name]), draft_model=str(draft), n_ctx=1024, paths=models_root))
     yield engines
     for engine in engines.values():
         engine.close()
@@ -88,7 +89,7 @@ def test_seeded_sampling_is_the_same_with_a_draft_model(drafted):
 
 
 def test_the_drafts_cache_follows_through_eviction_sessions_and_cancel(q8, smollm2_path, isolated_dirs):
-    cfg = EngineConfig(model=str(q8["smol"]), draft_model=str(smollm2_path), n_ctx=256, n_threads=2, paths=isolated_dirs, speculative="draft")
+    cfg = EngineConfig(model=str(q8["smol"]), draft_model=str(smollm2_path), n_ctx=256, paths=isolated_dirs, speculative="draft")
     with Engine(cfg) as engine:
         first = [{"role": "user", "content": PROMPTS[0]}]
         long = engine.submit(ChatRequest(messages=first, sampling=GREEDY, max_tokens=400, ignore_eos=True, session="s")).result()
@@ -112,29 +113,29 @@ def test_the_drafts_cache_follows_through_eviction_sessions_and_cancel(q8, smoll
 
 def test_a_draft_of_another_vocabulary_is_refused_in_one_line(smollm2_path, gemma3_path, models_root):
     with pytest.raises(UsageError, match=r"draft model .*gguf.*same family") as err:
-        Engine(EngineConfig(model=str(smollm2_path), draft_model=str(gemma3_path), n_ctx=256, n_threads=2, paths=models_root))
+        Engine(EngineConfig(model=str(smollm2_path), draft_model=str(gemma3_path), n_ctx=256, paths=models_root))
     assert "\n" not in str(err.value)
 
 
 def test_a_draft_that_does_not_load_leaves_the_model_serving(smollm2_path, tmp_path, models_root):
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\0" * 64)
-    with Engine(EngineConfig(model=str(smollm2_path), draft_model=str(broken), n_ctx=256, n_threads=2, paths=models_root)) as engine:
+    with Engine(EngineConfig(model=str(smollm2_path), draft_model=str(broken), n_ctx=256, paths=models_root)) as engine:
         assert engine.draft is None and "draft model not used" in engine.draft_warning
         done, _ = answer(engine, PROMPTS[0], "auto")
         assert done.reason in ("stop", "length") and done.text
-    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=256, n_threads=2, paths=models_root)) as engine:
+    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=256, paths=models_root)) as engine:
         with pytest.raises(UsageError, match="needs a draft model"):
             engine.submit(ChatRequest(messages=[{"role": "user", "content": "hi"}], speculative="draft"))
 
 
 def test_the_catalog_names_a_draft_used_when_it_is_here(hub_cache, isolated_dirs):
     # the catalog's SmolLM2 360M (faked by the 135M's file) names the embedded 135M as its draft
-    with Engine(EngineConfig(model=CATALOG_NAME, n_ctx=256, n_threads=2, paths=isolated_dirs)) as engine:
+    with Engine(EngineConfig(model=CATALOG_NAME, n_ctx=256, paths=isolated_dirs)) as engine:
         assert engine.draft_ref == "smollm2-135m-instruct" and engine.draft is not None
         done, _ = answer(engine, PROMPTS[0], "draft")
         assert done.metrics.accepted_tokens > 0
-    with Engine(EngineConfig(model=CATALOG_NAME, n_ctx=256, n_threads=2, paths=isolated_dirs, speculative="off")) as engine:
+    with Engine(EngineConfig(model=CATALOG_NAME, n_ctx=256, paths=isolated_dirs, speculative="off")) as engine:
         assert engine.draft is None
     bad = {"schema": 1, "model": [{"name": "a", "repo": "o/r", "architecture": "llama", "licence": "mit", "context": 4096,
                                    "description": "x", "draft": "nope", "files": {"Q4_K_M": {"file": "a-Q4_K_M.gguf", "size": 10}}}]}
@@ -143,7 +144,7 @@ def test_the_catalog_names_a_draft_used_when_it_is_here(hub_cache, isolated_dirs
 
 
 def test_run_takes_a_draft_model_and_reports_acceptance(q8, smollm2_path, gemma3_path):
-    common = ["run", "-m", str(q8["smol"]), "--draft-model", str(smollm2_path), "--ctx", "512", "--threads", "2", "--temperature", "0"]
+    common = ["run", "-m", str(q8["smol"]), "--draft-model", str(smollm2_path), "--ctx", "512", "--temperature", "0"]
     proc = edgechat(*common, "--speculative", "draft", "--max-tokens", "30", "--json", PROMPTS[0])
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)

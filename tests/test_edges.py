@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine(models_root):
-    with Engine(EngineConfig(model=MODEL, n_ctx=1024, n_threads=2, n_parallel=2, paths=models_root)) as eng:
+    with Engine(EngineConfig(model=MODEL, n_ctx=1024, n_parallel=2, paths=models_root)) as eng:
         yield eng
 
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine(models_root):
-    eng = Engine(EngineConfig(model=MODEL, n_ctx=256, n_threads=2, n_parallel=2, paths=models_root))
+    eng = Engine(EngineConfig(model=MODEL, n_ctx=256, n_parallel=2, paths=models_root))
     yield eng
     eng.close()
 
@@ -90,7 +90,7 @@ def small_batches(models_root):
     batch of a few sentences takes many chunks."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(embeddings, "MAX_BATCH", 32)
-        eng = Engine(EngineConfig(model=MODEL, n_ctx=256, n_threads=2, paths=models_root))
+        eng = Engine(EngineConfig(model=MODEL, n_ctx=256, paths=models_root))
     yield eng
     eng.close()
 
@@ -166,7 +166,7 @@ def test_ollama_embed_and_the_legacy_route(base_url, client):
 
 def test_an_embedding_model_of_its_own(models_root, smollm2_path, engine):
     # --embedding-model: resolved as any model name or path is, in its own backend
-    with Engine(EngineConfig(model=MODEL, n_ctx=256, n_threads=2, embedding_model=str(smollm2_path), paths=models_root)) as eng:
+    with Engine(EngineConfig(model=MODEL, n_ctx=256, embedding_model=str(smollm2_path), paths=models_root)) as eng:
         assert eng.embedder.backend is not eng.backend
         ours = eng.embed(SENTENCES).result(60)
         assert eng.kv_problems() == []

@@ -17,13 +17,13 @@ GREEDY = SamplingParams(temperature=0)
 
 @pytest.fixture(scope="module")
 def smol(smollm2_path, models_root):
-    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=2048, n_threads=2, paths=models_root)) as engine:
+    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=2048, paths=models_root)) as engine:
         yield engine
 
 
 @pytest.fixture(scope="module")
 def gemma(gemma3_path, models_root):
-    with Engine(EngineConfig(model=str(gemma3_path), n_ctx=1024, n_threads=2, paths=models_root)) as engine:
+    with Engine(EngineConfig(model=str(gemma3_path), n_ctx=1024, paths=models_root)) as engine:
         yield engine
 
 
@@ -199,7 +199,7 @@ def test_bad_requests_are_usage_errors(smol, req):
 
 def test_parallel_requests_are_batched_and_match_sequential_answers(smollm2_path, models_root):
     prompts = ["What is 2+2?", "Name a fruit.", "What color is the sky?"]
-    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=1024, n_threads=2, n_parallel=3, paths=models_root)) as engine:
+    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=1024, n_parallel=3, paths=models_root)) as engine:
         # speculation off: this is about batching alone
         alone = [ask(engine, p, max_tokens=24, ignore_eos=True, speculative="off").token_ids for p in prompts]
         before = engine.stats()["decode_calls"]
@@ -217,7 +217,7 @@ def test_parallel_requests_are_batched_and_match_sequential_answers(smollm2_path
 
 def test_load_progress_is_reported_and_a_failing_reporter_does_not_abort_the_load(gemma3_path, isolated_dirs):
     seen: list[float] = []
-    with Engine(EngineConfig(model=str(gemma3_path), n_ctx=256, n_threads=2, paths=isolated_dirs,
+    with Engine(EngineConfig(model=str(gemma3_path), n_ctx=256, paths=isolated_dirs,
                              on_load_progress=seen.append)):
         pass
     assert len(seen) > 2 and seen == sorted(seen) and seen[-1] == pytest.approx(1.0)
@@ -225,6 +225,6 @@ def test_load_progress_is_reported_and_a_failing_reporter_does_not_abort_the_loa
     def broken(fraction: float) -> None:
         raise RuntimeError("a UI that went away")
 
-    with Engine(EngineConfig(model=str(gemma3_path), n_ctx=256, n_threads=2, paths=isolated_dirs,
+    with Engine(EngineConfig(model=str(gemma3_path), n_ctx=256, paths=isolated_dirs,
                              on_load_progress=broken)) as engine:
         assert engine.submit(ChatRequest(prompt="The sky is", max_tokens=2)).result().reason == "length"

@@ -18,7 +18,7 @@ BOUND_S = 30
 
 
 def engine_for(path, paths, **kw):
-    return Engine(EngineConfig(model=str(path), n_ctx=512, n_threads=2, paths=paths, **kw))
+    return Engine(EngineConfig(model=str(path), n_ctx=512, paths=paths, **kw))
 
 
 def ask(engine, text, session=None, **kw):

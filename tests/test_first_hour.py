@@ -64,7 +64,7 @@ def test_the_readme_example_ends_and_a_cut_answer_says_length():
     assert readme.returncode == 0, readme.stderr
     assert json.loads(readme.stdout)["completion_tokens"] <= DEFAULT_MAX_TOKENS
     # past end-of-text and with no loop guard, only the default cap can end it
-    proc = edgechat("run", "--raw", "-m", "gemma3-270m", "--json", "--ignore-eos", "--threads", "2",
+    proc = edgechat("run", "--raw", "-m", "gemma3-270m", "--json", "--ignore-eos",
                     "The Eiffel Tower is in the city of")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
@@ -102,8 +102,8 @@ def test_the_readme_lists_every_catalog_model():
 def engines(smollm2_path, gemma3_path, models_root):
     from edgechat.engine import Engine, EngineConfig
 
-    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=2048, n_threads=2, paths=models_root)) as smol, \
-            Engine(EngineConfig(model=str(gemma3_path), n_ctx=1024, n_threads=2, paths=models_root)) as gemma:
+    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=2048, paths=models_root)) as smol, \
+            Engine(EngineConfig(model=str(gemma3_path), n_ctx=1024, paths=models_root)) as gemma:
         yield smol, gemma
 
 

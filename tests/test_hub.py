@@ -233,7 +233,7 @@ def test_names_close_to_catalog_entries_are_suggested(isolated_dirs):
 
 @pytest.mark.slow
 def test_run_loads_a_hub_model_offline(hub_cache):
-    proc = edgechat("run", "-m", f"hf:{TEST_REPO}/{TEST_FILE}", "--temperature", "0", "--max-tokens", "4", "--ctx", "256", "--threads", "2", "Hi")
+    proc = edgechat("run", "-m", f"hf:{TEST_REPO}/{TEST_FILE}", "--temperature", "0", "--max-tokens", "4", "--ctx", "256", "Hi")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edgechat.engine.planner import default_threads
 from quantize import convert
 from quantize.calibrate import builtin_text, compute
 from quantize.imatrix import read, write
@@ -42,7 +43,7 @@ def work(tmp_path_factory):
             if what == "f16":
                 path = convert(hf_checkpoint(model), f16, type_name="F16").path
             elif what == "ours":
-                path = write(compute(get(model, "f16"), builtin_text(), max_chunks=CHUNKS, threads=2),
+                path = write(compute(get(model, "f16"), builtin_text(), max_chunks=CHUNKS, threads=default_threads()),
                              root / f"{model}-ours.imatrix.gguf")
             else:
                 calibration = ROOT / "quantize" / "calibration.txt"
@@ -51,7 +52,7 @@ def work(tmp_path_factory):
                 # matmul kernels, or the sums differ by more than their summation order
                 layout = [] if use_extra_buffers() else ["--no-repack"]
                 subprocess.run([str(what), "-m", str(get(model, "f16")), "-f", str(calibration), "-o", str(path),
-                                "-c", str(N_CTX), "-b", str(N_CTX), "--chunks", str(CHUNKS), "-t", "2", "--no-ppl", *layout],
+                                "-c", str(N_CTX), "-b", str(N_CTX), "--chunks", str(CHUNKS), "-t", str(default_threads()), "--no-ppl", *layout],
                                check=True, capture_output=True)
             cache[model, what] = path
         return cache[model, what]
@@ -78,7 +79,7 @@ def test_byte_identical_to_llama_quantize_with_imatrix(model, type_name, work, l
     reference = tmp_path / "llama.gguf"
     subprocess.run([str(llama_tools / "llama-quantize"), "--imatrix", str(imatrix_file), str(work(model, "f16")),
                     str(reference), type_name, "2"], check=True, capture_output=True)
-    ours = convert(hf_checkpoint(model), tmp_path / "ours.gguf", type_name=type_name, threads=2,
+    ours = convert(hf_checkpoint(model), tmp_path / "ours.gguf", type_name=type_name, threads=default_threads(),
                    imatrix=read(imatrix_file), imatrix_source=str(imatrix_file)).path
     mine, theirs = _tensors(ours), _tensors(reference)
     assert list(mine) == list(theirs)
@@ -86,7 +87,7 @@ def test_byte_identical_to_llama_quantize_with_imatrix(model, type_name, work, l
     for name, (_, data) in mine.items():
         assert np.array_equal(data, theirs[name][1]), name
     if type_name == "Q4_K_M":  # and the importance data did change the quantized weights
-        plain = _tensors(convert(hf_checkpoint(model), tmp_path / "plain.gguf", type_name=type_name, threads=2).path)
+        plain = _tensors(convert(hf_checkpoint(model), tmp_path / "plain.gguf", type_name=type_name, threads=default_threads()).path)
         assert sum(not np.array_equal(data, plain[name][1]) for name, (_, data) in mine.items()) > 50
 
 

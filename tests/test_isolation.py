@@ -90,7 +90,7 @@ def test_bad_class_settings_are_one_line_errors():
 
 @pytest.fixture(scope="module")
 def engine(models_root):
-    eng = Engine(EngineConfig(model=MODEL, n_ctx=1024, n_threads=2, n_parallel=3, max_queue=16, paths=models_root))
+    eng = Engine(EngineConfig(model=MODEL, n_ctx=1024, n_parallel=3, max_queue=16, paths=models_root))
     yield eng
     eng.close()
 
@@ -200,7 +200,7 @@ def test_a_stream_waiting_for_its_class_share_gets_keepalive_comments(engine):
 
 
 def test_no_first_token_in_time_fails_over_to_the_fallback(engine, models_root):
-    fallback = Engine(EngineConfig(model=MODEL, n_ctx=512, n_threads=2, n_parallel=1, paths=models_root))
+    fallback = Engine(EngineConfig(model=MODEL, n_ctx=512, n_parallel=1, paths=models_root))
     try:
         # the primary's three sequences are all busy: a new request waits in its queue
         settings = ServerSettings(model_id="primary", degrade_queue_wait=None, keepalive_s=0.1)

@@ -31,7 +31,7 @@ def history() -> list[dict]:
 
 def engine_for(path, paths, **kw):
     kw.setdefault("n_ctx", 512)
-    return Engine(EngineConfig(model=str(path), n_threads=2, paths=paths, **kw))
+    return Engine(EngineConfig(model=str(path), paths=paths, **kw))
 
 
 def assert_cold_continuation_matches(engine, session, n=6):

@@ -13,7 +13,7 @@ QUESTION = "What is the capital of Zubrowka?"
 
 
 def engine_for(model, paths, n_ctx=512, **kw):
-    return Engine(EngineConfig(model=str(model), n_ctx=n_ctx, n_threads=2, paths=paths, **kw))
+    return Engine(EngineConfig(model=str(model), n_ctx=n_ctx, paths=paths, **kw))
 
 
 def turn(engine, history, text, session, policy="shift", max_tokens=16):

@@ -32,7 +32,7 @@ ANSWER_TOKENS = 8
 
 def engine_for(paths, budget: int, n_parallel: int = 2, n_ctx: int = 512) -> Engine:
     return Engine(
-        EngineConfig(model=MODEL, n_ctx=n_ctx, n_threads=2, n_parallel=n_parallel, paths=paths, prompt_cache_budget=budget, speculative="off")
+        EngineConfig(model=MODEL, n_ctx=n_ctx, n_parallel=n_parallel, paths=paths, prompt_cache_budget=budget, speculative="off")
     )
 
 
@@ -228,7 +228,7 @@ def test_gemma_states_restore_within_the_sliding_window(isolated_dirs):
     ones are."""
     long = [{"role": "user", "content": "Tell me a story. " + "The river runs past the mill and the old bridge. " * 45}]
     prompts = [*PROMPTS[:2], long]
-    config = EngineConfig(model="gemma3-270m", n_ctx=1024, n_threads=2, n_parallel=1, paths=isolated_dirs, prompt_cache_budget=64 << 20, speculative="off")
+    config = EngineConfig(model="gemma3-270m", n_ctx=1024, n_parallel=1, paths=isolated_dirs, prompt_cache_budget=64 << 20, speculative="off")
     with Engine(config) as engine:
         assert engine.plan.swa_full
         first = [engine.submit(request(p)).result(timeout=300) for p in prompts]

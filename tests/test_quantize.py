@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from edgechat.engine.planner import default_threads
 from quantize import convert
 from quantize.architecture import family_for
 from quantize.convert import _order, pick_type_for_size, plan_types
@@ -276,7 +277,7 @@ def test_report_reads_a_long_text_in_chunks(converted):
     from quantize.report import N_CTX, compare
 
     q = compare(converted("smollm2-135m-instruct", "Q4_K_M"), converted("smollm2-135m-instruct", "F16"),
-                text=" ".join(CORPUS) * 8, threads=2, max_chunks=2)
+                text=" ".join(CORPUS) * 8, threads=default_threads(), max_chunks=2)
     assert q.n_tokens == 2 * (N_CTX - 1)  # each chunk's last token predicts nothing
     assert q.ppl_quantized > q.ppl_reference > 1
     assert 0.005 < q.mean_kld < 0.2 and 0.6 < q.top1_agreement < 1

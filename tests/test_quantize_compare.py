@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def _compare(a, b, prompts, *extra) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "edgechat", "quantize", "--compare", str(a), str(b),
-                           "--prompts", str(prompts), "--max-tokens", "12", "--threads", "2", *extra],
+                           "--prompts", str(prompts), "--max-tokens", "12", *extra],
                           check=False, capture_output=True, text=True, timeout=600)
 
 
@@ -56,7 +56,7 @@ def test_eval_during_a_conversion(tmp_path):
     out.parent.mkdir()
     result = subprocess.run([sys.executable, "-m", "edgechat", "quantize", str(hf_checkpoint("smollm2-135m-instruct")),
                              "--type", "Q8_0", "-o", str(out), "--no-report", "--eval", str(prompts), "--max-tokens",
-                             "8", "--threads", "2", "--json"], check=False, capture_output=True, text=True, timeout=600)
+                             "8", "--json"], check=False, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["a"].endswith("reference-F16.gguf") and report["b"] == str(out)

@@ -31,7 +31,7 @@ ASK = [{"role": "user", "content": "Explain in detail how photosynthesis works."
 
 @pytest.fixture(scope="module")
 def thinker(models_root):
-    with Engine(EngineConfig(model=MODEL, n_ctx=4096, n_threads=2, n_parallel=2, paths=models_root,
+    with Engine(EngineConfig(model=MODEL, n_ctx=4096, n_parallel=2, paths=models_root,
                              chat_template=THINK_TEMPLATE)) as engine:
         yield engine
 

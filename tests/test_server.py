@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine(models_root):
-    eng = Engine(EngineConfig(model=MODEL, n_ctx=N_CTX, n_threads=2, n_parallel=4, max_queue=4, paths=models_root))
+    eng = Engine(EngineConfig(model=MODEL, n_ctx=N_CTX, n_parallel=4, max_queue=4, paths=models_root))
     yield eng
     eng.close()
 
@@ -262,7 +262,7 @@ def test_degrade_switch_caps_max_tokens_and_routes_to_the_fallback_under_sustain
     # the "smaller" fallback is a second SmolLM2 engine, told apart by the model id it reports;
     # no speculation: its guesses would shorten answers and so the queue waits this test needs
     def load():
-        return Engine(EngineConfig(model=MODEL, n_ctx=256, n_threads=2, n_parallel=2, paths=models_root, speculative="off"))
+        return Engine(EngineConfig(model=MODEL, n_ctx=256, n_parallel=2, paths=models_root, speculative="off"))
 
     engine, fallback = load(), load()
     fallback_id = fallback.model_info.path.stem

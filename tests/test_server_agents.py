@@ -48,7 +48,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def engine(models_root):
-    eng = Engine(EngineConfig(model=MODEL, n_ctx=2048, n_threads=2, n_parallel=2, max_queue=8, paths=models_root))
+    eng = Engine(EngineConfig(model=MODEL, n_ctx=2048, n_parallel=2, max_queue=8, paths=models_root))
     yield eng
     eng.close()
 
@@ -149,7 +149,7 @@ def test_greedy_under_a_grammar_tries_the_top_token_first_and_chooses_as_the_who
     token at every step, and both paths taken."""
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city", "days"]}
     grammar = Grammar(schema_rules([("", schema)], "test"))
-    be = LlamaBackend(smollm2_path, n_ctx_total=512, n_seq_max=1, n_threads=2)
+    be = LlamaBackend(smollm2_path, n_ctx_total=512, n_seq_max=1)
     fast, whole = (SamplerChain(SamplingParams(temperature=0), be.n_vocab, be.vocab, grammar) for _ in range(2))
     batch = Batch(512, 1)
     try:

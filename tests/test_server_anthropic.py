@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 def engine(models_root):
     # deterministic: the tests compare greedy texts across requests, which otherwise may part at
     # a near-tie (a prompt found in the cache is computed in another batch shape than a fresh one)
-    eng = Engine(EngineConfig(model=MODEL, n_ctx=1024, n_threads=2, max_queue=4, deterministic=True, paths=models_root))
+    eng = Engine(EngineConfig(model=MODEL, n_ctx=1024, max_queue=4, deterministic=True, paths=models_root))
     yield eng
     eng.close()
 

@@ -30,7 +30,7 @@ def test_serve_command_serves_authenticates_and_stops_cleanly():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "edgechat", "serve", "--port", str(port), "--parallel", "2", "--ctx", "512", "--threads", "2", "--api-key", "k1",
+    cmd = [sys.executable, "-m", "edgechat", "serve", "--port", str(port), "--parallel", "2", "--ctx", "512", "--api-key", "k1",
            "--flash-attn", "off", "--max-messages", "4"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
     try:

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine(models_root):
-    eng = Engine(EngineConfig(model=MODEL, n_ctx=1024, n_threads=2, n_parallel=2, max_queue=8, paths=models_root))
+    eng = Engine(EngineConfig(model=MODEL, n_ctx=1024, n_parallel=2, max_queue=8, paths=models_root))
     yield eng
     eng.close()
 

@@ -24,7 +24,7 @@ def ask(url: str, text: str) -> httpx.Response:
 
 
 def test_a_request_that_breaks_the_engine_fails_alone(models_root, monkeypatch):
-    with Engine(EngineConfig(model=MODEL, n_ctx=512, n_threads=2, n_parallel=2, paths=models_root)) as engine:
+    with Engine(EngineConfig(model=MODEL, n_ctx=512, n_parallel=2, paths=models_root)) as engine:
         real_reuse = engine.kv.reuse
 
         def reuse(slot, prompt, realign):
@@ -55,7 +55,7 @@ class Killed(BaseException):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_engine_answers_503_at_once(models_root, monkeypatch):
-    with Engine(EngineConfig(model=MODEL, n_ctx=512, n_threads=2, paths=models_root)) as engine:
+    with Engine(EngineConfig(model=MODEL, n_ctx=512, paths=models_root)) as engine:
         with serving(create_app(ServerSettings(model_id=MODEL, degrade_queue_wait=None), engine)) as url:
             def die():
                 raise Killed("the engine thread died")
@@ -72,7 +72,7 @@ def test_a_dead_engine_answers_503_at_once(models_root, monkeypatch):
 def test_each_request_builds_its_prompt_once(models_root, monkeypatch):
     """Templating and tokenizing a long history is most of a request's CPU before decoding:
     the server checks its limits on the same built prompt that the engine then runs."""
-    with Engine(EngineConfig(model=MODEL, n_ctx=512, n_threads=2, paths=models_root)) as engine:
+    with Engine(EngineConfig(model=MODEL, n_ctx=512, paths=models_root)) as engine:
         builds = []
         real_prepare = engine.prompts.prepare
 

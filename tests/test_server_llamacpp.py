@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
+from edgechat.engine.planner import default_threads
 from edgechat.server import ServerSettings, create_app
 from serving import serving
 
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine(models_root):
-    eng = Engine(EngineConfig(model=MODEL, n_ctx=512, n_threads=2, n_parallel=2, max_queue=2, paths=models_root))
+    eng = Engine(EngineConfig(model=MODEL, n_ctx=512, n_parallel=2, max_queue=2, paths=models_root))
     yield eng
     eng.close()
 
@@ -103,7 +104,7 @@ def llama_server(llama_tools, smollm2_path, tmp_path_factory):
     from quantize.llm import use_extra_buffers
 
     port = _free_port()
-    cmd = [str(llama_tools / "llama-server"), "-m", str(smollm2_path), "-c", "512", "-np", "1", "-t", "2",
+    cmd = [str(llama_tools / "llama-server"), "-m", str(smollm2_path), "-c", "512", "-np", "1", "-t", str(default_threads()),
            "--no-webui", "--host", "127.0.0.1", "--port", str(port),
            *([] if use_extra_buffers() else ["--no-repack"])]  # the engine's weight layout on this CPU
     with _server(cmd, port, "llama-server", tmp_path_factory.mktemp("llama-server")) as url:

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine(models_root):
-    eng = Engine(EngineConfig(model=MODEL, n_ctx=512, n_threads=2, n_parallel=2, max_queue=2, paths=models_root))
+    eng = Engine(EngineConfig(model=MODEL, n_ctx=512, n_parallel=2, max_queue=2, paths=models_root))
     yield eng
     eng.close()
 
@@ -159,7 +159,7 @@ def wait_idle(engine, timeout=5.0) -> dict:
 
 def test_pull_streams_progress_into_the_cache_and_a_model_here_asks_the_hub_nothing(isolated_dirs, online, smollm2_path):  # noqa: F811
     ref = f"{TEST_REPO}:Q4_1"
-    with Engine(EngineConfig(model=MODEL, n_ctx=256, n_threads=2, paths=isolated_dirs)) as engine:
+    with Engine(EngineConfig(model=MODEL, n_ctx=256, paths=isolated_dirs)) as engine:
         with serving(create_app(ServerSettings(api_key=KEY, model_id=MODEL), engine)) as url:
             client = ollama.Client(host=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
             lines = list(client.pull(ref, stream=True))

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.slow
 def engine(models_root):
     # deterministic: the tests compare greedy texts across requests, which otherwise may part at
     # a near-tie (a prompt found in the cache is computed in another batch shape than a fresh one)
-    eng = Engine(EngineConfig(model=MODEL, n_ctx=1024, n_threads=2, max_queue=4, deterministic=True, paths=models_root))
+    eng = Engine(EngineConfig(model=MODEL, n_ctx=1024, max_queue=4, deterministic=True, paths=models_root))
     yield eng
     eng.close()
 
@@ -261,7 +261,7 @@ def test_a_client_leaving_mid_stream_frees_its_sequence(base_url, engine):
 
 @pytest.fixture(scope="module")
 def thinker_url(models_root):
-    with Engine(EngineConfig(model=MODEL, n_ctx=1024, n_threads=2, deterministic=True, paths=models_root, chat_template=THINK_TEMPLATE)) as eng:
+    with Engine(EngineConfig(model=MODEL, n_ctx=1024, deterministic=True, paths=models_root, chat_template=THINK_TEMPLATE)) as eng:
         with serving(create_app(ServerSettings(model_id=MODEL), eng)) as url:
             yield url
 

@@ -119,7 +119,7 @@ async def _round(url: str, rng: random.Random) -> list[tuple[str, int, int, list
 
 
 def test_hostile_traffic_never_breaks_the_server_or_leaks_sequences(models_root):
-    engine = Engine(EngineConfig(model=MODEL, n_ctx=512, n_threads=2, n_parallel=4, max_queue=16, paths=models_root))
+    engine = Engine(EngineConfig(model=MODEL, n_ctx=512, n_parallel=4, max_queue=16, paths=models_root))
     try:
         settings = ServerSettings(model_id=MODEL, max_input_tokens=300, degrade_queue_wait=None)
         with serving(create_app(settings, engine)) as url:

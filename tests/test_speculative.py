@@ -154,13 +154,13 @@ def test_no_probe_where_even_the_probe_kept_whole_would_not_pay():
 # ---------------------------------------------------------------- on the real models
 @pytest.fixture(scope="module")
 def smol(smollm2_path, models_root):
-    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=1024, n_threads=2, paths=models_root)) as engine:
+    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=1024, paths=models_root)) as engine:
         yield engine
 
 
 @pytest.fixture(scope="module")
 def gemma(gemma3_path, models_root):
-    with Engine(EngineConfig(model=str(gemma3_path), n_ctx=1024, n_threads=2, paths=models_root)) as engine:
+    with Engine(EngineConfig(model=str(gemma3_path), n_ctx=1024, paths=models_root)) as engine:
         yield engine
 
 
@@ -201,7 +201,7 @@ def test_seeded_sampling_is_the_same_with_speculation(smol):
 
 
 def test_rejected_drafts_leave_the_cache_consistent_through_eviction_sessions_and_cancel(smollm2_path, isolated_dirs):
-    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=256, n_threads=2, paths=isolated_dirs, speculative="lookup")) as engine:
+    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=256, paths=isolated_dirs, speculative="lookup")) as engine:
         long = engine.submit(ChatRequest(messages=[{"role": "user", "content": REWRITE}], sampling=GREEDY,
                                          max_tokens=500, ignore_eos=True, session="s")).result()
         assert long.reason == "length" and long.metrics.drafted_tokens > long.metrics.accepted_tokens > 0

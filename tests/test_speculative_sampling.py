@@ -25,7 +25,7 @@ ALPHA = 0.01
 
 @pytest.fixture(scope="module")
 def smol(smollm2_path, models_root):
-    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=1024, n_threads=2, n_parallel=4, paths=models_root)) as engine:
+    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=1024, n_parallel=4, paths=models_root)) as engine:
         yield engine
 
 

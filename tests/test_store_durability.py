@@ -105,7 +105,7 @@ def test_a_full_disk_before_a_turn_stores_nothing(small_disk):
 @pytest.fixture(scope="module")
 def counter(smollm2_path, models_root):
     """The engine that counts a prompt's tokens as the CLI's engine builds them."""
-    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=2048, n_threads=2, paths=models_root)) as engine:
+    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=2048, paths=models_root)) as engine:
         yield lambda messages: engine.count_tokens(ChatRequest(messages=messages))
 
 

@@ -240,7 +240,7 @@ def test_lazy_triggers_are_each_familys_opener():
 @pytest.fixture(scope="module")
 def qwen_engine(models_root):
     """SmolLM2 with a Qwen-style template that takes tools, as if its GGUF carried one."""
-    eng = Engine(EngineConfig(model=MODEL, n_ctx=2048, n_threads=2, n_parallel=2, max_queue=8, paths=models_root, chat_template=QWEN))
+    eng = Engine(EngineConfig(model=MODEL, n_ctx=2048, n_parallel=2, max_queue=8, paths=models_root, chat_template=QWEN))
     yield eng
     eng.close()
 

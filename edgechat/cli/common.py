@@ -146,7 +146,7 @@ def model_options(func):
     """-m/--model, --ctx, --threads, --gpu-layers, --rpc: how a command loads its model."""
     func = rpc_option(func)
     func = gpu_layers_option(func)
-    func = click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: physical cores).")(func)
+    func = click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: $EDGECHAT_THREADS, else the physical cores).")(func)
     func = click.option("--ctx", type=click.IntRange(min=64), default=None, help="Context size in tokens (default: largest that fits, capped).")(func)
     func = click.option("-m", "--model", default=None, help="Model: short name, path to a .gguf, or Hub reference.")(func)
     return func

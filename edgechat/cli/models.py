@@ -154,7 +154,7 @@ def doctor_cmd(expect, rpc, data_dir):
         for line in android_report():
             click.echo(line)
     click.echo(f"CPU: {platform.processor() or platform.machine()}; {planner.physical_cores()} physical cores, "
-               f"{os.cpu_count()} logical; edgechat uses {planner.physical_cores()} threads by default")
+               f"{os.cpu_count()} logical; edgechat uses {planner.default_threads()} threads by default")
     click.echo(f"CPU features (llama.cpp): {features.strip()}")
     click.echo(f"RAM: {format_size(planner.total_memory())} total, {format_size(planner.available_memory())} available"
                f"; plans use {planner.headroom():.0%} of what is available")

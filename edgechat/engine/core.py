@@ -130,7 +130,7 @@ class Engine(PromptQueries):
         plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, cfg.kv_type, swa=cfg.swa_cache, label=self.model_name)
         self.plan = plan
         self.n_ctx = plan.n_ctx
-        self.n_threads = cfg.n_threads or planner.physical_cores()
+        self.n_threads = cfg.n_threads or planner.default_threads()
         gpu_layers = cfg.n_gpu_layers
         if gpu_layers is None:
             gpu_layers = model_settings(self.paths, cfg.model, self.model_name).get("gpu_layers")

@@ -204,7 +204,7 @@ class OnnxEngine(PromptQueries):
         self.default_sampling = SamplingParams(**info.sampling)
         self.plan = planner.choose_context(info, cfg.n_ctx)  # float32 cells: info.kv_element_bytes
         self.n_ctx = self.plan.n_ctx
-        self.n_threads = cfg.n_threads or planner.physical_cores()
+        self.n_threads = cfg.n_threads or planner.default_threads()
         self.model_name = display_name(cfg.model, self.model_path)
         self.vocab = voc = Vocabulary(self.model_path / "tokenizer.gguf")
         try:

@@ -267,6 +267,19 @@ def _too_large(name: str, plan: Plan) -> str:
     )
 
 
+THREADS_ENV = "EDGECHAT_THREADS"
+
+
+def default_threads() -> int:
+    """Threads when none are asked for: $EDGECHAT_THREADS (for several edgechat processes sharing
+    the cores: llama.cpp's threads spin at barriers and slow to a crawl when oversubscribed), else
+    the physical cores."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    return physical_cores()
+
+
 def physical_cores() -> int:
     """Physical cores (llama.cpp gains nothing from SMT siblings); logical count as a fallback."""
     try:
