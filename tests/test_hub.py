@@ -198,7 +198,8 @@ def test_hub_references_resolve_offline_from_the_cache(hub_cache, isolated_dirs)
     assert info.architecture == "llama" and info.quant == "Q4_1" and info.name.lower().startswith("smollm2")
 
 
-def test_catalog_name_resolves_offline_and_is_listed(hub_cache, isolated_dirs):
+def test_catalog_name_resolves_offline_and_is_listed(hub_cache, isolated_dirs, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # wide enough for every column (pytest-xdist's workers say 80)
     assert resolve_model(CATALOG_NAME, isolated_dirs) == hub_cache["catalog"]
     assert resolve_model(CATALOG_NAME.upper(), isolated_dirs) == hub_cache["catalog"]
     names = known_model_names(isolated_dirs)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
 from edgechat.engine.llama import Batch, LlamaBackend
+from edgechat.engine.planner import default_threads
 from edgechat.engine.request import Grammar, SamplingParams
 from edgechat.engine.sampling import SamplerChain
 from edgechat.server import ServerSettings, create_app
@@ -149,7 +150,7 @@ def test_greedy_under_a_grammar_tries_the_top_token_first_and_chooses_as_the_who
     token at every step, and both paths taken."""
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city", "days"]}
     grammar = Grammar(schema_rules([("", schema)], "test"))
-    be = LlamaBackend(smollm2_path, n_ctx_total=512, n_seq_max=1)
+    be = LlamaBackend(smollm2_path, n_ctx_total=512, n_seq_max=1, n_threads=default_threads())
     fast, whole = (SamplerChain(SamplingParams(temperature=0), be.n_vocab, be.vocab, grammar) for _ in range(2))
     batch = Batch(512, 1)
     try:
