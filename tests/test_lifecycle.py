@@ -288,3 +288,48 @@ def test_ps_and_models_rm_on_a_real_server_and_cache(smollm2_path, gemma3_path, 
 def test_serve_refuses_a_budget_no_model_fits_in_one_line(smollm2_path, gemma3_path, isolated_dirs):
     out = _edgechat("serve", "-m", str(smollm2_path), "-m", str(gemma3_path), "--memory-budget", "1", "--port", "0")
     assert out.returncode != 0 and "more than the memory budget of 1 MiB" in out.stderr and len(out.stderr.splitlines()) == 1
+
+
+def test_serve_process_with_two_models_a_budget_and_per_model_settings(smollm2_path, gemma3_path, isolated_dirs):
+    import os
+    import signal
+    import socket
+
+    isolated_dirs.config_file.parent.mkdir(parents=True, exist_ok=True)
+    isolated_dirs.config_file.write_text(f'[models."{gemma3_path}"]\nctx = 768\n')
+    budget = max(plan_model(None, EngineConfig(model=str(p), n_ctx=c, n_parallel=1, paths=isolated_dirs)).need
+                 for p, c in ((smollm2_path, 512), (gemma3_path, 768)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "edgechat", "serve", "--port", str(port), "--parallel", "1", "--ctx", "512",
+           "-m", str(smollm2_path), "-m", str(gemma3_path), "--memory-budget", str(-(-budget // (1 << 20)) + 1)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    smol, gemma = smollm2_path.stem, gemma3_path.stem
+    try:
+        deadline = time.monotonic() + PATIENCE_S
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.1)
+        states = _states(url)
+        # the first model is loaded at start; the second waits for a request; each has its context
+        assert (states[smol]["state"], states[gemma]["state"]) == ("loaded", "unloaded")
+        assert (states[smol]["n_ctx"], states[gemma]["n_ctx"]) == (512, 768)
+        r = _chat(url, gemma, max_tokens=4)
+        assert r.status_code == 200, r.text
+        states = _states(url)
+        assert (states[smol]["state"], states[gemma]["state"]) == ("unloaded", "loaded")
+        ps = _edgechat("ps", "--url", url)
+        assert {line.split()[0]: line.split()[1] for line in ps.stdout.splitlines()[2:]} == {smol: "unloaded", gemma: "loaded"}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=PATIENCE_S)
+    assert proc.returncode == 0, out
+    assert f"unloaded {gemma} (closing)" in out and "Traceback" not in out

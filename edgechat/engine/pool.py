@@ -307,7 +307,8 @@ class ModelPool:
                        and m.unload_at is not None and m.unload_at <= now]
                 if not due:
                     wake = [m.unload_at for m in self.models.values() if m.unload_at is not None and m.state is ModelState.LOADED]
-                    self._cond.wait(max(0.0, min(wake) - now) + 0.01 if wake else None)
+                    # an hour at most: a huge keep_alive must not overflow the lock's timeout
+                    self._cond.wait(min(max(0.0, min(wake) - now) + 0.01, 3600.0) if wake else None)
                     continue
                 for m in due:
                     m.state = ModelState.UNLOADING
