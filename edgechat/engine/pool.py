@@ -286,15 +286,19 @@ class ModelPool:
     def _unload(self, model: PoolModel, why: str) -> None:
         """Close an engine marked UNLOADING (outside the lock: closing writes its snapshots)."""
         started = time.monotonic()
+        engine, model.engine = model.engine, None
         try:
-            model.engine.close()
+            engine.close()
         except Exception:  # a failure to close still frees the entry: the memory is gone or lost
             log.exception("closing %s failed", model.name)
-        with self._cond:
-            model.engine, model.state, model.unload_at = None, ModelState.UNLOADED, None
-            self._cond.notify_all()
-        gc.collect()  # the engine's objects hold each other (callbacks): their buffers go now, not later
+        del engine
+        # before it reads as unloaded: the engine's objects hold each other (callbacks), so their
+        # buffers go at a collection, and glibc keeps freed blocks until trimmed
+        gc.collect()
         _trim_heap()
+        with self._cond:
+            model.state, model.unload_at = ModelState.UNLOADED, None
+            self._cond.notify_all()
         log.info("unloaded %s (%s)", model.name, why)
         self._tell("unload", model, time.monotonic() - started)
 
