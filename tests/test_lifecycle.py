@@ -65,6 +65,13 @@ def _edgechat(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
     return proc
 
 
+def _finish_reason(lines) -> str:
+    """The finish reason of a chat stream read to its end."""
+    chunks = [json.loads(line[5:]) for line in lines if line.startswith("data:") and line != "data: [DONE]"]
+    (reason,) = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    return reason
+
+
 def _rss() -> int:
     """This process's resident memory (bytes), as the kernel counts it."""
     with open("/proc/self/status") as fh:
@@ -147,7 +154,7 @@ def test_a_budget_for_one_model_takes_turns_never_under_a_request_and_resumes_fr
 
             # while gemma answers a stream, smol cannot be loaded: a 503 saying why, gemma goes on
             with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=PATIENCE_S,
-                              json={"model": GEMMA, "messages": QUESTION, "max_tokens": 48, "stream": True,
+                              json={"model": GEMMA, "messages": QUESTION, "max_tokens": 200, "stream": True,
                                     "temperature": 0, "ignore_eos": True}) as stream:
                 lines = stream.iter_lines()
                 assert next(line for line in lines if line.startswith("data:"))
@@ -156,9 +163,7 @@ def test_a_budget_for_one_model_takes_turns_never_under_a_request_and_resumes_fr
                 assert int(refused.headers["Retry-After"]) >= 1
                 message = refused.json()["error"]["message"]
                 assert f"'{GEMMA}'" in message and "in use" in message and refused.json()["error"]["code"] == "model_memory_full"
-                chunks = [json.loads(line[5:]) for line in lines if line.startswith("data:") and line != "data: [DONE]"]
-            finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-            assert finish == ["length"]  # the whole answer: never unloaded under it
+                assert _finish_reason(lines) == "length"  # the whole answer: never unloaded under it
 
             # the same conversation on smol again: reloaded, it starts from the snapshot of its cells
             follow_up = QUESTION + [first.json()["choices"][0]["message"], {"role": "user", "content": "And two more?"}]
@@ -185,13 +190,14 @@ def test_a_budget_for_one_model_takes_turns_never_under_a_request_and_resumes_fr
 
 
 def test_idle_models_unload_after_their_seconds_and_keep_alive(smollm2_path, gemma3_path, isolated_dirs):
-    pool = _pool(isolated_dirs, {SMOL: smollm2_path, GEMMA: gemma3_path}, idle={SMOL: 1.0})
+    # long enough that the next request of this test sees it still loaded, even on a loaded machine
+    pool = _pool(isolated_dirs, {SMOL: smollm2_path, GEMMA: gemma3_path}, idle={SMOL: 5.0})
     try:
         with serving(create_app(_settings(), pool=pool)) as url:
             assert _chat(url, SMOL).status_code == 200
             meta = _states(url)[SMOL]
             # loaded, on its idle clock
-            assert meta["state"] == "loaded" and meta["unloads_in"] is not None and meta["unloads_in"] <= 1.0
+            assert meta["state"] == "loaded" and meta["unloads_in"] is not None and meta["unloads_in"] <= 5.0
             _wait_state(url, SMOL, "unloaded")
 
             # gemma has no idle time: it stays, unless a request says keep_alive 0
@@ -212,6 +218,28 @@ def test_idle_models_unload_after_their_seconds_and_keep_alive(smollm2_path, gem
 
             bad = _chat(url, GEMMA, keep_alive="soon")
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "keep_alive"
+    finally:
+        pool.close()
+
+
+def test_the_fallback_is_a_pool_model_loaded_when_a_request_fails_over(smollm2_path, gemma3_path, isolated_dirs):
+    pool = _pool(isolated_dirs, {SMOL: smollm2_path, GEMMA: gemma3_path})
+    try:
+        with serving(create_app(_settings(keepalive_s=0.1), fallback=GEMMA, pool=pool)) as url:
+            assert _chat(url, SMOL).status_code == 200
+            assert _states(url)[GEMMA]["state"] == "unloaded"
+            # smol's one sequence is busy: a request that may wait 0.2 s for a first token moves on
+            with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=PATIENCE_S,
+                              json={"model": SMOL, "messages": QUESTION, "max_tokens": 200, "stream": True, "ignore_eos": True}) as held:
+                lines = held.iter_lines()  # kept: a dropped iterator closes the stream
+                assert next(line for line in lines if line.startswith("data:"))
+                body = {"model": SMOL, "messages": QUESTION, "max_tokens": 4, "temperature": 0}
+                r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"X-Failover-After": "0.2"}, timeout=PATIENCE_S)
+                assert r.status_code == 200, r.text
+                assert r.json()["model"] == GEMMA and r.json()["choices"][0]["message"]["content"]
+                assert _finish_reason(lines) == "length"  # the held answer went on to its end on smol
+            assert _states(url)[GEMMA]["state"] == "loaded"
+            assert "edgechat_failovers_total 1.0" in httpx.get(f"{url}/metrics", timeout=30).text
     finally:
         pool.close()
 
