@@ -126,6 +126,8 @@ def test_an_unknown_model_is_a_404_naming_what_exists(smollm2_path, gemma3_path,
             assert anthropic.status_code == 404 and anthropic.json()["type"] == "error" and f"'{SMOL}'" in anthropic.json()["error"]["message"]
             # nothing was loaded for it
             assert all(s["state"] == "unloaded" for s in _states(url).values())
+            health = httpx.get(f"{url}/health", timeout=30).json()
+            assert health["status"] == "ok" and health["model"] == SMOL and health["running"] == health["waiting"] == 0
     finally:
         pool.close()
 

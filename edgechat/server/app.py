@@ -231,8 +231,8 @@ class _Server:
         return self.primary.default_sampling
 
     def stats(self) -> dict:
-        """The loaded engines' counts, added up."""
-        total: dict = {}
+        """The loaded engines' counts, added up (zeros while none is loaded)."""
+        total: dict = dict.fromkeys(("running", "waiting", "kv_used", "kv_cached", "kv_total"), 0)
         for served in self.served():
             if (engine := served.engine) is not None:
                 for key, value in engine.stats().items():
