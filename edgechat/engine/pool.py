@@ -193,11 +193,16 @@ class ModelPool:
             raise ModelLoadError(message) from None
         seconds = time.monotonic() - started
         with self._cond:
-            model.engine, model.state, self._loading = engine, ModelState.LOADED, None
+            closing = self._closed
+            model.engine, self._loading = engine, None
+            model.state = ModelState.UNLOADING if closing else ModelState.LOADED
             model.load_seconds, model.error = seconds, None
-            model.users += 1
+            model.users += 0 if closing else 1
             model.last_used, model.unload_at = time.monotonic(), None
             self._cond.notify_all()
+        if closing:  # close() came while it loaded: nobody will give it back
+            self._unload(model, "closing")
+            raise EdgechatError("the server is shutting down")
         log.info("loaded %s in %.2f s", name, seconds)
         self._tell("load", model, seconds)
         return engine
