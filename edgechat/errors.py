@@ -45,3 +45,16 @@ class EngineStoppedError(EdgechatError):
 
 class StoreError(EdgechatError):
     """The conversation store cannot be opened or written."""
+
+
+class ModelLoadError(EdgechatError):
+    """A model the server offers could not be loaded when a request asked for it (a corrupt or
+    missing file); the other models go on serving."""
+
+
+class NoRoomError(EdgechatError):
+    """A model cannot be loaded now: what is loaded is busy and nothing fits beside it."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -51,6 +51,7 @@ def _register() -> None:
     cli.add_command(run.run_cmd)
     cli.add_command(models.models_cmd)
     cli.add_command(models.doctor_cmd)
+    cli.add_command(models.ps_cmd)
     for module in (sessions, serve, quantize, bench, pull):
         module.register(cli)
 

@@ -142,14 +142,21 @@ def gpu_layers_note(value, rpc: list[str] | None = None) -> None:
                    "(GPU builds: packaging/GPU.md)", err=True)
 
 
-def model_options(func):
-    """-m/--model, --ctx, --threads, --gpu-layers, --rpc: how a command loads its model."""
+def model_options(func=None, *, many: bool = False):
+    """-m/--model, --ctx, --threads, --gpu-layers, --rpc: how a command loads its model (with
+    many=True, -m may be given several times: `serve`'s models)."""
+    if func is None:
+        return lambda f: model_options(f, many=many)
     func = rpc_option(func)
     func = gpu_layers_option(func)
     func = click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: $EDGECHAT_THREADS, else the physical cores).")(func)
-    func = click.option("--ctx", type=click.IntRange(min=64), default=None, help="Context size in tokens (default: largest that fits, capped).")(func)
-    func = click.option("-m", "--model", default=None, help="Model: short name, path to a .gguf, or Hub reference.")(func)
-    return func
+    func = click.option("--ctx", type=click.IntRange(min=64), default=None,
+                        help="Context size in tokens (default: largest that fits, capped" + ("; per model: ctx in config.toml)." if many else ")."))(func)
+    if many:
+        return click.option("-m", "--model", "models", multiple=True, metavar="MODEL",
+                            help="Model: short name, path to a .gguf, or Hub reference; repeat it to serve several "
+                                 "(the first answers requests that name none).")(func)
+    return click.option("-m", "--model", default=None, help="Model: short name, path to a .gguf, or Hub reference.")(func)
 
 
 def sampling_options(func):

@@ -1,10 +1,12 @@
-"""`edgechat models` and `edgechat doctor`: what can run here, and how this machine is set up."""
+"""`edgechat models` (and `models rm`), `edgechat ps` and `edgechat doctor`: what can run here, what a
+running server has loaded, and how this machine is set up."""
 
 from __future__ import annotations
 
 import os
 import platform
 import shutil
+from pathlib import Path
 
 import click
 
@@ -58,6 +60,9 @@ def _model_rows(paths, kv_type: str = "f16", names: list[str] | None = None) -> 
     return rows
 
 
+#: where `ps` and `models rm` look for a running server
+DEFAULT_URL = "http://127.0.0.1:8000"
+
 #: what a fitted table keeps for its last column (a description) before it drops other columns
 LAST_ROOM = 40
 
@@ -98,12 +103,27 @@ def _catalog_table(paths) -> str:
                   drop=("HUB REPO", "LICENCE", "TRAINED CTX", "QUANTS (about)", "THINKS"))
 
 
-@click.command("models")
+class _ModelsGroup(click.Group):
+    """`edgechat models [MODEL]...` lists (its `list` command); `edgechat models rm NAME` removes."""
+
+    def parse_args(self, ctx, args):
+        if not (args[:1] and (args[0] in self.commands or args[0] in ("-h", "--help"))):
+            args = ["list", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group("models", cls=_ModelsGroup)
+def models_cmd():
+    """List the models available offline (`edgechat models [MODEL]...`), or remove one from the
+    cache (`edgechat models rm NAME`)."""
+
+
+@models_cmd.command("list")
 @click.argument("refs", nargs=-1, metavar="[MODEL]...")
 @click.option("--catalog", "show_catalog", is_flag=True, help="Show the curated catalog: quants, sizes, licences, Hub repos.")
 @rpc_option
 @data_dir_option
-def models_cmd(refs, show_catalog, rpc, data_dir):
+def models_list(refs, show_catalog, rpc, data_dir):
     """List the models available offline: size, quant, architecture, and whether they fit.
     Catalog models not downloaded yet are listed too; `edgechat pull NAME` fetches one.
     Given MODELs (names, .gguf files, ONNX folders), list just those."""
@@ -131,6 +151,81 @@ def models_cmd(refs, show_catalog, rpc, data_dir):
     click.echo(_table(["NAME", "SIZE", "QUANT", "ARCH", "TRAINED CTX", "FITS HERE", "LAYERS ON"], rows))
     if len(rows) > len(listed):
         click.echo("\nnot downloaded: `edgechat pull NAME` once (or first use online fetches it); details: edgechat models --catalog")
+
+
+def _cached_files(name: str, paths) -> list[Path]:
+    """The files (or ONNX folder) that hold `name` in edgechat's cache, every part of a split
+    model; a one-line UsageError for a model that is not there."""
+    from edgechat.models import catalog, hub
+    from edgechat.models.embedded import ALIASES, EMBEDDED
+    from edgechat.models.ggufinfo import split_part_names
+
+    if ALIASES.get(name.lower(), name.lower()) in EMBEDDED:
+        raise UsageError(f"{name} is embedded in edgechat (it ships with the app): there is nothing to remove")
+    cache = paths.models_cache
+    gguf = cache / f"{name}.gguf"
+    if gguf.is_file():
+        return [p for p in (cache / part for part in split_part_names(gguf.name)) if p.exists()]
+    if is_onnx_folder(cache / name):
+        return [cache / name]
+    found = catalog.lookup(name)
+    ref = hub.HubRef(found[0].repo, found[1].file, found[1].quant, name) if found else hub.parse_hub_ref(name)
+    if ref is None:
+        raise UsageError(f"{name} is not a model in edgechat's cache ({cache}); see: edgechat models")
+    path = hub.cached(ref, paths)
+    if path is None:
+        raise UsageError(f"{name} is not downloaded: there is nothing to remove (see: edgechat models)")
+    # the Hub cache's file is a link to its blob: both go
+    links = [path.parent / part for part in split_part_names(path.name)]
+    return [p for link in links for p in (link, link.resolve()) if p.exists() or p.is_symlink()]
+
+
+def _refuse_if_loaded(name: str, files: list[Path], url: str, api_key: str | None) -> None:
+    """A running server that has the model loaded keeps it: refuse (where no server answers,
+    nothing here can have it loaded)."""
+    try:
+        cards = server_models(url, api_key, timeout=3.0)
+    except EdgechatError as exc:
+        if "API key" in str(exc):
+            raise UsageError(f"cannot tell whether the server at {url} has {name} loaded: pass its --api-key") from None
+        return
+    ours = {f.resolve() for f in files}
+    for card in cards:
+        meta = card.get("meta") or {}
+        if meta.get("state", "loaded") in ("loaded", "loading") and meta.get("path") and Path(meta["path"]).resolve() in ours:
+            raise UsageError(f"{name} is loaded by the server at {url} (as '{card['id']}'); unload it first "
+                             "(a request with keep_alive 0) or stop that server")
+
+
+@models_cmd.command("rm")
+@click.argument("name")
+@click.option("-y", "--yes", is_flag=True, help="Remove without asking.")
+@click.option("--url", default=DEFAULT_URL, show_default=True, help="A running server to ask whether the model is loaded.")
+@click.option("--api-key", default=None, envvar="EDGECHAT_API_KEY", help="That server's API key (env: EDGECHAT_API_KEY).")
+@data_dir_option
+def models_rm(name: str, yes: bool, url: str, api_key: str | None, data_dir: str | None) -> None:
+    """Remove a downloaded model's files from edgechat's cache, and nothing else (not a .gguf
+    elsewhere, not conversations); refused while a running server has it loaded."""
+    paths = get_paths(data_dir)
+    files = _cached_files(name, paths)
+    _refuse_if_loaded(name, files, url, api_key)
+    size = sum(_size(f) for f in files)
+    if not yes:
+        click.confirm(f"remove {name} ({format_size(size)}: {', '.join(f.name for f in files)}) from {paths.models_cache}?", abort=True)
+    for f in files:
+        if f.is_dir() and not f.is_symlink():
+            shutil.rmtree(f)
+        else:
+            f.unlink(missing_ok=True)
+    click.echo(f"removed {name} ({format_size(size)})")
+
+
+def _size(path: Path) -> int:
+    if path.is_symlink():
+        return 0  # its blob is counted
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size
 
 
 @click.command("doctor")
@@ -183,3 +278,54 @@ def doctor_cmd(expect, rpc, data_dir):
             str(r["fits_ctx"]) if r["fits_ctx"] else "does not fit", r["device"],
         ])
     click.echo(_table(["MODEL", "SIZE", "QUANT", "ARCH", "TRAINED CTX", "KV/TOKEN (f16)", "CTX THAT FITS", "LAYERS ON"], rows))
+
+
+
+def server_models(url: str, api_key: str | None, timeout: float = 10.0) -> list[dict]:
+    """The /v1/models cards of the server at `url` (edgechat's: each with its state in meta)."""
+    import httpx
+
+    base = url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(f"{base}/v1/models", headers=headers, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise EdgechatError(f"no server answers at {base} ({type(exc).__name__}); start one with: edgechat serve, or pass --url") from None
+    if r.status_code in (401, 403):
+        raise EdgechatError(f"the server at {base} wants an API key: pass --api-key (or set EDGECHAT_API_KEY)")
+    try:
+        r.raise_for_status()
+        return r.json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        raise EdgechatError(f"{base} did not answer /v1/models as an OpenAI-compatible server does (HTTP {r.status_code})") from None
+
+
+def _mib(n) -> str:
+    return f"{n / (1 << 20):.0f} MiB" if n else "-"
+
+
+def _seconds(s) -> str:
+    if s is None:
+        return "-"
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min"
+
+
+@click.command("ps")
+@click.option("--url", default=DEFAULT_URL, show_default=True, help="The edgechat server to ask.")
+@click.option("--api-key", default=None, envvar="EDGECHAT_API_KEY", help="Its API key, if it has one (env: EDGECHAT_API_KEY).")
+def ps_cmd(url: str, api_key: str | None) -> None:
+    """Show a running server's models: loaded or not, memory, context, requests running, idle time."""
+    rows, seen = [], set()
+    for card in server_models(url, api_key):
+        meta = card.get("meta") or {}
+        key = meta.get("path") or card["id"]
+        if key in seen:  # an alias: the model is listed once, by its id
+            continue
+        seen.add(key)
+        state = meta.get("state", "loaded")  # another server lists only what it serves
+        loaded = state == "loaded"
+        unloads = meta.get("unloads_in")
+        rows.append([card["id"], state, _mib(meta.get("memory_bytes")), str(meta.get("n_ctx", "-")),
+                     str(meta.get("running", 0)) if loaded else "-", _seconds(meta.get("idle_seconds")),
+                     _seconds(unloads) if loaded and unloads is not None else "-"])
+    click.echo(_table(["NAME", "STATE", "MEMORY", "CTX", "RUNNING", "IDLE", "UNLOADS IN"], rows))

@@ -1,4 +1,5 @@
-"""`edgechat serve`: the OpenAI-compatible server on one engine."""
+"""`edgechat serve`: the OpenAI-compatible server on one model or several, each loaded when a
+request asks for it and unloaded when idle (engine/pool.py)."""
 
 from __future__ import annotations
 
@@ -46,8 +47,38 @@ def _aliases(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(a.strip() for a in value)
 
 
+def _model_id(ref: str) -> str | None:
+    """A short name is the friendliest id; for a path or Hub reference, the file's name (None)."""
+    return None if ref.endswith(".gguf") or "/" in ref else ref
+
+
+def _models_dir(ctx, param, value: str | None) -> list[str]:
+    """The GGUF files of --models-dir (a split model by its first part), by name."""
+    if value is None:
+        return []
+    from pathlib import Path
+
+    from edgechat.models.ggufinfo import split_part_names
+
+    folder = Path(value).expanduser()
+    if not folder.is_dir():
+        raise click.BadParameter(f"{value} is not a folder")
+    files = sorted(str(p) for p in folder.glob("*.gguf") if split_part_names(p.name)[0] == p.name)
+    if not files:
+        raise click.BadParameter(f"{value} holds no .gguf file")
+    return files
+
+
 @click.command("serve")
-@model_options
+@model_options(many=True)
+@click.option("--models-dir", type=click.Path(file_okay=False), default=None, callback=_models_dir,
+              help="Serve every .gguf in this folder too (each by its file's name), loaded when first asked for.")
+@click.option("--memory-budget", type=click.IntRange(min=1), default=None, metavar="MIB",
+              help="Memory (MiB) the loaded models may take together, as the planner counts them (weights, KV cache, "
+                   "compute); idle models are unloaded to make room (default: what the OS has available).")
+@click.option("--idle-unload", type=click.FloatRange(min=0.0), default=None, metavar="SECONDS",
+              help="Unload a model after this many seconds without requests (per model: idle_unload in config.toml; "
+                   "per request: keep_alive). Default: keep it until the room is needed.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on, or several separated by commas (127.0.0.1,::1); anything but loopback exposes the model to your network.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
@@ -89,7 +120,10 @@ def _aliases(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
               help="auto: thoughts apart in reasoning_content; none: left in the content as the model wrote them.")
 @data_dir_option
 def serve_cmd(
-    model: str | None,
+    models: tuple[str, ...],
+    models_dir: list[str],
+    memory_budget: int | None,
+    idle_unload: float | None,
     ctx: int | None,
     threads: int | None,
     gpu_layers: str | int | None,
@@ -124,9 +158,11 @@ def serve_cmd(
     any_model_name: bool,
     data_dir: str | None,
 ) -> None:
-    """Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
-    from edgechat.config import get_paths, read_chat_template
-    from edgechat.engine import EngineConfig, open_engine
+    """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /metrics),
+    Anthropic's, Ollama's and llama-server's. With several -m, each loads when a request names it."""
+    from edgechat.config import get_paths, model_settings, read_chat_template
+    from edgechat.engine import EngineConfig
+    from edgechat.engine.pool import ModelPool
     from edgechat.models import DEFAULT_MODEL
     from edgechat.server import create_app, listen
     from edgechat.server.priority import parse_class
@@ -149,45 +185,56 @@ def serve_cmd(
         if not _is_loopback(h):
             log.warning("listening on %s: other machines can reach this server%s", h, "" if api_key else " and it has no --api-key")
 
-    def load(name: str, draft: str | None = None, embedding: str | None = None):
-        return open_engine(
-            EngineConfig(
-                model=name,
-                n_ctx=ctx,
-                n_threads=threads,
-                n_gpu_layers=gpu_layers,
-                rpc_servers=rpc,
-                n_parallel=parallel,
-                kv_type=kv_type,
-                prompt_cache_budget=cache_ram << 20,
-                flash_attn=flash_attn,
-                swa_cache=swa_cache,
-                speculative=speculative,
-                draft_model=draft,
-                embedding_model=embedding,
-                max_queue=max_queue,
-                paths=paths,
-                deterministic=deterministic,
-                chat_template=template,
-            )
+    def own(name: str, key: str, default, kind=int, least=1):
+        """A model's own setting from config.toml's [models."NAME"] table, checked."""
+        value = model_settings(paths, name).get(key, default)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (kind, int)) or value < least):
+            raise UsageError(f"{key} for {name} in {paths.config_file} must be a number of at least {least}, not {value!r}")
+        return value
+
+    def config(name: str, first: bool = False) -> EngineConfig:
+        return EngineConfig(
+            model=name,
+            n_ctx=own(name, "ctx", ctx, least=64),
+            n_threads=threads,
+            n_gpu_layers=gpu_layers,
+            rpc_servers=rpc,
+            n_parallel=own(name, "parallel", parallel),
+            kv_type=kv_type,
+            prompt_cache_budget=cache_ram << 20,
+            flash_attn=flash_attn,
+            swa_cache=swa_cache,
+            speculative=speculative,
+            # the draft, embedding and template options are the first model's
+            draft_model=draft_model if first else None,
+            embedding_model=embedding_model if first else None,
+            max_queue=max_queue,
+            paths=paths,
+            deterministic=deterministic,
+            chat_template=template if first else None,
         )
 
-    fallback = engine = None
+    refs = list(models or ([] if models_dir else [DEFAULT_MODEL])) + models_dir
+    pool = ModelPool(memory_budget << 20 if memory_budget is not None else None)
+    fallback = None
     try:
-        engine = load(model or DEFAULT_MODEL, draft_model, embedding_model)
+        for i, ref in enumerate(refs):
+            pool.add(_model_id(ref), config(ref, first=i == 0), own(ref, "idle_unload", idle_unload, float, 0))
+        first = next(iter(pool.models))
         if fallback_model:
-            fallback = load(fallback_model)
-            log.info("degraded requests go to %s", fallback.model_name)
-        for eng in (engine, fallback):
-            if eng is not None and eng.template_mode != "chat":
-                log.warning("%s has no usable chat template: chat messages are joined as plain text", eng.model_name)
+            # a pool model like the others: loaded when degraded requests first need it
+            fallback = pool.add(_model_id(fallback_model), config(fallback_model)).name
+            log.info("degraded requests go to %s", fallback)
+        # the first model loads now: a file that cannot load fails here, and the first answer is quick
+        engine = pool.acquire(first)
+        pool.release(first)
+        if engine.template_mode != "chat":
+            log.warning("%s has no usable chat template: chat messages are joined as plain text", engine.model_name)
         settings = ServerSettings(
             api_key=api_key,
             max_input_tokens=max_input_tokens,
             max_messages=max_messages,
             request_timeout=request_timeout,
-            # a short name is the friendliest id; for a path or Hub reference, the file's name
-            model_id=None if model and (model.endswith(".gguf") or "/" in model) else (model or DEFAULT_MODEL),
             degrade_queue_wait=degrade_queue_wait or None,
             degrade_max_tokens=degrade_max_tokens,
             priority_classes=classes,
@@ -200,14 +247,14 @@ def serve_cmd(
             cors_origins=cors_origins,
         )
         urls = ", ".join(f"http://{listen.url_host(h)}:{s.getsockname()[1]}/v1" for h, s in zip(hosts, sockets))
-        log.info("serving %s: %d sequences of %d tokens on %s", engine.model_name, parallel, engine.n_ctx, urls)
-        listen.serve(create_app(settings, engine, fallback), sockets)
+        others = f" (and {', '.join(list(pool.models)[1:])}, loaded when asked)" if len(pool.models) > 1 else ""
+        log.info("serving %s%s: %d sequences of %d tokens on %s", engine.model_name, others, engine.config.n_parallel, engine.n_ctx, urls)
+        del engine  # the pool's to unload: nothing else may hold it
+        listen.serve(create_app(settings, fallback=fallback, pool=pool), sockets)
     finally:
         for sock in sockets:
             sock.close()
-        for eng in (engine, fallback):
-            if eng is not None:
-                eng.close()
+        pool.close()
 
 
 def register(cli: click.Group) -> None:

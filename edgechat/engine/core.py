@@ -90,6 +90,10 @@ class EngineConfig:
     ep: str | None = None  # an ONNX folder's onnxruntime execution provider (engine/onnxrt.py)
     #: called from the loading thread with the fraction of the model read (0..1)
     on_load_progress: Callable[[float], None] | None = None
+    #: close() writes the prompt cache and the idle sequences' states to disk, and the next
+    #: engine on this model starts with them in its prompt cache: a model the server unloads
+    #: when idle (engine/pool.py) resumes its clients' conversations without prefilling them
+    keep_prompts: bool = False
 
 
 @dataclass
@@ -169,6 +173,8 @@ class Engine(PromptQueries):
         self.kv = KVManager(
             be, self.n_slots, self._snapshot_store, self._saved_state, self._restored_state, self.prompt_cache
         )
+        if cfg.keep_prompts and self.prompt_cache.enabled:
+            self._reload_prompts()
         self.draft, self.draft_warning = self._load_draft()
         self.embedder = self._load_embedder()
         self.scheduler = Scheduler(
@@ -483,6 +489,8 @@ class Engine(PromptQueries):
             if cmd.name == "close":
                 for slot in self.slots:
                     self.kv.save_snapshot(slot)
+                if self.config.keep_prompts and self.prompt_cache.enabled:
+                    self._save_prompts()
                 return True
             slot = self.kv.slot_of(cmd.arg) if isinstance(cmd.arg, str) else None
             if cmd.name == "positions":
@@ -511,6 +519,27 @@ class Engine(PromptQueries):
         return False
 
     # ------------------------------------------------------------------ snapshots
+    def _save_prompts(self) -> None:
+        """Closing with keep_prompts: every idle sequence's state joins the prompt cache, and
+        the prompt cache goes to disk (the snapshot store's files, tags and budget)."""
+        for slot in self.slots:
+            if slot.session is None:
+                self.kv.stash(slot)
+        store = self._snapshot_store()
+        for entry in self.prompt_cache.entries():
+            try:
+                store.save_prompt(entry.tokens, entry.data)
+            except OSError as exc:
+                log.warning("could not save a prompt state to %s: %s", store.root, exc)
+                return
+
+    def _reload_prompts(self) -> None:
+        """The prompt states an earlier engine on this model saved at close, back in the prompt
+        cache (their files go: the cache writes them again when this engine closes)."""
+        for tokens, data in self._snapshot_store().take_prompts():
+            if len(tokens) <= self.n_ctx:
+                self.prompt_cache.put(tokens, bytearray(data))
+
     def _snapshot_store(self) -> SnapshotStore:
         if self._snapshots is None:
             try:

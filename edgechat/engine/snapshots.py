@@ -18,6 +18,8 @@ from edgechat.fsutil import atomic_write
 from edgechat.models.ggufinfo import split_part_names
 
 SNAPSHOT_MAGIC = b"ECKVSNP1"
+#: the "session" of a saved prompt state: no conversation id starts so
+PROMPT_PREFIX = "\x00prompt:"
 
 
 def model_fingerprint(path: Path, cache_dir: Path) -> str:
@@ -75,8 +77,30 @@ class SnapshotStore:
         self.enforce_budget(keep=path)
         return path
 
+    def save_prompt(self, tokens: list[int], data: bytes | bytearray) -> Path:
+        """A prompt cache entry's state (engine/promptcache.py), kept while its model is unloaded."""
+        digest = hashlib.sha256(struct.pack(f"<{len(tokens)}i", *tokens)).hexdigest()[:24]
+        return self.save(PROMPT_PREFIX + digest, tokens, {}, data)
+
+    def take_prompts(self) -> list[tuple[list[int], bytes]]:
+        """Every valid saved prompt state (oldest first), removed from disk as it is read."""
+        found = []
+        for path in sorted(self.root.glob("*.kv"), key=_mtime):
+            head = self._read_path(path, None, with_data=False)  # a conversation's cells stay unread
+            if head is None or not head[0].startswith(PROMPT_PREFIX):
+                continue
+            if (snap := self._read_path(path, head[0], with_data=True)) is not None:
+                found.append((snap[1].tokens, snap[1].data))
+            path.unlink(missing_ok=True)
+        return found
+
     def _read(self, session: str, with_data: bool) -> Snapshot | None:
-        path = self.path_for(session)
+        found = self._read_path(self.path_for(session), session, with_data)
+        return found[1] if found else None
+
+    def _read_path(self, path: Path, session: str | None, with_data: bool) -> tuple[str, Snapshot] | None:
+        """(session, snapshot) of a file whose tags match (and whose session is `session`, if
+        given); None for anything else."""
         try:
             with open(path, "rb") as fh:
                 if fh.read(8) != SNAPSHOT_MAGIC:
@@ -84,7 +108,8 @@ class SnapshotStore:
                 (n,) = struct.unpack("<Q", fh.read(8))
                 header = json.loads(fh.read(n))
                 data = fh.read() if with_data else b""
-            if header.get("session") != session or header.get("tags") != self.tags:
+            name = header.get("session")
+            if not isinstance(name, str) or session is not None and name != session or header.get("tags") != self.tags:
                 return None
             if with_data and not data:
                 return None
@@ -92,7 +117,7 @@ class SnapshotStore:
             state = dict(header.get("state") or {})
         except (OSError, ValueError, KeyError, TypeError, struct.error):
             return None  # missing, truncated or corrupt: the caller rebuilds by prefill
-        return Snapshot(tokens, state, data)
+        return name, Snapshot(tokens, state, data)
 
     def load(self, session: str) -> Snapshot | None:
         """The snapshot if it exists, is whole, and every tag matches; otherwise None (rebuild)."""
@@ -122,6 +147,13 @@ class SnapshotStore:
                 continue
             total -= p.stat().st_size
             p.unlink(missing_ok=True)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def state_version() -> int:

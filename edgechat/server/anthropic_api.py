@@ -389,7 +389,8 @@ class MessagesApi:
         served = server.find_model(parsed.model)
         try:
             # templating and tokenizing: off the event loop
-            count = await run_in_threadpool(lambda: served.engine.count_tokens(served.request(parsed)))
+            async with server.using(served) as engine:
+                count = await run_in_threadpool(lambda: engine.count_tokens(served.request(parsed)))
         except EdgechatError as exc:
             raise from_engine_error(exc, server.retry_after()) from None
         return JSONResponse({"input_tokens": count})
@@ -397,7 +398,8 @@ class MessagesApi:
     async def messages(self, request: Request) -> Response:
         server = self.server
         arrival = time.monotonic()
-        parsed = parse_messages(await server.read_body(request), server.settings, server.engine.default_sampling)
+        body = await server.read_body(request)
+        parsed = parse_messages(body, server.settings, server.defaults_for(body.get("model")))
         # every refusal (queue full, prompt too long, unknown model) is an HTTP status from here
         start = await server.launch(request, parsed, arrival)
         message_id = f"msg_{uuid.uuid4().hex}"

@@ -1,19 +1,25 @@
-"""The OpenAI-compatible HTTP API on an Engine (and optionally a smaller fallback one).
+"""The OpenAI-compatible HTTP API on one Engine (and optionally a smaller fallback one), or on
+a pool of models loaded when asked (engine/pool.py).
 
-create_app(settings, engine) builds a Starlette app whose state lives in one _Server object, so
-several apps can share a process, even an engine. Each HTTP request becomes one
-engine.submit(), followed on the event loop through a bridge.Generation. The engine does the
-batching; this layer routes, parses, admits, streams, cancels on disconnect or timeout, and
-counts. Response bodies are built in responses.py, the API key is checked in auth.py.
+create_app(settings, engine) or create_app(settings, pool=pool) builds a Starlette app whose
+state lives in one _Server object, so several apps can share a process, even an engine. Each
+HTTP request names a model; it takes a lease on that model's engine (loading it first if need
+be: waiting for the load, a 503 when no room can be made), becomes one engine.submit(),
+followed on the event loop through a bridge.Generation, and gives the lease back when its
+last answer ends. The engine does the batching; this layer routes, parses, admits, streams,
+cancels on disconnect or timeout, and counts. Response bodies are built in responses.py, the
+API key is checked in auth.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from starlette.applications import Starlette
@@ -24,14 +30,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgechat.engine.request import ChatRequest, Finished, RequestStatus, TextDelta
-from edgechat.errors import EdgechatError
+from edgechat.config import get_paths
+from edgechat.engine.pool import ModelPool, ModelState, PoolModel
+from edgechat.engine.request import ChatRequest, Finished, RequestStatus, SamplingParams, TextDelta
+from edgechat.errors import EdgechatError, ModelLoadError, NoRoomError
 from edgechat.server import anthropic_api, embeddings_api, llamacpp_api, ollama_api, openai_responses_api, responses
 from edgechat.server.auth import BearerAuth
 from edgechat.server.bridge import Generation, abandon
 from edgechat.server.cors import Cors
 from edgechat.server.degrade import DegradeSwitch
 from edgechat.server.errors import ApiError, bad_request, from_engine_error, overloaded, prompt_too_long
+from edgechat.server.keepalive import keep_alive_seconds
 from edgechat.server.metrics import ServerMetrics
 from edgechat.server.priority import ClassFull, PriorityGate
 from edgechat.server.responses import KEEPALIVE, ResponseIds, sse
@@ -47,17 +56,32 @@ DEFAULT_CLASS = "default"
 
 
 class _Served:
-    """One engine and the names requests may call it by."""
+    """One model this server offers, loaded or not (its pool entry), and the names requests may
+    call it by."""
 
-    def __init__(self, engine, model_id: str | None, aliases: tuple[str, ...] = ()):
-        path = engine.model_info.path
-        self.engine = engine
-        self.id = model_id or path.stem
+    def __init__(self, model: PoolModel, aliases: tuple[str, ...] = ()):
+        path = model.info.path
+        self.model = model
+        self.id = model.name
         self.aliases = aliases
         # requests may also name the model by its file or by the name in its metadata
-        self.names = {n.lower() for n in (self.id, path.stem, path.name, engine.model_name, *aliases) if n}
-        #: the tool-call syntax its template writes (the generic one where it takes no tools)
-        self.tool_family = family_for(engine.format.source)
+        self.names = {n.lower() for n in (self.id, path.stem, path.name, model.display_name, *aliases) if n}
+        #: what a request's sampling starts from (its file's recommended settings): known unloaded
+        self.default_sampling = SamplingParams(**model.info.sampling)
+        self._family: tuple[str | None, object] | None = None
+
+    @property
+    def engine(self):
+        """The loaded engine (None while unloaded: read it under a lease, _Server.lease)."""
+        return self.model.engine
+
+    @property
+    def tool_family(self):
+        """The tool-call syntax its template writes (the generic one where it takes no tools)."""
+        source = self.engine.format.source
+        if self._family is None or self._family[0] != source:
+            self._family = (source, family_for(source))
+        return self._family[1]
 
     def request(self, parsed: ParsedRequest) -> ChatRequest:
         """The request for this model: with tools (or calls in the history) and a template that
@@ -73,7 +97,9 @@ class _Served:
         return dataclasses.replace(req, messages=None, prompt=prompt, grammar=grammar)
 
     def card(self, created: int, name: str | None = None) -> dict:
-        info, engine = self.engine.model_info, self.engine
+        m, engine = self.model, self.engine
+        info = m.info
+        idle = m.idle_seconds()
         return {
             "id": name or self.id,
             "object": "model",
@@ -83,22 +109,65 @@ class _Served:
                 "architecture": info.architecture,
                 "quant": info.quant,
                 "size_bytes": info.size_bytes,
-                "n_ctx": engine.n_ctx,
-                "template_mode": engine.template_mode,
+                "n_ctx": engine.n_ctx if engine is not None else m.n_ctx,
+                "n_parallel": m.n_parallel,
+                "template_mode": engine.template_mode if engine is not None else None,
+                # edgechat's model lifecycle: loaded or not, what it takes (the planner's count:
+                # weights, KV cache, compute), requests running on it, seconds idle
+                "state": m.state.value,
+                "memory_bytes": m.need,
+                "running": m.users,
+                "idle_seconds": None if idle is None else round(idle, 1),
+                "unloads_in": None if m.unload_at is None else round(max(0.0, m.unload_at - time.monotonic()), 1),
+                "load_seconds": m.load_seconds,
+                "path": str(info.path),
             },
         }
 
 
+class _Lease:
+    """A request's hold on its model: taken before it is built, given back when its last
+    choice ends (or it fails before any is submitted), so the pool never unloads it under them."""
+
+    def __init__(self, pool: ModelPool, name: str, keep_alive: float | None):
+        self.pool, self.name, self.keep_alive = pool, name, keep_alive
+        self.count = 1  # the launch's own, dropped once its choices are submitted (or not)
+
+    def hold(self) -> None:
+        self.count += 1
+
+    def drop(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self.pool.release(self.name, self.keep_alive)
+
+
 class _Server:
-    def __init__(self, settings: ServerSettings, engine, fallback=None):
+    def __init__(self, settings: ServerSettings, engine=None, fallback=None, pool: ModelPool | None = None):
         self.settings = settings
-        self.engine = engine
-        self.primary = _Served(engine, settings.model_id, settings.aliases)
+        #: every model served: an engine given is a pool entry that is never unloaded
+        self.pool = pool if pool is not None else ModelPool()
+        if engine is not None:
+            self.pool.add_loaded(settings.model_id or engine.model_info.path.stem, engine)
+        if isinstance(fallback, str):  # a pool model: loaded when degraded requests first need it
+            fallback_model = self.pool.models[fallback]
+        else:
+            fallback_model = self.pool.add_loaded(fallback.model_info.path.stem, fallback) if fallback is not None else None
+        models = [m for m in self.pool.models.values() if m is not fallback_model]
+        if not models:
+            raise ValueError("create_app needs an engine or a pool with a model")
+        #: the first model: what a request naming none gets
+        self.primary = _Served(models[0], settings.aliases)
+        self.others = [_Served(m) for m in models[1:]]
         #: the smaller model degraded requests go to, if any
-        self.fallback = _Served(fallback, None) if fallback is not None else None
+        self.fallback = _Served(fallback_model) if fallback_model is not None else None
+        self.paths = engine.paths if engine is not None else models[0].config.paths or get_paths()
         self.metrics = ServerMetrics()
+        self.pool.on_event = self.metrics.observe_pool
+        #: threads that wait for a model's load (one loads; the others wait for it)
+        self._loads = ThreadPoolExecutor(max_workers=32, thread_name_prefix="edgechat-load")
         #: admission by priority class to the primary model (None: one queue, arrival order)
-        self.gate = PriorityGate(settings.priority_classes, engine.config.n_parallel) if settings.priority_classes else None
+        self.gate = PriorityGate(settings.priority_classes, self.primary.model.n_parallel) if settings.priority_classes else None
         self.classes = [c.name for c in settings.priority_classes] or [DEFAULT_CLASS]
         for served in self.served():
             self.metrics.add_model(served.id, self.classes)
@@ -116,6 +185,8 @@ class _Server:
     def on_finished(self, gen: Generation, finished: Finished) -> None:
         """Count a request's end (on the event loop, once per request)."""
         self.in_flight.discard(gen)
+        if gen.lease is not None:
+            gen.lease.drop()
         if gen.ticket is not None:
             self.gate.release(gen.ticket)
         if finished.reason in ("stop", "length"):
@@ -143,12 +214,36 @@ class _Server:
 
     # ---- plain endpoints ---------------------------------------------------------------------
 
+    @property
+    def engine(self):
+        """The primary model's engine, for the endpoints that speak of one model only."""
+        if self.primary.engine is None:
+            raise ApiError(503, f"the model '{self.primary.id}' is not loaded now; a generation request loads it",
+                           type="server_error", code="model_not_loaded", headers={"Retry-After": "1"})
+        return self.primary.engine
+
+    def defaults_for(self, name) -> SamplingParams:
+        """The sampling defaults of the model a body names (the primary's for any other name:
+        routing, and its 404, come after parsing)."""
+        for served in self.served():
+            if isinstance(name, str) and name.lower() in served.names:
+                return served.default_sampling
+        return self.primary.default_sampling
+
+    def stats(self) -> dict:
+        """The loaded engines' counts, added up (zeros while none is loaded)."""
+        total: dict = dict.fromkeys(("running", "waiting", "kv_used", "kv_cached", "kv_total"), 0)
+        for served in self.served():
+            if (engine := served.engine) is not None:
+                for key, value in engine.stats().items():
+                    total[key] = total.get(key, 0) + value
+        return total
+
     async def health(self, request: Request) -> Response:
-        stats = self.engine.stats()
-        return JSONResponse({"status": "ok", "model": self.primary.id, **stats, "degraded": self.degrade.active})
+        return JSONResponse({"status": "ok", "model": self.primary.id, **self.stats(), "degraded": self.degrade.active})
 
     def served(self) -> list[_Served]:
-        return [self.primary] + ([self.fallback] if self.fallback else [])
+        return [self.primary, *self.others] + ([self.fallback] if self.fallback else [])
 
     async def list_models(self, request: Request) -> Response:
         cards = [m.card(self.created, name) for m in self.served() for name in (m.id, *m.aliases)]
@@ -158,7 +253,7 @@ class _Server:
         return JSONResponse(self.find_model(request.path_params["model"]).card(self.created))
 
     async def metrics_endpoint(self, request: Request) -> Response:
-        body = self.metrics.render(self.engine.stats(), self.degrade.active, self.gate.snapshot() if self.gate else {})
+        body = self.metrics.render(self.stats(), self.degrade.active, self.gate.snapshot() if self.gate else {}, self.pool.resident())
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- generation --------------------------------------------------------------------------
@@ -182,6 +277,40 @@ class _Server:
             return self.fallback
         return served
 
+    async def lease(self, served: _Served, keep_alive: float | None = None, deadline: float | None = None) -> _Lease:
+        """A hold on the model's engine, loading it first if need be (one load at a time; the
+        others wait for it); every refusal is an ApiError."""
+        pool, name = self.pool, served.model.name
+        if served.model.state is ModelState.LOADED and pool.try_acquire(name):
+            return _Lease(pool, name, keep_alive)
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        waiting = asyncio.get_running_loop().run_in_executor(self._loads, pool.acquire, name, timeout)
+        try:
+            await asyncio.shield(waiting)
+        except asyncio.CancelledError:
+            # the client left while the model loaded: its lease goes back once it is had
+            waiting.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or pool.release(name))
+            raise
+        except NoRoomError as exc:
+            raise self.reject(ApiError(503, str(exc), type="server_error", code="model_memory_full",
+                                       headers={"Retry-After": str(exc.retry_after)})) from None
+        except ModelLoadError as exc:
+            raise self.reject(ApiError(500, str(exc), type="server_error", code="model_load_failed")) from None
+        except TimeoutError as exc:
+            raise self.reject(ApiError(504, str(exc), type="timeout", code="timeout")) from None
+        except EdgechatError as exc:
+            raise self.reject(ApiError(503, str(exc), type="server_error", code="engine_stopped")) from None
+        return _Lease(pool, name, keep_alive)
+
+    @contextlib.asynccontextmanager
+    async def using(self, served: _Served, keep_alive: float | None = None):
+        """The model loaded for the length of a block (count_tokens, embeddings)."""
+        lease = await self.lease(served, keep_alive, time.monotonic() + self.settings.request_timeout)
+        try:
+            yield served.engine
+        finally:
+            lease.drop()
+
     async def read_body(self, request: Request) -> dict:
         limit = self.settings.max_body_bytes
         chunks, size = [], 0
@@ -194,14 +323,17 @@ class _Server:
 
     async def chat(self, request: Request) -> Response:
         arrival = time.monotonic()
-        parsed = parse_chat(await self.read_body(request), self.settings.max_messages, self.engine.default_sampling,
-                            self.settings.reasoning_budget)
+        body = await self.read_body(request)
+        parsed = parse_chat(body, self.settings.max_messages, self.defaults_for(body.get("model")), self.settings.reasoning_budget)
         parsed.request.split_reasoning = self.settings.reasoning_format != "none"
+        parsed.keep_alive = keep_alive_seconds(body.get("keep_alive"))
         return await self.generate(request, parsed, "chat", arrival)
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        parsed = parse_completion(await self.read_body(request), self.engine.default_sampling)
+        body = await self.read_body(request)
+        parsed = parse_completion(body, self.defaults_for(body.get("model")))
+        parsed.keep_alive = keep_alive_seconds(body.get("keep_alive"))
         return await self.generate(request, parsed, "text", arrival)
 
     def priority_of(self, request: Request) -> str:
@@ -248,7 +380,8 @@ class _Server:
         except ClassFull as full:
             raise self.reject(overloaded(full.retry_after)) from None
 
-    async def submit(self, served: _Served, parsed: ParsedRequest, req: ChatRequest, prepared, ticket, arrival: float, priority: str, until: float | None):
+    async def submit(self, served: _Served, parsed: ParsedRequest, req: ChatRequest, prepared, ticket, arrival: float, priority: str,
+                     until: float | None, lease: _Lease):
         """Wait for the class's share (if queued) and submit every choice: their Generations, or
         None if the share did not come free before `until` (the failover's time)."""
         if ticket is not None:
@@ -268,11 +401,12 @@ class _Server:
         try:
             for i in range(parsed.n):
                 gen = Generation(loop, arrival + self.settings.request_timeout, self.on_finished, i, events)
-                gen.model, gen.priority, gen.ticket = served.id, priority, ticket
+                gen.model, gen.priority, gen.ticket, gen.lease = served.id, priority, ticket, lease
                 gen.prompt_tokens = len(prepared.tokens)
                 # with tools, a call that repeats an earlier one ends the answer
                 watch = RepeatStop(served.tool_family, gen.on_event) if parsed.tools is not None else None
                 gen.handle = served.engine.submit(_choice_request(req, i, gens), watch or gen.on_event, prepared)
+                lease.hold()  # given back in on_finished
                 if watch is not None:
                     watch.handle = gen.handle
                 gens.append(gen)
@@ -286,12 +420,13 @@ class _Server:
             raise self.reject(from_engine_error(exc, self.retry_after())) from None
         return gens
 
-    async def start(self, served: _Served, parsed: ParsedRequest, ready: tuple, arrival: float, priority: str, failover_at: float | None):
+    async def start(self, served: _Served, parsed: ParsedRequest, ready: tuple, arrival: float, priority: str, failover_at: float | None,
+                    lease: _Lease):
         """Submit the request `prepare` made `ready` and, with a failover time, wait for its
         first token, moving to the fallback model if none comes in time: (the model answering,
         its request, its Generations)."""
         req, prepared, ticket = ready
-        gens = await self.submit(served, parsed, req, prepared, ticket, arrival, priority, failover_at)
+        gens = await self.submit(served, parsed, req, prepared, ticket, arrival, priority, failover_at, lease)
         if failover_at is None:
             return served, req, gens
         try:
@@ -305,8 +440,12 @@ class _Server:
         _cancel(gens or [])
         self.metrics.failovers.inc()
         log.warning("request failed over to %s after %.1f s without a first token", self.fallback.id, time.monotonic() - arrival)
-        req, prepared, _ = await self.prepare(self.fallback, parsed, priority)
-        return self.fallback, req, await self.submit(self.fallback, parsed, req, prepared, None, arrival, priority, None)
+        fallback_lease = await self.lease(self.fallback, parsed.keep_alive, arrival + self.settings.request_timeout)
+        try:
+            req, prepared, _ = await self.prepare(self.fallback, parsed, priority)
+            return self.fallback, req, await self.submit(self.fallback, parsed, req, prepared, None, arrival, priority, None, fallback_lease)
+        finally:
+            fallback_lease.drop()
 
     async def admit(self, served: _Served, parsed: ParsedRequest):
         """Build the request for the model and its prompt once, enforce --max-input-tokens and
@@ -338,10 +477,9 @@ class _Server:
         (the model answering, its request, its Generations). Every refusal is raised here."""
         served = self.find_model(parsed.model)
         priority = self.priority_of(request)
-        waiting = sum(m.engine.stats()["waiting"] for m in self.served())
-        self.degrade.on_admit(waiting, self.oldest_queued_wait())
+        self.degrade.on_admit(self.stats().get("waiting", 0), self.oldest_queued_wait())
         served = self.route(served)
-        parallel = served.engine.config.n_parallel
+        parallel = served.model.n_parallel
         if self.gate is not None and served is self.primary:
             parallel = min(parallel, self.gate.share(priority))
         if parsed.n > parallel:
@@ -349,8 +487,16 @@ class _Server:
                 bad_request(f"'n' is {parsed.n}, more than the {parallel} answers this server generates at once for this request", param="n", code="invalid_value")
             )
         failover_at = self.failover_at(request, arrival, served)
-        ready = await self.prepare(served, parsed, priority)
-        return asyncio.ensure_future(self.start(served, parsed, ready, arrival, priority, failover_at))
+        lease = await self.lease(served, parsed.keep_alive, arrival + self.settings.request_timeout)
+        try:
+            ready = await self.prepare(served, parsed, priority)
+        except BaseException:
+            lease.drop()
+            raise
+        started = asyncio.ensure_future(self.start(served, parsed, ready, arrival, priority, failover_at, lease))
+        # a done callback, not a finally: it runs even for a task cancelled before it began
+        started.add_done_callback(lambda _: lease.drop())
+        return started
 
     async def generate(self, request: Request, parsed: ParsedRequest, kind: str, arrival: float) -> Response:
         start = await self.launch(request, parsed, arrival)
@@ -608,12 +754,14 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return error_response(request.url.path, ApiError(500, "internal server error", type="server_error"))
 
 
-def create_app(settings: ServerSettings, engine, fallback=None) -> Starlette:
-    """The ASGI app serving `engine` (and, while degraded, `fallback`, a smaller model's engine).
+def create_app(settings: ServerSettings, engine=None, fallback=None, pool: ModelPool | None = None) -> Starlette:
+    """The ASGI app serving `engine` (and, while degraded, `fallback`: a smaller model's engine,
+    or the name of one in the pool), and every model of `pool` (loaded when a request names one,
+    unloaded when idle).
 
-    It does not own the engines: the caller closes them.
+    It owns neither: the caller closes the engines and the pool.
     """
-    server = _Server(settings, engine, fallback)
+    server = _Server(settings, engine, fallback, pool)
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.list_models, methods=["GET"]),

@@ -112,6 +112,9 @@ class Generation:
         #: its priority class, and the units of that class's share it holds (None: no classes)
         self.priority = "default"
         self.ticket = None
+        #: its request's hold on the model (app._Lease): dropped when it ends, so the model is
+        #: never unloaded under it
+        self.lease = None
         #: the prompt's length in tokens, as built for that model (known before the first event)
         self.prompt_tokens = 0
         self.submitted = time.monotonic()

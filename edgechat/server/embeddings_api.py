@@ -25,7 +25,13 @@ DISCONNECT_POLL_S = 0.5
 async def embed(server, request: Request, served, inputs: list, field: str, truncate: bool = False) -> tuple[list[np.ndarray], int, float]:
     """The vectors of `inputs` on `served`'s engine, their token count and the seconds taken;
     a bad input is a 400 naming `field`, a client that leaves cancels the work."""
-    started, loop = time.monotonic(), asyncio.get_running_loop()
+    started = time.monotonic()
+    async with server.using(served) as engine:
+        return await _embed(server, request, engine, inputs, field, truncate, started)
+
+
+async def _embed(server, request: Request, engine, inputs: list, field: str, truncate: bool, started: float):
+    loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
 
     def finished(job: EmbeddingJob) -> None:  # on the engine thread
@@ -33,7 +39,7 @@ async def embed(server, request: Request, served, inputs: list, field: str, trun
 
     try:
         # tokenizing long inputs takes a while: off the event loop
-        job = await asyncio.to_thread(served.engine.embed, inputs, truncate, finished)
+        job = await asyncio.to_thread(engine.embed, inputs, truncate, finished)
     except EmbeddingInputError as exc:
         raise bad_request(f"'{field}': {exc}", param=field, code="invalid_value") from None
     except EdgechatError as exc:

@@ -56,6 +56,12 @@ class ServerMetrics:
         self.failovers = Counter("edgechat_failovers", "Requests moved to the fallback model after no first token within their failover time.", registry=r)
         self.class_running = Gauge("edgechat_priority_running", "Sequences held by each priority class.", ["priority"], registry=r)
         self.class_queued = Gauge("edgechat_priority_queued", "Requests waiting for their priority class's share.", ["priority"], registry=r)
+        self.model_loads = Counter("edgechat_model_loads", "Models loaded because a request asked for one.", ["model"], registry=r)
+        self.model_load_failures = Counter("edgechat_model_load_failures", "Loads that failed (a corrupt or missing file).", ["model"], registry=r)
+        self.model_unloads = Counter("edgechat_model_unloads", "Models unloaded (idle, keep_alive, to make room, at shutdown).", ["model"], registry=r)
+        self.model_load_seconds = Histogram("edgechat_model_load_seconds", "Time to load a model.", buckets=_LATENCY_BUCKETS, labelnames=["model"], registry=r)
+        self.resident_models = Gauge("edgechat_resident_models", "Models loaded now.", registry=r)
+        self.resident_bytes = Gauge("edgechat_resident_model_bytes", "Memory the loaded models take, as the planner counts it (weights, KV cache, compute).", registry=r)
         self.grammar_requests = Counter("edgechat_grammar_requests", "Requests held to a grammar (response_format or tool calls).", registry=r)
 
     def add_model(self, model: str, classes: list[str]) -> None:
@@ -86,8 +92,20 @@ class ServerMetrics:
             self.tpot.labels(model, priority).observe(m.tpot_mean)
         self.e2e.labels(model, priority).observe(m.total)
 
-    def render(self, stats: dict, degraded: bool, classes: dict[str, dict[str, int]]) -> bytes:
-        """The text exposition, with the gauges read from the engine at scrape time."""
+    def observe_pool(self, event: str, model, seconds: float) -> None:
+        """The model pool's news (engine/pool.py), from whichever thread loaded or unloaded."""
+        if event == "load":
+            self.model_loads.labels(model.name).inc()
+            self.model_load_seconds.labels(model.name).observe(seconds)
+        elif event == "load_failed":
+            self.model_load_failures.labels(model.name).inc()
+        elif event == "unload":
+            self.model_unloads.labels(model.name).inc()
+
+    def render(self, stats: dict, degraded: bool, classes: dict[str, dict[str, int]], resident: list = ()) -> bytes:
+        """The text exposition, with the gauges read from the engines and the pool at scrape time."""
+        self.resident_models.set(len(resident))
+        self.resident_bytes.set(sum(m.need for m in resident))
         self.running.set(stats.get("running", 0))
         self.queued.set(stats.get("waiting", 0))
         self.kv_used.set(stats.get("kv_used", 0))

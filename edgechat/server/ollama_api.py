@@ -3,9 +3,10 @@ holding the engine's ChatRequest), engine events back into its JSON objects and 
 and every error as Ollama writes it: `{"error": "..."}` with the status.
 
 What changes the answer and is not here (images, tools, a request's own template, suffix, an
-earlier `context`) is refused in one line; what only tunes how Ollama itself loads models
-(`keep_alive`, `num_ctx`, `num_gpu`, ...) is accepted and ignored, as Ollama ignores options a
-model does not use.
+earlier `context`) is refused in one line; `keep_alive` says how long the model stays loaded
+after the request (an empty prompt with it loads or, at 0, unloads the model, as in Ollama);
+what only tunes how Ollama itself loads models (`num_ctx`, `num_gpu`, ...) is accepted and
+ignored, as Ollama ignores options a model does not use.
 """
 
 from __future__ import annotations
@@ -19,15 +20,18 @@ import threading
 import time
 from typing import AsyncIterator
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from edgechat.engine.reasoning import reasoning_format
 from edgechat.engine.request import ChatRequest, Finished
 from edgechat.errors import EdgechatError, ModelNotFoundError, UsageError
 from edgechat.models import hub
 from edgechat.server.embeddings_api import check_dimensions, embed
 from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.keepalive import keep_alive_seconds
 from edgechat.server.schemas import (
     REASONING_EFFORT,
     ParsedRequest,
@@ -46,7 +50,7 @@ from edgechat.server.tools import render_messages
 OLLAMA_VERSION = "0.9.0"
 #: Ollama names models name:tag; a name without a tag means this one
 DEFAULT_TAG = ":latest"
-#: Ollama keeps a model loaded until this time; this server keeps it until it stops
+#: the expiry /api/ps gives a model kept loaded until the room is needed
 LOADED_UNTIL = "9999-12-31T23:59:59Z"
 
 
@@ -121,7 +125,7 @@ def _request(body: dict, options: dict, server, **fields) -> ChatRequest:
     """The ChatRequest of a chat or generate body, `fields` saying what to answer."""
     num_predict = _opt_int(options, "num_predict")
     request = ChatRequest(
-        sampling=_sampling(options, server.engine.default_sampling),
+        sampling=_sampling(options, server.defaults_for(_model(body))),
         # -1: until the end of text, -2: until the context is full (both: no cap of our own)
         max_tokens=num_predict if num_predict is not None and num_predict > 0 else None,
         stop=_stop(options),
@@ -131,6 +135,14 @@ def _request(body: dict, options: dict, server, **fields) -> ChatRequest:
     )
     request.split_reasoning = server.settings.reasoning_format != "none"
     return request
+
+
+def _expires(unload_at: float | None) -> str:
+    """When an idle model is unloaded, as Ollama writes the time (UTC)."""
+    if unload_at is None:
+        return LOADED_UNTIL
+    at = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=max(0.0, unload_at - time.monotonic()))
+    return at.isoformat().replace("+00:00", "Z")
 
 
 def _model(body: dict) -> str | None:
@@ -213,7 +225,7 @@ class OllamaApi:
             return self.server.find_model(_untagged(name))
 
     def entry(self, served, name: str | None = None) -> dict:
-        info = served.engine.model_info
+        info = served.model.info
         stat = info.path.stat()
         # a digest of the file's identity, not its bytes: hashing gigabytes per listing is too slow
         digest = hashlib.sha256(f"{info.path}:{info.size_bytes}:{stat.st_mtime_ns}".encode()).hexdigest()
@@ -245,32 +257,41 @@ class OllamaApi:
     async def ps(self, request: Request) -> Response:
         models = []
         for served in self.server.served():
+            engine, m = served.engine, served.model
+            if engine is None:  # Ollama lists the loaded models only
+                continue
             entry = self.entry(served)
-            split = getattr(served.engine, "gpu", None)
+            split = getattr(engine, "gpu", None)
             on_gpu = split.gpu_layers / split.n_layer if split is not None and split.n_layer else 0.0
             del entry["modified_at"]
-            models.append({**entry, "expires_at": LOADED_UNTIL, "size_vram": int(entry["size"] * on_gpu),
-                           "context_length": served.engine.n_ctx})
+            # size: what it holds in memory (weights, KV cache, compute), as Ollama's ps counts it
+            size = m.need or entry["size"]
+            models.append({**entry, "size": size, "expires_at": _expires(m.unload_at), "size_vram": int(size * on_gpu),
+                           "context_length": engine.n_ctx})
         return JSONResponse({"models": models})
 
     @_ollama_errors
     async def show(self, request: Request) -> Response:
         body = await self.server.read_body(request)
         served = self.find(_model(body))
-        engine, info = served.engine, served.engine.model_info
+        # what the file says, loaded or not (a loaded engine's template may be config.toml's)
+        engine, info = served.engine, served.model.info
         entry = self.entry(served)
         arch = info.architecture
-        sampling = engine.default_sampling
+        sampling = served.default_sampling
+        n_ctx = engine.n_ctx if engine is not None else served.model.n_ctx
         parameters = "\n".join(
             f"{name:<15}{value}"
             for name, value in (("temperature", sampling.temperature), ("top_k", sampling.top_k), ("top_p", sampling.top_p),
-                                ("min_p", sampling.min_p), ("repeat_penalty", sampling.repeat_penalty), ("num_ctx", engine.n_ctx))
+                                ("min_p", sampling.min_p), ("repeat_penalty", sampling.repeat_penalty), ("num_ctx", n_ctx))
         )
-        capabilities = ["completion"] + (["thinking"] if engine.format.reasoning else [])
+        template = engine.format.source if engine is not None else info.chat_template
+        thinks = engine.format.reasoning if engine is not None else reasoning_format(info.chat_template)
+        capabilities = ["completion"] + (["thinking"] if thinks else [])
         return JSONResponse({
             "modelfile": f"FROM {info.path}\n",
             "parameters": parameters,
-            "template": engine.format.source or "",
+            "template": template or "",
             "details": entry["details"],
             "model_info": {
                 "general.architecture": arch,
@@ -346,7 +367,7 @@ class OllamaApi:
             ref = hub.pull_ref(name)
         except EdgechatError as exc:
             raise bad_request(str(exc), param="model") from None
-        download = _Download(self.server.engine.paths, ref)
+        download = _Download(self.server.paths, ref)
         if _stream(body):
             return StreamingResponse(download.lines(), media_type="application/x-ndjson")
         try:
@@ -370,11 +391,20 @@ class OllamaApi:
         arrival = time.monotonic()
         body = await self.server.read_body(request)
         served = self.find(_model(body))
+        keep_alive = keep_alive_seconds(body.get("keep_alive"))
         if not body.get("prompt" if field == "response" else "messages"):
-            # an empty prompt or conversation is how Ollama clients load a model before using it
-            return JSONResponse({**_Shape(_tagged(served.id), field).part("", ""), "done": True, "done_reason": "load"})
+            # an empty prompt or conversation is how Ollama clients load a model before using it,
+            # and, with keep_alive 0, unload it
+            if keep_alive == 0:
+                await run_in_threadpool(self.server.pool.unload, served.model.name)
+                reason = "unload"
+            else:
+                await self.server.lease(served, keep_alive, arrival + self.server.settings.request_timeout)
+                self.server.pool.release(served.model.name, keep_alive)
+                reason = "load"
+            return JSONResponse({**_Shape(_tagged(served.id), field).part("", ""), "done": True, "done_reason": reason})
         parsed = parse(body, self.server)
-        parsed.model = served.id
+        parsed.model, parsed.keep_alive = served.id, keep_alive
         served, req, gens = await (await self.server.launch(request, parsed, arrival))
         self.server.opened(served, parsed, req, "chat")
         shape = _Shape(_tagged(served.id), field)

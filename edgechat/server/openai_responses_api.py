@@ -446,7 +446,7 @@ class ResponsesApi:
     def __init__(self, server):
         self.server = server
         #: in the data directory the server's engine was given (`serve --data-dir`)
-        self.store = ResponseStore(server.engine.paths)
+        self.store = ResponseStore(server.paths)
 
     def routes(self) -> list[Route]:
         return [
@@ -497,7 +497,7 @@ class ResponsesApi:
         server = self.server
         arrival = time.monotonic()
         body = await server.read_body(request)
-        r = parse_responses(body, server.settings, server.engine.default_sampling, await self._history(body))
+        r = parse_responses(body, server.settings, server.defaults_for(body.get("model")), await self._history(body))
         # every refusal (queue full, prompt too long, unknown model) is an HTTP status from here
         start = await server.launch(request, r.parsed, arrival)
         response_id, created = _new_id("resp"), int(time.time())

@@ -76,6 +76,8 @@ class ParsedRequest:
     #: the request's grammar is the client's own GBNF (`grammar`): llama.cpp's parser checks it
     #: before anything is queued
     client_grammar: bool = False
+    #: seconds the model stays loaded once idle after this request (server/keepalive.py); None: its default
+    keep_alive: float | None = None
 
 
 def decode_body(raw: bytes) -> dict:

@@ -1,0 +1,154 @@
+"""Model lifecycle in `serve`: a request for a model that is not loaded, to its first token,
+against llama-server started on the same file to its first answer; and the server's RSS after
+unloading a model against before loading it.
+
+edgechat's side is a running server (in this process) whose pool holds the embedded SmolLM2
+unloaded: the time from sending a streamed 1-token /v1/completions for it to the first token
+(the load included: reading the file, the context, the planner). llama-server's is from starting
+its process on the same file to the answer of a 1-token /completion (bench_cold_start's
+measure: /health polled every 10 ms); it pays for its process start, which a running server
+does not, and that is the comparison a user of a multi-model server feels. Same threads and
+context. Rounds alternate which side goes first, after one unmeasured warm-up each (the file
+in the page cache for both). RSS is /proc/self/status VmRSS: as the server starts, before the
+first load (the server up and through one request, nothing loaded), after an answer, after the model is unloaded (keep_alive 0), and after each
+round's unload (what the first load leaves for good, against what a leak would add per cycle).
+
+    python -m bench.bench_lifecycle [--rounds 5] [--threads 2] [--ctx 2048] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.bench_cold_start import llama_server_first_answer, smollm2_gguf
+from bench.llamabench import find_llama_server
+
+MODEL = "smol"
+
+
+def rss() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
+
+
+def first_token(url: str) -> float:
+    """Seconds from sending a streamed 1-token completion to its first token."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "stream": True, "temperature": 0}
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data:") and '"text"' in line:
+                return time.perf_counter() - start
+    raise RuntimeError("the stream ended without a token")
+
+
+def wait_unloaded(url: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        states = {c["id"]: c["meta"]["state"] for c in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
+        if states[MODEL] == "unloaded":
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{MODEL} was not unloaded within 60 s")
+        time.sleep(0.05)
+
+
+def unload(url: str) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "keep_alive": 0, "temperature": 0}
+    httpx.post(f"{url}/v1/completions", json=body, timeout=300).raise_for_status()
+    wait_unloaded(url)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=2048, help="context size for both sides")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--log-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")))
+    args = ap.parse_args(argv)
+
+    from edgechat.config import get_paths
+    from edgechat.engine import EngineConfig
+    from edgechat.engine.pool import ModelPool
+    from edgechat.server import ServerSettings, create_app
+    from tests.serving import serving
+
+    server_bin = find_llama_server()
+    model = smollm2_gguf()
+    log = args.log_dir / "bench_lifecycle-llama-server.log"
+    times: dict[str, list[float]] = {"edgechat": [], "llama-server": []}
+    with tempfile.TemporaryDirectory(prefix="edgechat-lifecycle-") as data_dir:
+        paths = get_paths(data_dir)
+        pool = ModelPool()
+        pool.add(MODEL, EngineConfig(model=str(model), n_ctx=args.ctx, n_threads=args.threads, n_parallel=1, paths=paths,
+                                     prompt_cache_budget=64 << 20))
+        try:
+            with serving(create_app(ServerSettings(degrade_queue_wait=None), pool=pool)) as url:
+                started = rss()
+                httpx.get(f"{url}/v1/models", timeout=30).raise_for_status()  # the HTTP stack's first use is not the model's
+                before = rss()
+                first_token(url)  # warm-up: the page cache, the model's hash for its snapshots
+                loaded = rss()
+                unload(url)
+                after = rss()
+                later: list[int] = []  # after each round's unload: a leak would grow it
+                llama_server_first_answer(server_bin, model, args.threads, args.ctx, log)
+                sides = {
+                    "edgechat": lambda: first_token(url),
+                    "llama-server": lambda: llama_server_first_answer(server_bin, model, args.threads, args.ctx, log),
+                }
+                for rnd in range(args.rounds):
+                    order = list(sides) if rnd % 2 == 0 else list(reversed(sides))
+                    for name in order:
+                        times[name].append(sides[name]())
+                        if name == "edgechat":
+                            unload(url)
+                            later.append(rss())
+                    print(f"round {rnd + 1}/{args.rounds}: " + ", ".join(f"{n} {times[n][-1]:.2f} s" for n in order), file=sys.stderr)
+        finally:
+            pool.close()
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    result = {
+        "model": model.name,
+        "threads": args.threads,
+        "ctx": args.ctx,
+        "median_s": med,
+        "runs_s": times,
+        "ratio": med["edgechat"] / med["llama-server"],
+        "paired_ratio": statistics.median(a / b for a, b in zip(times["edgechat"], times["llama-server"])),
+        "rss_bytes": {"server_started": started, "before_load": before, "loaded": loaded, "after_unload": after, "after_each_later_unload": later},
+        "rss_after_vs_before": after / before,
+        "rss_last_vs_first_unload": later[-1] / after,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        mib = 1 << 20
+        print(f"{model.name}, {args.threads} threads, ctx {args.ctx}, median of {args.rounds}:")
+        print(f"  edgechat: request for an unloaded model to its first token   {med['edgechat']:6.2f} s")
+        print(f"  llama-server: start to its first 1-token answer              {med['llama-server']:6.2f} s")
+        print(f"  ratio edgechat / llama-server                                {result['ratio']:6.2f}x "
+              f"(paired by round {result['paired_ratio']:.2f}x)")
+        print(f"  server RSS: {started / mib:.0f} MiB started, {before / mib:.0f} MiB after one request, before the load, {loaded / mib:.0f} MiB loaded, "
+              f"{after / mib:.0f} MiB after unloading ({result['rss_after_vs_before']:.2f}x of before)")
+        print(f"  after each later load and unload: {', '.join(f'{r / mib:.0f}' for r in later)} MiB "
+              f"({result['rss_last_vs_first_unload']:.2f}x of the first unload's)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
