@@ -183,6 +183,10 @@ async def test_a_forced_call_is_asked_run_and_answered_and_always_skips_the_ques
         screen = app.chat_screen
         await _command(pilot, "/tools on calc.add")
         await _command(pilot, "/tools required")
+        await _command(pilot, "/tools")  # the servers' tools, which are on here
+        await _until(pilot, lambda: any("[on ] calc.add: Add two integers." in str(n.render()) for n in screen.query(".note")),
+                     "the list of tools")
+        assert any("[off] calc.crash" in str(n.render()) for n in screen.query(".note"))
         await _ask(pilot, "What is 2 plus 3? Use the add tool.")
         assert _asking(app) and app.screen.line.startswith("calc.add(")
         await pilot.press("a")  # always: this call runs, and the next one is not asked about

@@ -556,7 +556,7 @@ class ChatScreen(Screen):
         try:
             for call in calls:
                 await self._resolve(conv_id, call)
-                self._save_calls(conv_id, message_id, calls)
+                self._save_calls(message_id, calls)
                 await self._show_calls(message_id, calls)
             if not self._tools_stopped and self.conv is not None and self.conv.id == conv_id:
                 # (still this worker's until the answer is under way: nothing else may start between)
@@ -565,7 +565,7 @@ class ChatScreen(Screen):
             for call in calls:
                 if call["outcome"] in ("pending", "running"):
                     call.update(outcome="stopped", result=STOPPED)
-            self._save_calls(conv_id, message_id, calls)
+            self._save_calls(message_id, calls)
             await self._show_calls(message_id, calls)
             raise
         finally:
@@ -600,7 +600,7 @@ class ChatScreen(Screen):
                 self.notify(str(exc), severity="error", timeout=10)
                 call.update(outcome="error", result=str(exc))
 
-    def _save_calls(self, conv_id: str, message_id: int, calls: list[dict]) -> None:
+    def _save_calls(self, message_id: int, calls: list[dict]) -> None:
         try:
             self.store.update_message(message_id, tool_calls=calls)
         except StoreError as exc:
@@ -869,8 +869,8 @@ class ChatScreen(Screen):
             for name in servers:
                 try:
                     for tool in self.app.tool_servers.tools(name):
-                        mark = "on " if f"{name}.{tool.name}" in enabled else "off"
-                        lines.append(f"[{mark}] {name}.{tool.name}: {tool.description.splitlines()[0] if tool.description else ''}".rstrip(": "))
+                        line = f"[{'on ' if f'{name}.{tool.name}' in enabled else 'off'}] {name}.{tool.name}"
+                        lines.append(f"{line}: {tool.description.splitlines()[0]}" if tool.description.strip() else line)
                 except EdgechatError as exc:
                     lines.append(f"{name}: {exc}")
         self.app.call_from_thread(self._show_note, "\n".join(lines))
