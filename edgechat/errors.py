@@ -14,6 +14,16 @@ class UsageError(EdgechatError):
     exit_code = 2
 
 
+class InvalidFieldError(UsageError):
+    """A bad field of a request (a tool's schema, its name): `param` is where it is, `code` what
+    is wrong, so the server answers the 400 each API's clients match on."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
 class ModelNotFoundError(EdgechatError):
     """A model name, path or Hub reference that does not lead to a usable file."""
 

@@ -20,7 +20,7 @@ from edgechat.engine.reasoning import ReasoningSplitter, reasoning_format, strip
 from edgechat.engine.request import SamplingParams, TextDelta
 from edgechat.engine.stream import OutputProcessor
 from edgechat.server import ServerSettings, create_app
-from edgechat.server.tools import ToolCallParser
+from edgechat.engine.tools import ToolCallParser
 from serving import serving
 from tests.test_cli import assert_one_line_error, edgechat
 

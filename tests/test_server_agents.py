@@ -17,8 +17,9 @@ from edgechat.engine.planner import default_threads
 from edgechat.engine.request import Grammar, SamplingParams
 from edgechat.engine.sampling import SamplerChain
 from edgechat.server import ServerSettings, create_app
-from edgechat.server.structured import schema_rules
-from edgechat.server.tools import ToolCallParser, parse_tools, render_messages
+from edgechat.engine.schema_grammar import schema_rules
+from edgechat.engine.tools import ToolCallParser, render_messages
+from edgechat.server.tools import parse_tools
 from neartie import assert_same_or_near_tie
 from serving import serving
 

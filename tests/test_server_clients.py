@@ -19,7 +19,7 @@ from edgechat.cli import cli
 from edgechat.cli.common import run_guarded
 from edgechat.engine import Engine, EngineConfig
 from edgechat.server import ServerSettings, create_app, listen
-from edgechat.server.tools import ToolCallParser
+from edgechat.engine.tools import ToolCallParser
 from serving import serving
 
 KEY = "sk-clients"

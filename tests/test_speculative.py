@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
-from edgechat.engine.speculative import DraftPolicy, NgramDrafter, SpeculativeMode, StepCost
+from edgechat.engine.speculative import DraftPolicy, NgramDrafter, StepCost
 from edgechat.errors import UsageError
 from neartie import assert_same_or_near_tie
 

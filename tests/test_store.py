@@ -120,6 +120,38 @@ def test_m004_keeps_thoughts_apart_from_answers_written_before_it(store):
     assert model_messages(store, conv.id) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}]
 
 
+def test_m005_keeps_tool_calls_with_their_answer(store):
+    db = _db()
+    for step in MIGRATIONS[:4]:
+        step(db)
+    db.execute("INSERT INTO conversations (id, title, created_at, updated_at) VALUES ('c', 't', 0, 0)")
+    db.execute("INSERT INTO messages (conversation_id, role, content, created_at) VALUES ('c', 'assistant', 'old', 0)")
+    mig.m005_message_tool_calls(db)
+    assert db.execute("SELECT content, tool_calls FROM messages").fetchall() == [("old", "[]")]
+    conv = store.create_conversation()
+    store.add_message(conv.id, "user", "What is 2 + 3?")
+    called = store.add_message(conv.id, "assistant", "")
+    calls = [{"id": "call_1", "server": "calc", "name": "add", "arguments": '{"a": 2, "b": 3}', "outcome": "ok", "result": "5"},
+             {"id": "call_2", "server": "calc", "name": "add", "arguments": '{"a": 1, "b": 1}', "outcome": "denied",
+              "result": "The user refused this call."}]
+    store.update_message(called.id, tool_calls=calls)
+    store.add_message(conv.id, "assistant", "It is 5.")
+    # the model is given each call and what came back, in order
+    assert model_messages(store, conv.id) == [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "", "tool_calls": [{k: c[k] for k in ("id", "name", "arguments")} for c in calls]},
+        {"role": "tool", "content": "5", "tool_call_id": "call_1"},
+        {"role": "tool", "content": "The user refused this call.", "tool_call_id": "call_2"},
+        {"role": "assistant", "content": "It is 5."},
+    ]
+    branch = store.branch(conv.id, called.id)
+    assert store.messages(branch.id)[1].tool_calls == calls
+    data = store.export_conversation(conv.id)
+    assert data["messages"][1]["tool_calls"] == calls and "tool_calls" not in data["messages"][0]
+    store.delete_conversation(conv.id)
+    assert store.messages(store.import_conversation(data).id)[1].tool_calls == calls
+
+
 def test_failed_migration_rolls_back_and_is_not_recorded(monkeypatch):
     db = _db()
 

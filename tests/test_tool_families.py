@@ -13,12 +13,13 @@ import openai
 import pytest
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
-from edgechat.engine.request import SamplingParams
+from edgechat.engine.request import Evicted, SamplingParams
 from edgechat.engine.templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, choose_format
 from edgechat.server import ServerSettings, create_app
 from edgechat.server.schemas import parse_chat
-from edgechat.server.toolfamilies import GENERIC, HERMES, LLAMA3, MISTRAL, MISTRAL_V11, PHI4, family_for, native_messages
-from edgechat.server.tools import ToolCallParser, _trigger, parse_tools, render_messages, tool_grammar
+from edgechat.engine.toolfamilies import GENERIC, HERMES, LLAMA3, MISTRAL, MISTRAL_V11, PHI4, family_for, native_messages
+from edgechat.engine.tools import ToolCallParser, _trigger, render_messages, tool_grammar
+from edgechat.server.tools import parse_tools
 from serving import serving
 
 MODEL = "smollm2-135m-instruct"
@@ -290,3 +291,53 @@ def test_agent_loop_through_a_qwen_template_with_the_official_client(qwen_engine
     stats = qwen_engine.stats()
     assert stats["running"] == 0 and stats["waiting"] == 0 and qwen_engine.kv_problems() == []
 
+
+
+def _agent_history(rounds: int) -> list[dict]:
+    """An agent's conversation: a question, then `rounds` calls each with its (long) result."""
+    out = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Plan a week of travel: the weather in each city."}]
+    for i in range(rounds):
+        call = {"id": f"call_{i}", "name": "get_weather", "arguments": json.dumps({"city": f"City{i}"})}
+        report = " ".join(f"hour {h}: {10 + (h + i) % 9} C, wind {h % 5} m/s" for h in range(4))
+        out += [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": report, "tool_call_id": f"call_{i}"}]
+    return out
+
+
+def test_a_tool_conversation_reaches_the_engine_as_messages_and_evicts_whole_ones(models_root):
+    """Through the server, a history with calls and results is rendered once, by the engine's
+    prompt builder through the model's template, with a span per message: when the answer fills
+    the context, whole messages leave it (a pre-rendered prompt had no boundaries to keep to)."""
+    with Engine(EngineConfig(model=MODEL, n_ctx=512, n_parallel=1, paths=models_root, chat_template=QWEN)) as engine:
+        served = create_app(ServerSettings(model_id=MODEL, degrade_queue_wait=None), engine).state.server.primary
+        history = _agent_history(3)
+        # the calls as OpenAI's clients send them
+        wire = [{**m, "tool_calls": [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                     for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in history]
+        parsed = parse_chat({"messages": wire, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 200, "ignore_eos": True,
+                             "temperature": 0})
+        req = served.request(parsed)
+        assert req.prompt is None and req.messages == parsed.messages
+        prep = engine.prepare(req)
+        rendered, variables = native_messages(parsed.messages, None, HERMES)
+        assert prep.tokens == engine.prompt_text_tokens(engine.format.render(rendered, True, **variables))
+        assert len(prep.spans) == len(history) - 2  # every message but the pinned system prompt and the newest
+        events: list = []
+        finished = engine.submit(req, events.append, prep).result()
+        assert finished.reason == "length", finished.error
+        evicted = [e for e in events if isinstance(e, Evicted)]
+        assert evicted and all(e.messages >= 1 for e in evicted), [e.note for e in evicted]
+        assert engine.kv_problems() == []
+
+
+def test_a_tool_conversation_in_a_session_evicts_a_call_with_its_results(models_root):
+    """A conversation (the chat app's) that outgrows the context leaves out whole messages, and
+    never keeps a tool's result without the call it answers."""
+    with Engine(EngineConfig(model=MODEL, n_ctx=512, n_parallel=1, paths=models_root, chat_template=QWEN)) as engine:
+        tools = parse_tools({"tools": [WEATHER]})
+        history = _agent_history(6)
+        prep = engine.prepare(ChatRequest(messages=history, tools=tools, session="agent", max_tokens=64))
+        assert prep.evicted_total > 0 and history[1 + prep.evicted_total]["role"] != "tool"
+        kept = [history[0]] + history[1 + prep.evicted_total :]
+        rendered, variables = native_messages(kept, tools.offered, HERMES)
+        assert prep.tokens == engine.prompt_text_tokens(engine.format.render(rendered, True, **variables))
+        assert len(prep.spans) == len(kept) - 2

@@ -16,7 +16,6 @@ from edgechat.tui.app import EdgechatApp
 from edgechat.tui.client import LocalClient
 from edgechat.tui.presets import SHIPPED, load_presets
 from edgechat.tui.screens.pickers import AttachPickerScreen, PresetPickerScreen
-from edgechat.tui.widgets.chatview import MessageBox
 
 pytestmark = pytest.mark.asyncio
 

@@ -15,6 +15,7 @@ from edgechat.engine.reasoning import strip_thoughts
 from edgechat.engine.request import ChatRequest, ContextPolicy
 from edgechat.engine.sampling import validate
 from edgechat.engine.templates import ChatFormat, validate_messages
+from edgechat.engine.tools import tool_messages
 from edgechat.errors import PromptTooLongError, UsageError
 
 #: share of the context kept free for the answer when a request sets no max_tokens
@@ -147,6 +148,11 @@ class PromptBuilder:
             # earlier thoughts are not sent again: they would fill the context with old reasoning
             msgs = [{**m, "content": strip_thoughts(m["content"], fmt)} if m["role"] == "assistant" else m for m in msgs]
         variables = self._variables(request)
+        if request.tools is not None or any(m["role"] == "tool" or "tool_calls" in m for m in msgs):
+            # the tools, calls and results as the template takes them (or in the generic format),
+            # still one message each, so eviction keeps to message boundaries
+            msgs, tool_variables = tool_messages(msgs, request.tools, self.format.tool_family)
+            variables.update(tool_variables)
         # the pinned prefix: leading system messages and leading pinned ones
         keep_msgs = 0
         while keep_msgs < len(msgs) - 1 and (msgs[keep_msgs]["role"] == "system" or keep_msgs in request.pinned):
@@ -192,6 +198,9 @@ class PromptBuilder:
             evicted = max(evicted, self._estimate_eviction(msgs, keep_msgs, limit))
         evicted = min(evicted, max(last - keep_msgs, 0))
         while True:
+            # a tool's results leave with the call they answer: a template may refuse them alone
+            while evicted and keep_msgs + evicted < last and msgs[keep_msgs + evicted]["role"] == "tool":
+                evicted += 1
             retained = msgs[:keep_msgs] + extra + msgs[keep_msgs + evicted :]
             segments = self.segments(retained, variables)
             seg_tokens = self.tokens_for(segments)

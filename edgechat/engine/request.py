@@ -11,7 +11,10 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Union
+
+if TYPE_CHECKING:
+    from edgechat.engine.tools import Tools
 
 log = logging.getLogger("edgechat.engine")
 
@@ -63,8 +66,14 @@ class ContextPolicy(str, enum.Enum):
 class ChatRequest:
     """One generation: either chat `messages` (rendered with the model's template) or a raw `prompt`."""
 
+    #: {role, content}; an assistant message may carry `tool_calls` ([{id, name, arguments (JSON
+    #: text)}]), a "tool" message answers one by its `tool_call_id`
     messages: list[dict] | None = None
     prompt: str | None = None
+    #: the functions the model may call (engine/tools.py): rendered into the prompt with the
+    #: messages, through the template's own tool format where it has one; the call syntax's
+    #: grammar is the front end's to set in `grammar`
+    tools: "Tools | None" = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     #: None: until end of text or the context's answer reserve runs out
     max_tokens: int | None = None

@@ -16,6 +16,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from edgechat.engine.reasoning import ReasoningFormat, reasoning_format
+from edgechat.engine.toolfamilies import ToolFamily, family_for
 from edgechat.errors import UsageError
 
 # Written for edgechat from the published turn formats of each family.
@@ -49,7 +50,10 @@ LLAMA3_TEMPLATE = (
 FAMILY_BY_TOKEN = {"<|im_start|>": ("chatml", CHATML_TEMPLATE), "<|start_header_id|>": ("llama3", LLAMA3_TEMPLATE)}
 FAMILY_BY_ARCH = {"gemma": GEMMA_TEMPLATE, "gemma2": GEMMA_TEMPLATE, "gemma3": GEMMA_TEMPLATE, "gemma3n": GEMMA_TEMPLATE}
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+#: the most messages whose prompt is split by rendering each prefix, where one render with
+#: markers cannot tell the boundaries (a tool call with no text; results a template groups)
+MAX_PREFIX_SPLIT = 256
 #: private-use characters around the numbered stand-ins for contents (see ChatFormat._cuts)
 _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
 
@@ -76,13 +80,22 @@ def validate_messages(messages: list[dict]) -> list[dict]:
     if not messages:
         raise UsageError("no messages to send; write a message first")
     clean = []
+    calls: set[str] = set()
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise UsageError(f"message {i} needs a role of system, user or assistant")
+            raise UsageError(f"message {i} needs a role of system, user, assistant or tool")
         content = m.get("content")
         if not isinstance(content, str):
             raise UsageError(f"message {i} needs text content")
-        clean.append({"role": m["role"], "content": content})
+        message = {"role": m["role"], "content": content}
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = m["tool_calls"]
+            calls.update(c["id"] for c in m["tool_calls"])
+        elif m["role"] == "tool":
+            if m.get("tool_call_id") not in calls:
+                raise UsageError(f"message {i} is a tool result whose call no earlier message made")
+            message["tool_call_id"] = m["tool_call_id"]
+        clean.append(message)
     if not any(m["content"].strip() for m in clean if m["role"] == "user"):
         raise UsageError("the prompt is empty; type a message")
     return clean
@@ -104,6 +117,11 @@ class ChatFormat:
         read once, not on every prompt."""
         return reasoning_format(self.source)
 
+    @functools.cached_property
+    def tool_family(self) -> ToolFamily:
+        """The tool-call syntax the template writes (the generic one where it takes no tools)."""
+        return family_for(self.source)
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
         """The prompt; `variables` go to the template as they are (`tools` for one that takes them)."""
         try:
@@ -116,13 +134,18 @@ class ChatFormat:
 
         Segment i is what rendering messages[:i+1] adds to rendering messages[:i], as if the
         template were rendered once per prefix, but found from a constant number of renders so
-        the cost grows linearly with the conversation. When the template does not render
-        messages in place (it rewrites their content, or emits one later than where it stands),
-        the whole prompt is one segment.
+        the cost grows linearly with the conversation. Where that cannot tell the boundaries (a
+        tool call without text, results the template groups in one turn), a conversation with
+        tool messages of up to MAX_PREFIX_SPLIT messages is split by rendering each prefix, a message that ends no
+        prefix of the prompt sharing the next one's segment (its own is empty). When the
+        template does not render messages in place (it rewrites their content, or emits one
+        later than where it stands), the whole prompt is one segment.
         """
         full = self.render(messages, True, **variables)
         try:
             cuts = self._cuts(messages, full, variables)
+            if cuts is None and len(messages) <= MAX_PREFIX_SPLIT and any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+                cuts = self._prefix_cuts(messages, full, variables)
         except TemplateError:
             cuts = None
         if cuts is None:
@@ -139,7 +162,7 @@ class ChatFormat:
         treats real text differently from markers is caught, not trusted.
         """
         marks = [f"{_MARK_OPEN}{i}{_MARK_CLOSE}" for i in range(len(messages))]
-        marked = [{"role": m["role"], "content": mk} for m, mk in zip(messages, marks)]
+        marked = [{**m, "content": mk} for m, mk in zip(messages, marks)]
         g = self._render(marked, True, **variables)
         starts: list[int] = []
         pos = 0
@@ -198,6 +221,19 @@ class ChatFormat:
             k = bisect.bisect_right(ends, c)
             cuts.append(c + (shift[k - 1] if k else 0))
         return cuts
+
+
+    def _prefix_cuts(self, messages: list[dict], full: str, variables: dict) -> list[int] | None:
+        """Where each message's rendering ends in `full`, from one render per prefix (quadratic:
+        for short conversations only); None if no message ends a prefix of it."""
+        cuts: list[int] = []
+        found = False
+        for i in range(len(messages)):
+            probe = self._render(messages[: i + 1], False, **variables)
+            ends_here = full.startswith(probe) and len(probe) >= (cuts[-1] if cuts else 0)
+            found |= ends_here
+            cuts.append(len(probe) if ends_here else (cuts[-1] if cuts else 0))
+        return cuts if found else None
 
 
 def _completion(messages: list[dict], add_generation_prompt: bool, **variables) -> str:

@@ -32,8 +32,8 @@ from edgechat.server.responses import KEEPALIVE
 from edgechat.server.errors import ApiError, bad_request, from_engine_error
 from edgechat.server.schemas import ParsedRequest, _describe, _opt_bool, _opt_float, _opt_int, _sampling, _text, _type_error
 from edgechat.server.settings import ServerSettings
-from edgechat.server.structured import check_schema
-from edgechat.server.tools import _NAME, ToolCall, ToolCallParser, Tools, render_messages, tool_grammar
+from edgechat.engine.schema_grammar import check_schema
+from edgechat.engine.tools import NAME, ToolCall, ToolCallParser, Tools, tool_grammar
 
 #: Anthropic's error type for each HTTP status (any other 4xx is an invalid request, 5xx an api_error)
 _ERROR_TYPES = {
@@ -205,7 +205,7 @@ def _tools(body: dict) -> Tools | None:
         if tool.get("type", "custom") != "custom":
             raise bad_request(f"{where}.type: only custom tools (with an input_schema) are offered here, not {_describe(tool.get('type'))}", param=f"{where}.type")
         name = tool.get("name")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
+        if not isinstance(name, str) or not NAME.fullmatch(name):
             raise bad_request(f"{where}.name must be 1-64 letters, digits, _ or -", param=f"{where}.name")
         if any(f["name"] == name for f in functions):
             raise bad_request(f"{where}.name: '{name}' is offered twice", param=f"{where}.name")
@@ -281,7 +281,8 @@ def parse_messages(body: dict, settings: ServerSettings, sampling=None, counting
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
     request = ChatRequest(
-        messages=render_messages(messages, active),
+        messages=messages,
+        tools=active,
         sampling=_sampling({k: body[k] for k in ("temperature", "top_p", "top_k") if k in body}, sampling),
         max_tokens=max_tokens,
         stop=_stop_sequences(body),

@@ -33,21 +33,20 @@ from starlette.routing import Route
 from edgechat.config import get_paths
 from edgechat.engine.pool import ModelPool, ModelState, PoolModel
 from edgechat.engine.request import ChatRequest, Finished, RequestStatus, SamplingParams, TextDelta
-from edgechat.errors import EdgechatError, ModelLoadError, NoRoomError
+from edgechat.engine.tools import RepeatStop, ToolCallParser, tool_grammar
+from edgechat.errors import EdgechatError, InvalidFieldError, ModelLoadError, NoRoomError
 from edgechat.server import anthropic_api, embeddings_api, llamacpp_api, ollama_api, openai_responses_api, responses
 from edgechat.server.auth import BearerAuth
 from edgechat.server.bridge import Generation, abandon
 from edgechat.server.cors import Cors
 from edgechat.server.degrade import DegradeSwitch
-from edgechat.server.errors import ApiError, bad_request, from_engine_error, overloaded, prompt_too_long
+from edgechat.server.errors import ApiError, bad_request, field_error, from_engine_error, overloaded, prompt_too_long
 from edgechat.server.keepalive import keep_alive_seconds
 from edgechat.server.metrics import ServerMetrics
 from edgechat.server.priority import ClassFull, PriorityGate
 from edgechat.server.responses import KEEPALIVE, ResponseIds, sse
 from edgechat.server.schemas import ParsedRequest, decode_body, parse_chat, parse_completion
 from edgechat.server.settings import ServerSettings
-from edgechat.server.toolfamilies import family_for, native_messages
-from edgechat.server.tools import RepeatStop, ToolCallParser, tool_grammar
 
 log = logging.getLogger("edgechat.server")
 #: an SSE comment: clients ignore it, connections with idle timeouts stay open
@@ -68,7 +67,6 @@ class _Served:
         self.names = {n.lower() for n in (self.id, path.stem, path.name, model.display_name, *aliases) if n}
         #: what a request's sampling starts from (its file's recommended settings): known unloaded
         self.default_sampling = SamplingParams(**model.info.sampling)
-        self._family: tuple[str | None, object] | None = None
 
     @property
     def engine(self):
@@ -78,23 +76,16 @@ class _Served:
     @property
     def tool_family(self):
         """The tool-call syntax its template writes (the generic one where it takes no tools)."""
-        source = self.engine.format.source
-        if self._family is None or self._family[0] != source:
-            self._family = (source, family_for(source))
-        return self._family[1]
+        return self.engine.format.tool_family
 
     def request(self, parsed: ParsedRequest) -> ChatRequest:
-        """The request for this model: with tools (or calls in the history) and a template that
-        takes them, the prompt is the template's own rendering and the grammar its syntax."""
+        """The request for this model: with tools and a template that takes them, the grammar is
+        its syntax (the engine's prompt builder renders tools, calls and results through that
+        template, message by message)."""
         req, family = parsed.request, self.tool_family
-        if parsed.messages is None or not family.native:
+        if parsed.tools is None or not family.native:
             return req
-        if parsed.tools is None and not any(m["role"] == "tool" or m.get("tool_calls") for m in parsed.messages):
-            return req
-        messages, variables = native_messages(parsed.messages, parsed.tools.offered if parsed.tools else None, family)
-        prompt = self.engine.format.render(messages, True, **variables)
-        grammar = tool_grammar(parsed.tools, family) if parsed.tools else req.grammar
-        return dataclasses.replace(req, messages=None, prompt=prompt, grammar=grammar)
+        return dataclasses.replace(req, grammar=tool_grammar(parsed.tools, family))
 
     def card(self, created: int, name: str | None = None) -> dict:
         m, engine = self.model, self.engine
@@ -744,6 +735,10 @@ async def _api_error(request: Request, exc: ApiError) -> Response:
     return error_response(request.url.path, exc)
 
 
+async def _field_error(request: Request, exc: InvalidFieldError) -> Response:
+    return error_response(request.url.path, field_error(exc))
+
+
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     return error_response(request.url.path, ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
@@ -784,7 +779,7 @@ def create_app(settings: ServerSettings, engine=None, fallback=None, pool: Model
     app = Starlette(
         routes=routes,
         middleware=[*cors, Middleware(BearerAuth, api_key=settings.api_key, key_classes=settings.key_classes, render=error_response)],
-        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
+        exception_handlers={ApiError: _api_error, InvalidFieldError: _field_error, HTTPException: _http_error, Exception: _server_error},
     )
     app.state.server = server
     return app

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from edgechat.errors import EdgechatError, EngineBusyError, EngineStoppedError, PromptTooLongError, UsageError
+from edgechat.errors import EdgechatError, EngineBusyError, EngineStoppedError, InvalidFieldError, PromptTooLongError, UsageError
 
 
 class ApiError(Exception):
@@ -38,6 +38,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
+def field_error(exc: InvalidFieldError) -> ApiError:
+    """A bad field the engine's tool and schema code found, as the 400 naming it."""
+    return bad_request(str(exc), param=exc.param, code=exc.code)
+
+
 def prompt_too_long(prompt_tokens: int, limit: int, why: str) -> ApiError:
     # OpenAI's code for this case; clients (and the openai SDK's users) match on it
     return ApiError(
@@ -64,6 +69,8 @@ def from_engine_error(exc: EdgechatError, retry_after: int) -> ApiError:
         return prompt_too_long(exc.prompt_tokens, exc.limit, "the context window less the room for the answer")
     if isinstance(exc, EngineBusyError):
         return overloaded(retry_after)
+    if isinstance(exc, InvalidFieldError):
+        return field_error(exc)
     if isinstance(exc, UsageError):
         return bad_request(str(exc))
     if isinstance(exc, EngineStoppedError):

@@ -21,7 +21,7 @@ from edgechat.errors import UsageError
 from edgechat.server import responses
 from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.schemas import ParsedRequest, _messages, _opt_bool, _opt_int, _sampling, _stop, _text, _type_error, extension_grammar
-from edgechat.server.tools import render_messages
+from edgechat.engine.tools import render_messages
 
 PATHS = frozenset({"/completion", "/tokenize", "/detokenize", "/apply-template", "/props"})
 

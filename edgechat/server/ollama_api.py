@@ -44,7 +44,6 @@ from edgechat.server.schemas import (
     _type_error,
 )
 from edgechat.server.structured import response_format_grammar
-from edgechat.server.tools import render_messages
 
 #: the Ollama API version whose fields this follows; clients gate features on it (`think` came in 0.9)
 OLLAMA_VERSION = "0.9.0"
@@ -168,7 +167,7 @@ def parse_chat(body: dict, server) -> ParsedRequest:
                 if m.get("tool_calls") or m.get("role") == "tool":
                     raise bad_request(f"messages[{i}]: tool calls and results are served on /v1/chat/completions", param=f"messages[{i}]")
     checked = _messages(body, server.settings.max_messages)
-    request = _request(body, _options(body), server, messages=render_messages(checked, None))
+    request = _request(body, _options(body), server, messages=checked)
     return ParsedRequest(request, _model(body), _stream(body), False, messages=checked)
 
 

@@ -37,7 +37,7 @@ from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.schemas import REASONING_EFFORT, ParsedRequest, _describe, _is_off, _opt_bool, _opt_int, _sampling, _text, _type_error
 from edgechat.server.settings import ServerSettings
 from edgechat.server.structured import json_schema_grammar, response_format_grammar
-from edgechat.server.tools import ToolCall, ToolCallParser, Tools, check_function, render_messages, tool_grammar
+from edgechat.engine.tools import ToolCall, ToolCallParser, Tools, check_function, tool_grammar
 from edgechat.store.responses import ResponseStore
 
 log = logging.getLogger("edgechat.server")
@@ -265,7 +265,8 @@ def parse_responses(body: dict, settings: ServerSettings, sampling=None, history
                           param="text.format", code="unsupported_parameter")
     budget, effort = _reasoning_budget(body, settings.reasoning_budget)
     request = ChatRequest(
-        messages=render_messages(messages, active),
+        messages=messages,
+        tools=active,
         sampling=_sampling({k: body[k] for k in ("temperature", "top_p") if k in body}, sampling),
         max_tokens=_opt_int(body, "max_output_tokens", lo=1),
         reasoning_budget=budget,

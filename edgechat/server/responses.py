@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from edgechat.engine.request import Finished, TokenLogprob
-from edgechat.server.tools import ToolCall
+from edgechat.engine.tools import ToolCall
 
 #: proxies must pass each event on at once, not buffer the stream
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from edgechat.engine.request import ChatRequest, Grammar, SamplingParams
 from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.settings import ServerSettings
-from edgechat.server.structured import check_gbnf, check_schema, response_format_grammar, schema_rules
-from edgechat.server.tools import Tools, parse_tools, render_messages, tool_grammar
+from edgechat.engine.schema_grammar import check_schema, schema_rules
+from edgechat.engine.tools import Tools, tool_grammar
+from edgechat.server.structured import check_gbnf, response_format_grammar
+from edgechat.server.tools import parse_tools
 
 #: roles a request may send; OpenAI's newer "developer" role is a system prompt, "tool" carries
-#: a tool's result back (rendered as the documented format, see tools.py)
+#: a tool's result back (rendered by the prompt builder, see engine/tools.py)
 _ROLES = {"system", "user", "assistant", "developer", "tool"}
 #: OpenAI's limit
 _MAX_STOPS = 4
@@ -70,8 +72,8 @@ class ParsedRequest:
     n: int = 1
     #: the tools offered and how they may be called (chat only)
     tools: Tools | None = None
-    #: the checked chat messages, tool calls and results included: a model whose template takes
-    #: tools renders them itself (app.py); `request` holds them in the generic format
+    #: the checked chat messages, tool calls and results included (`request` holds them too: the
+    #: engine's prompt builder renders them, through the model's template where it takes tools)
     messages: list[dict] | None = None
     #: the request's grammar is the client's own GBNF (`grammar`): llama.cpp's parser checks it
     #: before anything is queued
@@ -420,7 +422,8 @@ def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages, samp
                           code="invalid_value")
     messages = _messages(body, max_messages)
     request = ChatRequest(
-        messages=render_messages(messages, tools),
+        messages=messages,
+        tools=tools if tools is not None and tools.active else None,
         sampling=_sampling(body, sampling),
         max_tokens=_max_tokens(body, None),
         stop=_stop(body),

@@ -50,6 +50,9 @@ class Message:
     created_at: float = 0.0
     #: a reasoning model's thoughts before the answer ("" for none): shown and exported, never sent again
     reasoning: str = ""
+    #: the tool calls the answer made, each {id, server, name, arguments (JSON text), outcome
+    #: ("ok", "error", "denied", "stopped"), result (what the model was given back)}
+    tool_calls: list = field(default_factory=list)
 
 
 class SearchHit(NamedTuple):
@@ -94,6 +97,7 @@ def _message(row: sqlite3.Row) -> Message:
         meta=json.loads(row["meta"]),
         created_at=row["created_at"],
         reasoning=row["reasoning"],
+        tool_calls=json.loads(row["tool_calls"]),
     )
 
 
@@ -321,6 +325,7 @@ class Store:
         status: str | None = None,
         meta: dict | None = None,
         reasoning: str | None = None,
+        tool_calls: list | None = None,
     ) -> None:
         """Change an answer as it streams or ends; `meta` is merged into what is there."""
         if status is not None and status not in MESSAGE_STATUSES:
@@ -336,6 +341,8 @@ class Store:
                 db.execute("UPDATE messages SET status = ? WHERE id = ?", (status, msg_id))
             if reasoning is not None:
                 db.execute("UPDATE messages SET reasoning = ? WHERE id = ?", (reasoning, msg_id))
+            if tool_calls is not None:
+                db.execute("UPDATE messages SET tool_calls = ? WHERE id = ?", (json.dumps(tool_calls), msg_id))
             if meta is not None:
                 merged = {**json.loads(row["meta"]), **meta}
                 db.execute("UPDATE messages SET meta = ? WHERE id = ?", (json.dumps(merged), msg_id))
@@ -389,8 +396,8 @@ class Store:
                 parent_message_id=at_message_id,
             )
             db.execute(
-                "INSERT INTO messages (conversation_id, role, content, status, meta, created_at, reasoning)"
-                " SELECT ?, role, content, status, meta, created_at, reasoning FROM messages"
+                "INSERT INTO messages (conversation_id, role, content, status, meta, created_at, reasoning, tool_calls)"
+                " SELECT ?, role, content, status, meta, created_at, reasoning, tool_calls FROM messages"
                 " WHERE conversation_id = ? AND id <= ? ORDER BY id",
                 (new.id, conv_id, at_message_id),
             )
@@ -420,6 +427,7 @@ class Store:
                     "created_at": m.created_at,
                     # only an answer that thought has the field: other exports are as before
                     **({"reasoning": m.reasoning} if m.reasoning else {}),
+                    **({"tool_calls": m.tool_calls} if m.tool_calls else {}),
                 }
                 for m in self.messages(conv_id)
             ],
@@ -444,8 +452,8 @@ class Store:
                 ),
             )
             db.executemany(
-                "INSERT INTO messages (conversation_id, role, content, status, meta, created_at, reasoning)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO messages (conversation_id, role, content, status, meta, created_at, reasoning, tool_calls)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     (
                         data["id"],
@@ -455,6 +463,7 @@ class Store:
                         json.dumps(m.get("meta") or {}),
                         m.get("created_at", data["created_at"]),
                         m.get("reasoning") or "",
+                        json.dumps(m.get("tool_calls") or []),
                     )
                     for m in data["messages"]
                 ],

@@ -42,6 +42,10 @@ def to_markdown(data: dict) -> str:
             # the model's thoughts, quoted before the answer they led to
             lines += ["> **Thoughts**", ">", *(f"> {line}".rstrip() for line in thoughts.splitlines()), ""]
         lines.append(m["content"].rstrip())
+        for call in m.get("tool_calls") or ():
+            # each call and what came back, as the app shows them
+            lines += ["", f"> **Tool call** `{call['server']}.{call['name']}({call['arguments']})`: {call['outcome']}", ">",
+                      *(f"> {line}".rstrip() for line in str(call["result"]).splitlines())]
     return "\n".join(lines) + "\n"
 
 

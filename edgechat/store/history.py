@@ -14,17 +14,26 @@ from __future__ import annotations
 
 
 def model_messages(store, conv_id: str) -> list[dict]:
-    """The conversation's user and assistant messages under the rule above, oldest first."""
+    """The conversation's user and assistant messages under the rule above, oldest first; an
+    answer that called tools counts as one with text, and is followed by what each call gave
+    back (a result, a refusal or an error) as "tool" messages."""
     kept = [
-        {"role": m.role, "content": m.content}
+        {"role": m.role, "content": m.content, **({"tool_calls": m.tool_calls} if m.tool_calls else {})}
         for m in store.messages(conv_id)
-        if m.role in ("user", "assistant") and m.status != "error" and m.content
+        if m.role in ("user", "assistant") and m.status != "error" and (m.content or m.tool_calls)
     ]
     # A question followed by another question got no answer that counts.
-    return [
-        m for m, after in zip(kept, kept[1:] + [None])
-        if not (m["role"] == "user" and after is not None and after["role"] == "user")
-    ]
+    out: list[dict] = []
+    for m, after in zip(kept, kept[1:] + [None]):
+        if m["role"] == "user" and after is not None and after["role"] == "user":
+            continue
+        calls = m.pop("tool_calls", None)
+        if calls:
+            m["tool_calls"] = [{"id": c["id"], "name": c["name"], "arguments": c["arguments"]} for c in calls]
+        out.append(m)
+        # a call the app never finished (it was quit while asking) did not run
+        out += [{"role": "tool", "content": c["result"] or "The call did not run.", "tool_call_id": c["id"]} for c in calls or ()]
+    return out
 
 
 def with_system_prompt(settings: dict, messages: list[dict]) -> list[dict]:

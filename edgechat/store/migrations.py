@@ -94,6 +94,13 @@ def m004_message_reasoning(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT NOT NULL DEFAULT ''")
 
 
+@migration
+def m005_message_tool_calls(db: sqlite3.Connection) -> None:
+    # The tool calls an answer made, each with what came back (a result, a refusal, an error):
+    # a JSON list, shown with the answer, sent back to the model, exported.
+    db.execute("ALTER TABLE messages ADD COLUMN tool_calls TEXT NOT NULL DEFAULT '[]'")
+
+
 def applied(db: sqlite3.Connection) -> list[str]:
     db.execute("CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
     return [row[0] for row in db.execute("SELECT name FROM _migrations ORDER BY rowid")]

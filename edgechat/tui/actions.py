@@ -54,6 +54,14 @@ ACTIONS: list[Action] = [
         "/preset",
         "NAME",
     ),
+    Action(
+        "tools",
+        "Tools (MCP)",
+        "List the MCP servers' tools; /tools on SERVER.TOOL… or off … in this conversation; /tools required or auto",
+        None,
+        "/tools",
+        "[on|off NAME…]",
+    ),
     Action("system", "Set system prompt", "Set this conversation's system prompt", None, "/system", "TEXT"),
     Action("model", "Switch model", "Pick or load a model (name or .gguf path)", "ctrl+o", "/model", "NAME", hint="Model"),
     Action(

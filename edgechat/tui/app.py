@@ -19,6 +19,7 @@ from edgechat.tui.actions import ACTIONS
 from edgechat.tui.client import ChatClient
 from edgechat.tui.commands import ChatCommands
 from edgechat.tui.config import load_config, save_tui_setting
+from edgechat.tui.mcp import ToolServers
 from edgechat.tui.screens.chat import ChatScreen
 
 ClientFactory = Callable[[str], ChatClient]
@@ -45,6 +46,8 @@ class EdgechatApp(App):
         self.paths = paths
         self.config = load_config(paths)
         self.store = store or open_store(paths)
+        #: the MCP servers of config.toml, each started when a conversation first uses it
+        self.tool_servers = ToolServers(self.config.mcp_servers)
         self.url = url
         self.model_ref = model or self.config.model or (None if url else DEFAULT_MODEL)
         self.client: ChatClient | None = None
@@ -213,6 +216,7 @@ class EdgechatApp(App):
         if self._owns_clients:
             for loaded in unclaimed:
                 loaded.close()
+        self.tool_servers.close()
 
     def on_unmount(self) -> None:
         self.shutdown()

@@ -42,6 +42,9 @@ class ChatClient(Protocol):
     template_mode: str
     #: one line for the user when the chat format is a fallback, else None
     template_warning: str | None
+    #: the tool-call syntax of the model's template (engine/toolfamilies.py); None: this client
+    #: cannot offer the chat app's tools (a remote server)
+    tool_family: object | None
 
     def submit(self, request: ChatRequest) -> Handle:
         """Start a generation; user errors (prompt too long, busy) raise EdgechatError here."""
@@ -73,6 +76,7 @@ class LocalClient:
         self.n_ctx = self.engine.n_ctx
         self.template_mode = self.engine.template_mode
         self.template_warning = self.engine.template_warning
+        self.tool_family = self.engine.format.tool_family
         # where the layers went: "CPU", "CUDA0 (all 30 layers)", "CUDA0 20/30 layers, CPU 10"
         self.backend = self.engine.gpu.describe()
 
@@ -219,6 +223,7 @@ class RemoteClient:
                 raise ModelNotFoundError(f"the server at {url} lists no models; pass one with -m")
             model = models[0]
         self.model_name = model
+        self.tool_family = None
 
     def list_models(self) -> list[str]:
         import httpx

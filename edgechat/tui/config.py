@@ -1,4 +1,5 @@
-"""The app's part of config.toml: default conversation settings ([chat]) and the theme ([tui])."""
+"""The app's part of config.toml: default conversation settings ([chat]), the theme ([tui]) and
+the MCP servers whose tools conversations may use ([mcp.servers.NAME])."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from edgechat.engine.speculative import SpeculativeMode
 from edgechat.errors import UsageError
 from edgechat.fsutil import atomic_write_text
 from edgechat.store.history import with_system_prompt
+from edgechat.tui.mcp import ServerConfig, parse_servers
 
 #: the sampler settings a conversation keeps (SamplingParams fields), in the order the settings show them
 SAMPLING_SETTINGS = (
@@ -37,6 +39,7 @@ class AppConfig:
     chat: dict = field(default_factory=lambda: dict(CHAT_DEFAULTS))
     theme: str | None = None
     model: str | None = None
+    mcp_servers: dict[str, ServerConfig] = field(default_factory=dict)
 
 
 def load_config(paths: Paths) -> AppConfig:
@@ -49,7 +52,11 @@ def load_config(paths: Paths) -> AppConfig:
         # a value the settings dialog could not even show: say where it is, before the app starts
         raise UsageError(f"{paths.config_file}: [chat] {exc}; fix or remove that line") from None
     tui = raw.get("tui") or {}
-    return AppConfig(chat=chat, theme=tui.get("theme"), model=tui.get("model"))
+    try:
+        servers = parse_servers((raw.get("mcp") or {}).get("servers"))
+    except UsageError as exc:
+        raise UsageError(f"{paths.config_file}: {exc}") from None
+    return AppConfig(chat=chat, theme=tui.get("theme"), model=tui.get("model"), mcp_servers=servers)
 
 
 def save_tui_setting(paths: Paths, key: str, value: str) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
 import re
 import shlex
 from pathlib import Path
@@ -15,6 +18,7 @@ from textual.worker import Worker, WorkerState, get_current_worker
 
 from edgechat import attachments
 from edgechat.engine.request import ChatRequest
+from edgechat.engine.tools import ToolCallParser, tool_grammar
 from edgechat.errors import EdgechatError, StoreError, UsageError
 from edgechat.store import DEFAULT_TITLE, Conversation, atomic_write_text, export_conversation, title_from
 from edgechat.store import Message as StoredMessage
@@ -23,11 +27,12 @@ from edgechat.store.history import model_messages
 from edgechat.tui.actions import ACTIONS, parse_slash, unknown_slash
 from edgechat.tui.config import build_request, validate_settings
 from edgechat.tui.presets import find_preset, load_presets
-from edgechat.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
+from edgechat.tui.screens.dialogs import ConfirmScreen, TextPromptScreen, ToolApprovalScreen
 from edgechat.tui.screens.help import HelpScreen
 from edgechat.tui.screens.models import ModelPickerScreen
 from edgechat.tui.screens.pickers import AttachPickerScreen, PresetPickerScreen
 from edgechat.tui.screens.settings import SettingsScreen
+from edgechat.tui.toolrun import CHOICES, DENIED, STOPPED, TOOL_STEPS, call_line, offered_tools, pending_call, split_name
 from edgechat.tui.widgets.attachbar import AttachBar
 from edgechat.tui.widgets.chatview import PAGE, ChatView, MessageBox
 from edgechat.tui.widgets.prompt import PromptInput
@@ -59,6 +64,13 @@ class ChatScreen(Screen):
         #: the last deleted conversation, for undo
         self._deleted: dict | None = None
         self._draft_timer = None
+        #: the tools offered to the answer being generated (None: none)
+        self._offered = None
+        #: answers in a row that called tools since the question
+        self._tool_steps = 0
+        #: the worker running an answer's calls (asking, running), and whether Esc stopped them
+        self._tool_run: Worker | None = None
+        self._tools_stopped = False
 
     def notify(self, message: str, **kwargs) -> None:
         # The app's notify: messages here carry titles, model names and errors, never markup.
@@ -281,7 +293,7 @@ class ChatScreen(Screen):
         if unknown is not None:
             self.notify(f"Unknown command {unknown}; /help lists them.", severity="warning")
             return
-        if self.turn is not None or self._waiting is not None:
+        if self.turn is not None or self._waiting is not None or self._tool_run is not None:
             self.notify("Still answering: wait, or press Esc to stop.", severity="warning")
             return
         files = self.attach_bar.attachments
@@ -352,8 +364,11 @@ class ChatScreen(Screen):
 
         return tokens
 
-    async def start_answer(self, user_id: int | None, prompt: str) -> None:
+    async def start_answer(self, user_id: int | None, prompt: str, tool_step: bool = False) -> None:
+        """Answer the conversation; `tool_step`: the next answer after tool calls, not a new question."""
         assert self.conv is not None
+        if not tool_step:
+            self._tool_steps, self._tools_stopped = 0, False
         history = model_messages(self.store, self.conv.id)
         model = self.client.model_name if self.client else self.app.model_ref
         try:
@@ -379,7 +394,38 @@ class ChatScreen(Screen):
                 self.store.update_conversation(conv.id, model=self.client.model_name)
             except StoreError as exc:
                 self._store_failed(str(exc))
+        self._offered = None
+        if conv.settings.get("tools") and self._tool_steps < TOOL_STEPS:
+            if self.client.tool_family is not None:
+                self._offer_tools(conv, request, box)
+                return
+            self.notify("Tools run with a local model; answering without them.", severity="warning")
         self.chat.generate(self.client, request, box)
+
+    @work(thread=True, exclusive=True, group="offer-tools", exit_on_error=False)
+    def _offer_tools(self, conv: Conversation, request: ChatRequest, box: MessageBox) -> None:
+        """Start the enabled tools' servers (off the UI thread: one may take seconds, or hang
+        until its timeout), then generate with them offered."""
+        choice = conv.settings.get("tool_choice", "auto") if self._tool_steps == 0 else "auto"
+        offered, problems = None, []
+        try:
+            offered = offered_tools(self.app.tool_servers, conv.settings["tools"], choice)
+            problems = offered.skipped
+            if offered.tools.active:
+                request = dataclasses.replace(request, tools=offered.tools, grammar=tool_grammar(offered.tools, self.client.tool_family))
+            else:
+                offered = None
+        except EdgechatError as exc:  # a server that does not start, the SDK missing, a schema the grammar refuses
+            offered, problems = None, [str(exc)]
+        self.app.call_from_thread(self._generate_offered, offered, problems, request, box)
+
+    def _generate_offered(self, offered, problems: list[str], request: ChatRequest, box: MessageBox) -> None:
+        for problem in problems:
+            self.notify(f"Tools: {problem}", severity="warning", timeout=10)
+        self._offered = offered
+        self.chat.generate(self.client, request, box)
+        if self._tools_stopped:  # Esc while the servers started
+            self.chat.cancel()
 
     def model_ready(self) -> None:
         """The app loaded a model: show it, and answer a message that was waiting for it."""
@@ -465,10 +511,20 @@ class ChatScreen(Screen):
     @on(ChatView.AnswerFinished)
     async def _finished(self, event: ChatView.AnswerFinished) -> None:
         turn, self.turn = self.turn, None
+        offered, self._offered = self._offered, None
         self.status.state = "ready"
         if turn is None:
             return
         f = event.finished
+        calls: list[dict] = []
+        if offered is not None:
+            # the calls come out of the text: what is stored and shown is the answer's words
+            parser = ToolCallParser(self.client.tool_family)
+            parser.feed(f.text)
+            parser.finish()
+            f = dataclasses.replace(f, text=parser.text)
+            if f.reason in ("stop", "length"):
+                calls = [pending_call(c, offered.servers.get(c.name)) for c in parser.calls]
         if f.reason == "cancelled" and not f.text.strip() and not (f.reasoning or turn.reasoning).strip():
             # Stopped before anything came back: undo the send, the prompt goes back in the input.
             await self._undo_turn(turn)
@@ -477,6 +533,12 @@ class ChatScreen(Screen):
         box = self._box(turn.id)
         if box is not None:
             box.finish(stored)
+            await box.replace_text(stored.content)
+        if calls:
+            self._tool_steps += 1
+            self._tool_run = self._run_calls(turn.conversation_id, turn.id, calls)
+            self.refresh_sidebar()
+            return
         if f.reason == "cancelled":
             self._restore_attachments(turn)
             self._restore_prompt(turn.prompt)
@@ -485,6 +547,79 @@ class ChatScreen(Screen):
         elif f.repeating:
             self.notify("Stopped: the answer was only repeating itself (F4: the loop guard)", timeout=8)
         self.refresh_sidebar()
+
+    @work(exclusive=True, group="tool-calls", exit_on_error=False)
+    async def _run_calls(self, conv_id: str, message_id: int, calls: list[dict]) -> None:
+        """Each call the answer made: asked about (unless always allowed), run, its outcome stored
+        and shown; then the model answers again with what came back. Esc stops it."""
+        self.status.state = "tools"
+        try:
+            for call in calls:
+                await self._resolve(conv_id, call)
+                self._save_calls(message_id, calls)
+                await self._show_calls(message_id, calls)
+            if not self._tools_stopped and self.conv is not None and self.conv.id == conv_id:
+                # (still this worker's until the answer is under way: nothing else may start between)
+                await self.start_answer(user_id=None, prompt="", tool_step=True)
+        except asyncio.CancelledError:
+            for call in calls:
+                if call["outcome"] in ("pending", "running"):
+                    call.update(outcome="stopped", result=STOPPED)
+            self._save_calls(message_id, calls)
+            await self._show_calls(message_id, calls)
+            raise
+        finally:
+            self._tool_run = None
+            if self.turn is None:
+                self.status.state = "ready"
+
+    async def _resolve(self, conv_id: str, call: dict) -> None:
+        qualified = f"{call['server']}.{call['name']}"
+        if self._tools_stopped:
+            call.update(outcome="stopped", result=STOPPED)
+            return
+        if not call["server"]:
+            call.update(outcome="error", result=f"There is no tool named {call['name']!r}.")
+            return
+        conv = self.store.get_conversation(conv_id)
+        always = list(conv.settings.get("tools_always") or [])
+        answer = "yes" if qualified in always else await self.app.push_screen_wait(ToolApprovalScreen(call_line(call)))
+        if answer == "always":
+            self._update_settings(conv, tools_always=always + [qualified])
+        if answer == "stop":
+            self._tools_stopped = True
+            call.update(outcome="stopped", result=STOPPED)
+        elif answer == "no":
+            call.update(outcome="denied", result=DENIED)
+        else:
+            call["outcome"] = "running"
+            try:
+                text, is_error = await asyncio.to_thread(self.app.tool_servers.call, call["server"], call["name"], json.loads(call["arguments"]))
+                call.update(outcome="error" if is_error else "ok", result=text)
+            except EdgechatError as exc:  # the server crashed, hung or is gone: one line, and the model is told
+                self.notify(str(exc), severity="error", timeout=10)
+                call.update(outcome="error", result=str(exc))
+
+    def _save_calls(self, message_id: int, calls: list[dict]) -> None:
+        try:
+            self.store.update_message(message_id, tool_calls=calls)
+        except StoreError as exc:
+            self._store_failed(str(exc))
+
+    async def _show_calls(self, message_id: int, calls: list[dict]) -> None:
+        box = self._box(message_id)
+        if box is not None:
+            await box.show_tool_calls([dict(c) for c in calls])
+
+    def _update_settings(self, conv: Conversation, **changes) -> Conversation | None:
+        try:
+            conv = self.store.update_conversation(conv.id, settings={**conv.settings, **changes})
+        except StoreError as exc:
+            self._store_failed(str(exc))
+            return None
+        if self.conv is not None and self.conv.id == conv.id:
+            self.conv = conv
+        return conv
 
     @on(ChatView.AnswerFailed)
     async def _failed(self, event: ChatView.AnswerFailed) -> None:
@@ -535,7 +670,11 @@ class ChatScreen(Screen):
 
     def action_stop(self, arg: str = "") -> None:
         if self.turn is not None:
+            self._tools_stopped = True
             self.chat.cancel()
+        elif self._tool_run is not None:
+            self._tools_stopped = True
+            self._tool_run.cancel()
         elif self._editing is not None:
             self._editing = None
             self.prompt.clear()
@@ -545,7 +684,7 @@ class ChatScreen(Screen):
             self.prompt.focus()
 
     def _idle(self) -> bool:
-        if self.turn is not None or self._waiting is not None:
+        if self.turn is not None or self._waiting is not None or self._tool_run is not None:
             self.notify("Still answering: wait, or press Esc to stop.", severity="warning")
             return False
         return True
@@ -684,6 +823,61 @@ class ChatScreen(Screen):
         current = dict(self.app.config.chat) if self.conv is None else {**self.app.config.chat, **self.conv.settings}
         self._save_settings(validate_settings({**current, "system_prompt": arg}))
         self.notify("System prompt set for this conversation.")
+
+    def action_tools(self, arg: str = "") -> None:
+        words = arg.split()
+        if not words:
+            self._list_tools(set((self.conv.settings if self.conv else {}).get("tools") or []))
+            return
+        verb, names = words[0].lower(), words[1:]
+        try:
+            if verb in CHOICES and not names:
+                changes = {"tool_choice": verb}
+            elif verb in ("on", "off") and names:
+                for name in names:
+                    server, _ = split_name(name)
+                    if server not in self.app.config.mcp_servers:
+                        raise UsageError(f"no MCP server {server!r} in config.toml; add [mcp.servers.{server}]")
+                enabled = [t for t in (self.conv.settings.get("tools") or []) if t not in names] if self.conv else []
+                changes = {"tools": enabled + (names if verb == "on" else [])}
+            else:
+                raise UsageError("/tools lists them; /tools on SERVER.TOOL… or off SERVER.TOOL…; /tools required or auto")
+        except UsageError as exc:
+            self.notify(str(exc), severity="warning")
+            return
+        if self.conv is None:
+            try:
+                self.conv = self.store.create_conversation(model=self.client.model_name if self.client else self.app.model_ref,
+                                                           settings=dict(self.app.config.chat))
+            except StoreError as exc:
+                self._store_failed(str(exc))
+                return
+            self.refresh_sidebar()
+        if self._update_settings(self.conv, **changes) is not None:
+            enabled = self.conv.settings.get("tools") or []
+            choice = self.conv.settings.get("tool_choice", "auto")
+            self.notify(f"Tools on in this conversation: {', '.join(enabled) or 'none'} (calls: {choice})")
+
+    @work(thread=True, exclusive=True, group="list-tools", exit_on_error=False)
+    def _list_tools(self, enabled: set[str]) -> None:
+        """Every configured server's tools (starting them: off the UI thread), as a note."""
+        servers = self.app.config.mcp_servers
+        if not servers:
+            lines = ["No MCP servers: add [mcp.servers.NAME] to config.toml (command, args, env; or a loopback url)."]
+        else:
+            lines = ["Tools (/tools on SERVER.TOOL to use one here):"]
+            for name in servers:
+                try:
+                    for tool in self.app.tool_servers.tools(name):
+                        line = f"[{'on ' if f'{name}.{tool.name}' in enabled else 'off'}] {name}.{tool.name}"
+                        lines.append(f"{line}: {tool.description.splitlines()[0]}" if tool.description.strip() else line)
+                except EdgechatError as exc:
+                    lines.append(f"{name}: {exc}")
+        self.app.call_from_thread(self._show_note, "\n".join(lines))
+
+    async def _show_note(self, text: str) -> None:
+        await self.chat.add_note(text)
+        self.chat.scroll_end(animate=False)
 
     def action_preset(self, arg: str = "") -> None:
         try:

@@ -58,3 +58,38 @@ class TextPromptScreen(ModalScreen[str | None]):
 
     def action_cancel(self) -> None:
         self.dismiss(None)
+
+
+class ToolApprovalScreen(ModalScreen[str]):
+    """May the model's tool call run? "yes", "no", "always" (this tool, in this conversation) or,
+    with Esc, "stop" (no more calls this turn)."""
+
+    BINDINGS = [
+        Binding("y", "answer('yes')", "Yes", show=False),
+        Binding("n", "answer('no')", "No", show=False),
+        Binding("a", "answer('always')", "Always", show=False),
+        Binding("escape", "answer('stop')", "Stop"),
+    ]
+
+    def __init__(self, line: str):
+        super().__init__(classes="dialog-screen")
+        self.line = line
+
+    def compose(self):
+        with Vertical(classes="dialog"):
+            yield Label("Run this tool call?", classes="dialog-title")
+            yield Label(self.line, classes="tool-call-line", markup=False)
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Yes", id="yes", variant="primary", compact=True)
+                yield Button("No", id="no", compact=True)
+                yield Button("Always", id="always", compact=True)
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()
+
+    @on(Button.Pressed)
+    def _pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id)
+
+    def action_answer(self, value: str) -> None:
+        self.dismiss(value)

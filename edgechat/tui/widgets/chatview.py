@@ -30,7 +30,9 @@ from edgechat.engine.request import (
 )
 from edgechat.errors import EdgechatError
 from edgechat.store import Message as StoredMessage
+from edgechat.engine.tools import ToolCallParser
 from edgechat.tui.client import ChatClient
+from edgechat.tui.toolrun import call_line
 
 #: seconds between UI updates while an answer streams (per-token updates halve decode speed)
 FLUSH_INTERVAL = 0.15
@@ -129,6 +131,36 @@ class Thoughts(Vertical):
         self.toggle()
 
 
+class ToolCallBlock(Vertical):
+    """One tool call an answer made: one line (the call and its outcome); a click shows what
+    came back, and hides it again."""
+
+    def __init__(self, call: dict):
+        super().__init__(classes="tool-call")
+        self.call = call
+        self.expanded = False
+
+    def compose(self):
+        yield Static(self._line(), classes="tool-call-line", markup=False)
+        yield Static(self.call["result"], classes="tool-call-result", markup=False)
+
+    def _line(self) -> str:
+        return ("▾ " if self.expanded else "▸ ") + "🔧 " + call_line(self.call)
+
+    def update_call(self, call: dict) -> None:
+        self.call = call
+        self.query_one(".tool-call-line", Static).update(self._line())
+        self.query_one(".tool-call-result", Static).update(call["result"])
+
+    def toggle(self) -> None:
+        self.expanded = not self.expanded
+        self.set_class(self.expanded, "-expanded")
+        self.query_one(".tool-call-line", Static).update(self._line())
+
+    def on_mouse_down(self) -> None:
+        self.toggle()
+
+
 class MessageBox(Vertical, can_focus=True):
     """One message. Focus it (click, or Tab) for: c copy, e edit and resend, b branch here, r regenerate,
     t show or hide a reasoning model's thoughts."""
@@ -184,6 +216,9 @@ class MessageBox(Vertical, can_focus=True):
                 _, shown = split(self.text, len(files))
             self._body = Static(shown, markup=False, classes="body")
         yield self._body
+        if self.message.role == "assistant":
+            with Vertical(classes="tool-calls"):
+                yield from (ToolCallBlock(c) for c in self.message.tool_calls)
         yield Label(self._status_note(), classes="status-note", markup=False)
 
     def _status_note(self) -> str:
@@ -214,6 +249,24 @@ class MessageBox(Vertical, can_focus=True):
             await self._body.append(text)
         elif self._body is not None:
             self._body.update(self.text)
+
+    def tool_blocks(self) -> list[ToolCallBlock]:
+        return list(self.query(ToolCallBlock))
+
+    async def show_tool_calls(self, calls: list[dict]) -> None:
+        """The answer's calls as they stand (added, or each one's outcome)."""
+        self.message.tool_calls = calls
+        blocks = self.tool_blocks()
+        for block, call in zip(blocks, calls):
+            block.update_call(call)
+        if len(calls) > len(blocks):
+            await self.query_one(".tool-calls", Vertical).mount_all([ToolCallBlock(c) for c in calls[len(blocks):]])
+
+    async def replace_text(self, text: str) -> None:
+        """The answer's text as stored (the call syntax taken out)."""
+        if text != self.text and isinstance(self._body, Markdown):
+            self.text = text
+            await self._body.update(text)
 
     def finish(self, message: StoredMessage) -> None:
         """The answer ended: show its final status and stats."""
@@ -390,6 +443,8 @@ class ChatView(VerticalScroll):
             handle.cancel()
         pending: list[str] = []
         thoughts: list[str] = []
+        # with tools, the call syntax never shows: only the answer's text goes to the box
+        parser = ToolCallParser(client.tool_family) if request.tools is not None else None
         last = time.monotonic()
         #: when the first thought came, how many deltas of thoughts, whether the answer has started since
         think_start, n_thoughts, thinking = None, 0, False
@@ -420,7 +475,7 @@ class ChatView(VerticalScroll):
                     if thinking:
                         thinking = False
                         end_thoughts()
-                    pending.append(event.text)
+                    pending.append(parser.feed(event.text)[0] if parser is not None else event.text)
                 now = time.monotonic()
                 if now - last >= self._interval:
                     flush()
