@@ -38,7 +38,7 @@ from edgechat.engine.request import (
 from edgechat.engine.sampling import SamplerChain
 from edgechat.engine.sessions import ConversationStates
 from edgechat.engine.speculative import MAX_DRAFT, DraftPolicy, NgramDrafter, SpeculativeMode, StepCost
-from edgechat.engine.reasoning import ReasoningFormat, ReasoningSplitter
+from edgechat.engine.reasoning import ChannelFormat, ReasoningFormat
 from edgechat.engine.stream import OutputProcessor
 from edgechat.errors import EngineBusyError
 
@@ -95,7 +95,7 @@ class Scheduler:
         speculative: Callable[[ChatRequest], SpeculativeMode],
         draft: DraftModel | None = None,
         deterministic: bool = False,
-        reasoning: ReasoningFormat | None = None,
+        reasoning: ReasoningFormat | ChannelFormat | None = None,
     ):
         self.backend = backend
         self.kv = kv
@@ -110,6 +110,7 @@ class Scheduler:
         #: the model's thinking markers, and the tokens that close its thoughts at a budget
         self.reasoning = reasoning
         self._closing = backend.tokenize(reasoning.closing, add_bos=False, special=True) if reasoning else []
+        self._splitters = reasoning.splitters(backend.tokenize) if reasoning else None
         #: what a wider batch costs on this machine, measured on every step
         self.cost = StepCost()
         self.waiting: deque[Running] = deque()
@@ -193,8 +194,8 @@ class Scheduler:
         run.sampler = SamplerChain(req.sampling, self.backend.n_vocab, self.backend.vocab, req.grammar)
         run.sampler.accept_prompt(prompt)
         splitter = None
-        if self.reasoning is not None and req.messages is not None and req.split_reasoning:
-            splitter = ReasoningSplitter(self.reasoning, run.prep.thinking)
+        if self._splitters is not None and req.messages is not None and req.split_reasoning:
+            splitter = self._splitters(run.prep.thinking, prompt)
         run.proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos, splitter=splitter)
         mode = self.speculative(req)
         if mode in (SpeculativeMode.AUTO, SpeculativeMode.LOOKUP):
