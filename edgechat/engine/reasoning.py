@@ -128,6 +128,29 @@ class ChannelFormat:
         return lambda opened, prompt: ChannelSplitter(markers, prompt)
 
 
+class Thinking:
+    """One engine's side of its model's reasoning, shared by both engines: a splitter for each
+    request that wants its thoughts apart, and the tokens the engine writes to end them when a
+    request's budget is spent (the caller puts them into the sequence, as if the model had)."""
+
+    def __init__(self, fmt: ReasoningFormat | ChannelFormat | None, tokenize: Callable[[str], list[int]]):
+        self.format = fmt
+        self.closing = tokenize(fmt.closing) if fmt is not None else []
+        self._splitters = fmt.splitters(tokenize) if fmt is not None else None
+
+    def splitter(self, request, prep) -> ReasoningSplitter | ChannelSplitter | None:
+        """For a chat request (a ChatRequest and its Prepared prompt) that splits its reasoning."""
+        if self._splitters is None or request.messages is None or not request.split_reasoning:
+            return None
+        return self._splitters(prep.thinking, prep.tokens)
+
+    @staticmethod
+    def spent(request, proc) -> bool:
+        """Whether the request's thinking budget is used up while its output is still thinking."""
+        budget = request.reasoning_budget
+        return budget is not None and proc.thinking and proc.reasoning_tokens >= budget
+
+
 def reasoning_format(template_source: str | None) -> ReasoningFormat | ChannelFormat | None:
     """The reasoning markers a chat template uses; None for a model that does not think."""
     if not template_source:

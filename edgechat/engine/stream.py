@@ -103,6 +103,11 @@ class OutputProcessor:
         out, self._new_reasoning = self._new_reasoning, ""
         return out
 
+    def parts(self, text: str) -> list[tuple[str, bool]]:
+        """What goes out now, in order, as (text, is_reasoning): the thoughts released since the
+        last call, then `text` (what feed() or finish() returned); empty ones left out."""
+        return [(part, reasoning) for part, reasoning in ((self.take_reasoning(), True), (text, False)) if part]
+
     def finish(self) -> str:
         """End of generation: flush what was held. An incomplete UTF-8 tail (a character cut by
         max_tokens) is dropped, not rendered as U+FFFD: llama-server ends such answers cleanly too."""
