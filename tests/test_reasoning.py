@@ -124,6 +124,18 @@ def test_the_budget_closes_the_thoughts_and_an_answer_follows(thinker):
     assert raw.reasoning == "" and raw.text.strip() == free.reasoning  # the raw text, as the model wrote it
 
 
+@pytest.mark.parametrize("engine_name", ["thinker", "harmony"])
+def test_every_sampled_token_log_probability_is_delivered_once_across_a_budget(engine_name, request):
+    """The budget's closing tokens have none: the deltas after them still carry every sampled one."""
+    engine = request.getfixturevalue(engine_name)
+    handle = engine.submit(ChatRequest(messages=ASK, sampling=GREEDY, max_tokens=30, reasoning_budget=8, logprobs=1))
+    streamed = [lp for e in handle if isinstance(e, TextDelta) for lp in e.logprobs or []]
+    done = handle.finished
+    assert done.text and done.reasoning
+    assert [lp.token for lp in streamed] == [lp.token for lp in done.logprobs]
+    assert len(streamed) == len(done.token_ids) - len(engine.scheduler.thinking.closing)
+
+
 def test_ten_turns_send_no_old_thoughts_and_reuse_the_cache(thinker):
     history, cached, answers, prompts = [], [], [], []
     for turn in range(10):
