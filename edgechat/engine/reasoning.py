@@ -270,10 +270,10 @@ class ChannelSplitter:
 
     def __init__(self, markers: ChannelMarkers, prompt: list[int]):
         self.m = markers
-        self._texts = {markers.start: "", markers.end: "", markers.message: "",
-                       markers.channel: markers.fmt.channel, markers.constrain: markers.fmt.constrain}
-        self._rendered = {markers.start: markers.fmt.start, markers.end: markers.fmt.end, markers.message: markers.fmt.message,
-                          markers.channel: markers.fmt.channel, markers.constrain: markers.fmt.constrain}
+        fmt = markers.fmt
+        #: each marker's text, what its piece is where llama.cpp renders it
+        self._marker_text = {markers.start: fmt.start, markers.end: fmt.end, markers.message: fmt.message,
+                             markers.channel: fmt.channel, markers.constrain: fmt.constrain}
         self._header = ""
         self._any_message = True
         if prompt[-len(markers.opens_thoughts):] == markers.opens_thoughts:
@@ -288,20 +288,21 @@ class ChannelSplitter:
         return self.route is Route.REASONING
 
     def feed(self, text: str, token: int | None = None) -> tuple[str, str]:
-        if token not in self._texts:
+        marker = self._marker_text.get(token)
+        if marker is None:
             return self._add(text)
         # the marker's piece (its text, or nothing if it is a control token) is markup; text
         # decoded before it (a character completed with it) is the message's
-        out = self._add(text.removesuffix(self._rendered[token]))
+        out = self._add(text.removesuffix(marker))
         m = self.m
         if token == m.start or token == m.end:
             self.route, self._header = Route.HEADER, ""
         elif token == m.message:
             return self._open(out)
-        elif self.route is Route.HEADER:
-            self._header += self._texts[token]
+        elif self.route is Route.HEADER:  # <|channel|> or <|constrain|>: the header reads them
+            self._header += marker
         elif token == m.channel:  # a header without <|start|>: a new message begins
-            self.route, self._header = Route.HEADER, m.fmt.channel
+            self.route, self._header = Route.HEADER, marker
         return out
 
     def _add(self, text: str) -> tuple[str, str]:
