@@ -4,7 +4,9 @@ embedded model thinks):
 
 - decode: the same greedy 192 tokens with the reasoning splitter on (the template opens a block,
   so every token passes through it) against the same engine with `split_reasoning` off (the
-  text as it is): target >= 0.98x. Runs alternate, the median of their ratios is printed.
+  text as it is): target >= 0.98x. Runs alternate, the median of their ratios is printed. Beside
+  it, what each splitter (<think>, harmony's channels) adds to a token by CPU time, as a share
+  of a decode step.
 - ten turns of one conversation, each turn's thoughts left out of the next prompt: the TTFT of
   turn 10 against turn 2 (prefix reuse must hold while the template drops old thoughts): target
   <= 1.3x. Beside it, the floor: the same two turns' new tokens at their depths in one raw
@@ -32,6 +34,8 @@ from pathlib import Path
 from edgechat.config import Paths, get_paths
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
 from edgechat.engine.llama import Batch, LlamaBackend
+from edgechat.engine.reasoning import ChannelFormat
+from edgechat.engine.stream import OutputProcessor
 
 MODEL = "smollm2-135m-instruct"
 #: SmolLM2's thinking template (ChatML turns)
@@ -69,6 +73,44 @@ def decode_ratio(engine: Engine, rounds: int) -> dict:
         plain_tps.append(runs[False])
         ratios.append(runs[True] / runs[False])
     return {"split_tps": statistics.median(split_tps), "plain_tps": statistics.median(plain_tps), "ratio": statistics.median(ratios)}
+
+
+#: harmony's channels on SmolLM2's own control tokens (as tests/test_reasoning.py stands them in)
+STAND_IN_CHANNELS = ChannelFormat(start="<|im_start|>", channel="<jupyter_code>", message="<jupyter_output>",
+                                  end="<jupyter_text>", constrain="<jupyter_script>")
+
+
+def splitter_cost(engine: Engine, tps: float) -> dict:
+    """What each splitter adds to a token, by the thread's CPU clock (nearly free of a shared
+    machine's load): the decode test's tokens through the output processor alone, without a
+    splitter, with the <think> one and with harmony's (its markers stood in by SmolLM2's control
+    tokens, the thoughts' message opened by the prompt), as a share of one decode step at `tps`."""
+    be = engine.backend
+    done = engine.submit(ChatRequest(messages=ASK, sampling=GREEDY, max_tokens=192, ignore_eos=True, speculative="off")).result()
+    pieces = [(be.piece(t), t) for t in done.token_ids]
+    fmt = engine.format.reasoning
+    splitters = {"think": lambda: fmt.splitters(be.tokenize)(True, [])}
+    if STAND_IN_CHANNELS.splitters(be.tokenize) is not None:
+        opened = be.tokenize(f"{STAND_IN_CHANNELS.start}assistant{STAND_IN_CHANNELS.channel}analysis{STAND_IN_CHANNELS.message}")
+        splitters["harmony"] = lambda: STAND_IN_CHANNELS.splitters(be.tokenize)(True, opened)
+
+    def per_token(make) -> float:
+        best = float("inf")
+        for _ in range(20):
+            proc = OutputProcessor(["STOP"], splitter=make())
+            began = time.thread_time()
+            for data, token in pieces:
+                proc.feed(data, token)
+            proc.finish()
+            best = min(best, (time.thread_time() - began) / len(pieces))
+        return best
+
+    plain = per_token(lambda: None)
+    out = {"plain_us_per_token": plain * 1e6}
+    for name, make in splitters.items():
+        added = per_token(make) - plain  # below 0: thoughts skip the stop-string search the answer gets
+        out[name] = {"us_per_token": added * 1e6, "share_of_step": added * tps}
+    return out
 
 
 def ten_turns(engine: Engine, session: str, rounds: int) -> dict:
@@ -196,6 +238,7 @@ def main() -> None:
                               chat_template=TEMPLATES[args.model], flash_attn=args.flash_attn or "auto")
         with Engine(config) as engine:
             result = {"decode": decode_ratio(engine, args.rounds), "ten_turns": ten_turns(engine, "thinking", args.rounds)}
+            result["splitters"] = splitter_cost(engine, result["decode"]["plain_tps"])
             model_path = engine.model_path
         # the reference: the same conversation on the model's own template (no thoughts to drop),
         # where a turn's TTFT grows with the context alone
@@ -211,6 +254,11 @@ def main() -> None:
     d = result["decode"]
     print(f"decode with the splitter: {d['split_tps']:.1f} t/s, plain {d['plain_tps']:.1f} t/s, "
           f"median paired ratio {d['ratio']:.3f} (target >= 0.98)")
+    costs = result["splitters"]
+    for name, c in costs.items():
+        if name != "plain_us_per_token":
+            print(f"the {name} splitter by CPU time: {c['us_per_token']:+.1f} us a token beside the output processor's own "
+                  f"{costs['plain_us_per_token']:.1f} us ({c['share_of_step'] * 100:+.3f}% of a decode step)")
     for label, t in (("ten turns", result["ten_turns"]), ("same turns without thinking", result["ten_turns_plain"])):
         floor = ", ".join(f"{r:.2f} (flash attention {fa})" for fa, r in t["floor"].items())
         print(f"{label}: TTFT turn 2 {t['ttft'][1] * 1000:.0f} ms, turn 10 {t['ttft'][9] * 1000:.0f} ms, "
