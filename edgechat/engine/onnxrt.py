@@ -17,6 +17,7 @@ recomputes (the `truncate` policy; rotated keys cannot be shifted).
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -221,9 +222,9 @@ class OnnxEngine(PromptQueries):
         )
         self.template_mode, self.template_warning = self.format.mode, self.format.warning
         self.draft, self.draft_warning = None, None  # no speculative decoding here
-        self.prompts = PromptBuilder(self.format, lambda text: voc.tokenize(text, add_bos=False, special=True),
-                                     voc.bos if voc.add_bos else None, self.n_ctx)
-        self.thinking = Thinking(self.format.reasoning, lambda text: voc.tokenize(text, add_bos=False, special=True))
+        tokenize = functools.partial(voc.tokenize, add_bos=False, special=True)  # a template's text, its markers parsed
+        self.prompts = PromptBuilder(self.format, tokenize, voc.bos if voc.add_bos else None, self.n_ctx)
+        self.thinking = Thinking(self.format.reasoning, tokenize)
         #: tokens whose keys and values the cache holds, at positions 0..n-1
         self.cached: list[int] = []
         self._inbox: queue.Queue = queue.Queue()
