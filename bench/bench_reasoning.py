@@ -90,7 +90,7 @@ def splitter_cost(engine: Engine, tps: float) -> dict:
     pieces = [(be.piece(t), t) for t in done.token_ids]
     fmt = engine.format.reasoning
     splitters = {"think": lambda: fmt.splitters(be.tokenize)(True, [])}
-    if STAND_IN_CHANNELS.splitters(be.tokenize) is not None:
+    if all(len(be.tokenize(marker)) == 1 for marker in STAND_IN_CHANNELS.markers):  # SmolLM2's vocabulary
         opened = be.tokenize(f"{STAND_IN_CHANNELS.start}assistant{STAND_IN_CHANNELS.channel}analysis{STAND_IN_CHANNELS.message}")
         splitters["harmony"] = lambda: STAND_IN_CHANNELS.splitters(be.tokenize)(True, opened)
 
