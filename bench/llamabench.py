@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from quantize.llm import use_extra_buffers
+
 BUILD_SCRIPT = Path(__file__).resolve().with_name("build_llama_bench.sh")
 ALL_TOOLS = ("llama-bench", "llama-server", "llama-quantize", "llama-imatrix")
 
@@ -76,6 +78,9 @@ def run_llama_bench(
         "-r", str(repetitions),
         "-d", str(n_depth),
         "-fa", flash_attn,
+        # the engine's weight layout: without llama.cpp's extra buffer types where it keeps them
+        # off (AMX CPUs, where ggml's AMX matmul faults in some virtual machines)
+        *([] if use_extra_buffers() else ["--repack", "0"]),
         "-o", "json",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -17,6 +17,7 @@ recomputes (the `truncate` policy; rotated keys cannot be shifted).
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from edgechat.engine import planner
 from edgechat.engine.llama import LlamaBackend, _ensure_backend, token_logprobs
 from edgechat.engine.metrics import RequestClock
 from edgechat.engine.prompt import Prepared, PromptBuilder, PromptQueries
+from edgechat.engine.reasoning import Thinking
 from edgechat.engine.request import (
     FINISH_REASONS,
     ChatRequest,
@@ -214,14 +216,15 @@ class OnnxEngine(PromptQueries):
             raise
         self.gpu = _Cpu(self.runner.session.get_providers())
         self.format = choose_format(
-            voc.meta("tokenizer.chat_template"), voc.meta("general.architecture") or info.architecture,
+            cfg.chat_template or voc.meta("tokenizer.chat_template"), voc.meta("general.architecture") or info.architecture,
             voc.token_text(voc.bos) if voc.bos >= 0 else "", voc.token_text(voc.eos) if voc.eos >= 0 else "",
             self._is_special_token,
         )
         self.template_mode, self.template_warning = self.format.mode, self.format.warning
         self.draft, self.draft_warning = None, None  # no speculative decoding here
-        self.prompts = PromptBuilder(self.format, lambda text: voc.tokenize(text, add_bos=False, special=True),
-                                     voc.bos if voc.add_bos else None, self.n_ctx)
+        tokenize = functools.partial(voc.tokenize, add_bos=False, special=True)  # a template's text, its markers parsed
+        self.prompts = PromptBuilder(self.format, tokenize, voc.bos if voc.add_bos else None, self.n_ctx)
+        self.thinking = Thinking(self.format.reasoning, tokenize)
         #: tokens whose keys and values the cache holds, at positions 0..n-1
         self.cached: list[int] = []
         self._inbox: queue.Queue = queue.Queue()
@@ -387,7 +390,7 @@ class OnnxEngine(PromptQueries):
             self.cached = []  # prefilled from position 0 in the same chunks every time it is sent
         cached = min(_common_prefix(self.cached, prep.tokens), len(prep.tokens) - 1)
         sampler = SamplerChain(req.sampling, self.vocab.n_vocab, self.vocab.vocab, req.grammar)
-        proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos)
+        proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos, splitter=self.thinking.splitter(req, prep))
         out: list[int] = []
         logprobs: list[TokenLogprob] | None = [] if req.logprobs is not None else None
         sent = 0  # logprobs delivered with a TextDelta
@@ -406,35 +409,50 @@ class OnnxEngine(PromptQueries):
                     logprob, top = token_logprobs(logits, token, req.logprobs)
                     piece = self.vocab.piece
                     logprobs.append(TokenLogprob(piece(token), logprob, [(piece(t), lp) for t, lp in top]))
-                text = proc.feed(self.vocab.piece(token), token)
-                if text:
-                    handle.emit(TextDelta(text, logprobs[sent:] if logprobs is not None else None))
-                    sent = len(out)
+                sent = self._emit(handle, proc, proc.feed(self.vocab.piece(token), token), logprobs, sent)
                 if proc.stopped:
                     status = RequestStatus.FINISHED_REPEATING if proc.repeating else RequestStatus.FINISHED_STOPPED
                     break
                 if req.max_tokens is not None and len(out) >= req.max_tokens:
                     status = RequestStatus.FINISHED_LENGTH
                     break
-                if len(self.cached) >= self.n_ctx:
+                new = [token]
+                if self.thinking.spent(req, proc):
+                    # the budget is spent: the end of the thoughts goes into the sequence as if
+                    # the model had written it, and the answer follows (as in the llama.cpp engine)
+                    for closing in self.thinking.closing:
+                        out.append(closing)
+                        sent = self._emit(handle, proc, proc.feed(self.vocab.piece(closing), closing), logprobs, sent)
+                    new += self.thinking.closing
+                if len(self.cached) + len(new) > self.n_ctx:
                     self._make_room(run)
-                logits = self._step(token)
+                logits = self._step(token) if len(new) == 1 else self._prefill(self.cached + new, handle)
             else:  # stopped or cancelled by its client
                 status = handle.end_status
         finally:
             sampler.free()
         self._finish(run, status, proc, out, cached, logprobs=logprobs, sent=sent)
 
+    @staticmethod
+    def _emit(handle: RequestHandle, proc: OutputProcessor, text: str, logprobs: list[TokenLogprob] | None, sent: int) -> int:
+        """The thoughts and text released now, with the log probabilities of the tokens sampled
+        since the last delivery (the engine's closing tokens have none); returns how many are delivered."""
+        for part, reasoning in proc.parts(text):
+            handle.emit(TextDelta(part, logprobs[sent:] if logprobs is not None else None, reasoning))
+            sent = len(logprobs) if logprobs is not None else 0
+        return sent
+
     def _finish(self, run: _Run, status: RequestStatus, proc: OutputProcessor | None, out: list[int], cached: int,
                 error: str | None = None, logprobs: list[TokenLogprob] | None = None, sent: int = 0) -> None:
-        tail = proc.finish() if proc is not None and status is not RequestStatus.FINISHED_ERROR else ""
-        if tail:
-            run.handle.emit(TextDelta(tail, logprobs[sent:] if logprobs is not None else None))
+        if proc is not None and status is not RequestStatus.FINISHED_ERROR:
+            self._emit(run.handle, proc, proc.finish(), logprobs, sent)
         run.handle.status = status
         metrics = run.clock.build(len(run.prep.tokens), cached, len(out), len(self.cached), self.n_ctx)
+        metrics.reasoning_tokens = proc.reasoning_tokens if proc is not None else 0
         run.handle.emit(Metrics(metrics))
         run.handle.emit(Finished(FINISH_REASONS[status], proc.text if proc else "", metrics, error, out, logprobs,
                                  repeating=status is RequestStatus.FINISHED_REPEATING,
+                                 reasoning=proc.reasoning if proc is not None else "",
                                  stop_sequence=proc.stop_found if proc else None))
 
 

@@ -11,7 +11,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from edgechat.engine.reasoning import strip_thoughts
 from edgechat.engine.request import ChatRequest, ContextPolicy
 from edgechat.engine.sampling import validate
 from edgechat.engine.templates import ChatFormat, validate_messages
@@ -146,7 +145,7 @@ class PromptBuilder:
         fmt = self.format.reasoning
         if fmt is not None:
             # earlier thoughts are not sent again: they would fill the context with old reasoning
-            msgs = [{**m, "content": strip_thoughts(m["content"], fmt)} if m["role"] == "assistant" else m for m in msgs]
+            msgs = [{**m, "content": fmt.strip(m["content"])} if m["role"] == "assistant" else m for m in msgs]
         variables = self._variables(request)
         if request.tools is not None or any(m["role"] == "tool" or "tool_calls" in m for m in msgs):
             # the tools, calls and results as the template takes them (or in the generic format),
@@ -179,11 +178,11 @@ class PromptBuilder:
             tokens += st
             if segmented and i < pinned:
                 keep = len(tokens)
+        if fmt is not None and request.split_reasoning and request.reasoning_budget == 0 and (skip := fmt.skip(tail)):
+            # no switch in the template: the prompt itself closes (or skips) the thoughts
+            tokens = tokens + self._segment_tokens(skip)
+            tail += skip
         thinking = fmt is not None and request.split_reasoning and fmt.opened_by(tail)
-        if thinking and request.reasoning_budget == 0:
-            # no switch in the template, but its prompt opened the block: close it before the model writes
-            tokens = tokens + self._segment_tokens(fmt.closing)
-            thinking = False
         return Prepared(tokens, keep, tuple(spans), evicted, evicted - already, summary, thinking)
 
     def _fit(self, can_evict: bool, msgs: list[dict], keep_msgs: int, variables: dict, evicted: int, summary: str | None,

@@ -38,7 +38,7 @@ from edgechat.engine.request import (
 from edgechat.engine.sampling import SamplerChain
 from edgechat.engine.sessions import ConversationStates
 from edgechat.engine.speculative import MAX_DRAFT, DraftPolicy, NgramDrafter, SpeculativeMode, StepCost
-from edgechat.engine.reasoning import ReasoningFormat, ReasoningSplitter
+from edgechat.engine.reasoning import ChannelFormat, ReasoningFormat, Thinking
 from edgechat.engine.stream import OutputProcessor
 from edgechat.errors import EngineBusyError
 
@@ -95,7 +95,7 @@ class Scheduler:
         speculative: Callable[[ChatRequest], SpeculativeMode],
         draft: DraftModel | None = None,
         deterministic: bool = False,
-        reasoning: ReasoningFormat | None = None,
+        reasoning: ReasoningFormat | ChannelFormat | None = None,
     ):
         self.backend = backend
         self.kv = kv
@@ -107,9 +107,8 @@ class Scheduler:
         self.draft = draft
         #: each request alone on an empty cache (EngineConfig.deterministic; n_parallel is then 1)
         self.deterministic = deterministic
-        #: the model's thinking markers, and the tokens that close its thoughts at a budget
-        self.reasoning = reasoning
-        self._closing = backend.tokenize(reasoning.closing, add_bos=False, special=True) if reasoning else []
+        #: the model's thinking markers, its splitters and the tokens that close its thoughts at a budget
+        self.thinking = Thinking(reasoning, backend.tokenize)
         #: what a wider batch costs on this machine, measured on every step
         self.cost = StepCost()
         self.waiting: deque[Running] = deque()
@@ -192,10 +191,8 @@ class Scheduler:
         run.pending = prompt[run.cached :]
         run.sampler = SamplerChain(req.sampling, self.backend.n_vocab, self.backend.vocab, req.grammar)
         run.sampler.accept_prompt(prompt)
-        splitter = None
-        if self.reasoning is not None and req.messages is not None and req.split_reasoning:
-            splitter = ReasoningSplitter(self.reasoning, run.prep.thinking)
-        run.proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos, splitter=splitter)
+        run.proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos,
+                                   splitter=self.thinking.splitter(req, run.prep))
         mode = self.speculative(req)
         if mode in (SpeculativeMode.AUTO, SpeculativeMode.LOOKUP):
             run.drafter = NgramDrafter(prompt)
@@ -284,14 +281,13 @@ class Scheduler:
     def _emit_text(self, run: Running, text: str) -> None:
         """Text to the client, after the thoughts released with it, with the log probabilities
         of the tokens emitted since the last text (the end-of-generation token has none)."""
-        thought = run.proc.take_reasoning() if run.proc is not None else ""
-        for part, reasoning in ((thought, True), (text, False)):
-            if not part:
-                continue
+        if run.proc is None:  # ended before it started: nothing was written
+            return
+        for part, reasoning in run.proc.parts(text):
             logprobs = None
-            if run.request.logprobs is not None:
-                logprobs = run.logprobs[run.logprobs_sent : run.n_out]
-                run.logprobs_sent = run.n_out
+            if run.request.logprobs is not None:  # the closing tokens of a thinking budget have none
+                logprobs = run.logprobs[run.logprobs_sent :]
+                run.logprobs_sent = len(run.logprobs)
             run.handle.emit(TextDelta(part, logprobs, reasoning))
 
     def _add_drafts(self, decoding: list[Running]) -> None:
@@ -398,15 +394,14 @@ class Scheduler:
             return RequestStatus.FINISHED_REPEATING if run.proc.repeating else RequestStatus.FINISHED_STOPPED
         if req.max_tokens is not None and run.n_out >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        budget = req.reasoning_budget
-        if budget is not None and run.proc.thinking and run.proc.reasoning_tokens >= budget:
+        if self.thinking.spent(req, run.proc):
             # the budget is spent: the engine writes the end of the thoughts itself, into the
             # sequence as if the model had, and the answer follows them
-            for closing in self._closing:
+            for closing in self.thinking.closing:
                 run.n_out += 1
                 run.tokens_out.append(closing)
                 self._emit_text(run, run.proc.feed(be.piece(closing), closing))
-            run.pending = [token, *self._closing]
+            run.pending = [token, *self.thinking.closing]
             if run.drafter is not None:
                 run.drafter.extend(run.pending)
             return None

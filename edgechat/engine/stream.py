@@ -10,8 +10,8 @@ import codecs
 from collections import deque
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the splitter uses marker_tail from here
-    from edgechat.engine.reasoning import ReasoningSplitter
+if TYPE_CHECKING:  # the splitters use marker_tail from here
+    from edgechat.engine.reasoning import ChannelSplitter, ReasoningSplitter
 
 
 def marker_tail(text: str, marker: str) -> int:
@@ -57,9 +57,11 @@ class LoopGuard:
 class OutputProcessor:
     """With a `splitter` (a reasoning model's), text inside its thoughts goes to `reasoning`
     (taken with take_reasoning()) and only the answer to the returned text, where stop strings
-    apply: a stop string written while thinking does not end the answer."""
+    apply: a stop string written while thinking does not end the answer. The splitter gets each
+    token's id with its text (harmony's markers are told by id)."""
 
-    def __init__(self, stop: list[str] | None = None, loop_guard: bool = False, splitter: ReasoningSplitter | None = None):
+    def __init__(self, stop: list[str] | None = None, loop_guard: bool = False,
+                 splitter: ReasoningSplitter | ChannelSplitter | None = None):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = [s for s in (stop or []) if s]
         self._guard = LoopGuard() if loop_guard else None
@@ -86,7 +88,7 @@ class OutputProcessor:
         text = self._decoder.decode(data)
         if self._splitter is not None:
             was_thinking = self.thinking
-            thought, text = self._splitter.feed(text)
+            thought, text = self._splitter.feed(text, token)
             self._add_reasoning(thought)
             # the token that opens the block and the one that closes it are the thoughts' too
             self.reasoning_tokens += was_thinking or self.thinking
@@ -100,6 +102,11 @@ class OutputProcessor:
         """The thoughts released since the last call."""
         out, self._new_reasoning = self._new_reasoning, ""
         return out
+
+    def parts(self, text: str) -> list[tuple[str, bool]]:
+        """What goes out now, in order, as (text, is_reasoning): the thoughts released since the
+        last call, then `text` (what feed() or finish() returned); empty ones left out."""
+        return [(part, reasoning) for part, reasoning in ((self.take_reasoning(), True), (text, False)) if part]
 
     def finish(self) -> str:
         """End of generation: flush what was held. An incomplete UTF-8 tail (a character cut by
