@@ -8,7 +8,11 @@
 Each row prints the wall time from the Enter key to the first text on screen, the engine's TTFT,
 and the prompt's tokens and how many came from the cache.
 
-    python -m bench.bench_attach [--model NAME] [--file-tokens 2000] [--threads N] [--json]
+Then a grounded answer (the file's first lines copied out) in a new conversation, once with the
+app's `auto` speculation and once with it `off`: decode tok/s of each and their ratio, the
+chat app's counterpart of `bench.bench_spec`'s quote task (both runs alternate, --spec-rounds).
+
+    python -m bench.bench_attach [--model NAME] [--file-tokens 2000] [--threads N] [--spec-rounds 2] [--json]
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -54,10 +59,13 @@ async def ask(pilot, question: str) -> dict:
         await pilot.pause(0.02)
     meta = app.store.messages(screen.conv.id)[-1].meta
     return {"enter_to_first_s": round(first, 3), "ttft_s": meta["ttft"], "prompt_tokens": meta["prompt_tokens"],
-            "cached_tokens": meta["cached_tokens"]}
+            "cached_tokens": meta["cached_tokens"], "tok_s": meta["tok_s"], "completion_tokens": meta.get("completion_tokens")}
 
 
-async def run(model: str, file_tokens: int, threads: int | None) -> dict:
+QUOTE = "Copy the first twenty lines of weather.log exactly, one per line."
+
+
+async def run(model: str, file_tokens: int, threads: int | None, spec_rounds: int) -> dict:
     data = tempfile.mkdtemp(prefix="bench-attach-")
     paths = get_paths(data)
     paths.config.mkdir(parents=True, exist_ok=True)
@@ -85,10 +93,34 @@ async def run(model: str, file_tokens: int, threads: int | None) -> dict:
                         await pilot.pause(0.01)
                 rows[name] = await ask(pilot, question)
         app.store.close()
+        spec = {"auto": [], "off": []}
+        for _ in range(spec_rounds):
+            for mode in spec:
+                spec[mode].append(await quote(client, file, mode))
     finally:
         client.close()
+    ratios = [a["tok_s"] / o["tok_s"] for a, o in zip(spec["auto"], spec["off"])]
     return {"model": client.model_name, "n_ctx": client.n_ctx, "threads": client.engine.n_threads,
-            "file_tokens": counted, "rows": rows}
+            "file_tokens": counted, "rows": rows, "speculation": spec,
+            "auto_over_off": round(statistics.median(ratios), 3) if ratios else None}
+
+
+async def quote(client: LocalClient, file: Path, mode: str) -> dict:
+    """The grounded answer in a new conversation of an app whose settings say `speculative = mode`."""
+    paths = get_paths(tempfile.mkdtemp(prefix="bench-attach-"))
+    paths.config.mkdir(parents=True, exist_ok=True)
+    paths.config_file.write_text(f'[chat]\ntemperature = 0.0\nseed = 1\nmax_tokens = 200\nspeculative = "{mode}"\n')
+    app = EdgechatApp(paths, client_factory=lambda ref: client)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = app.chat_screen
+        while app.client is None:
+            await pilot.pause(0.01)
+        screen.action_attach(str(file))
+        while not (screen.attach_bar.chips and screen.attach_bar.counted):
+            await pilot.pause(0.01)
+        row = await ask(pilot, QUOTE)
+    app.store.close()
+    return row
 
 
 def main() -> None:
@@ -96,9 +128,10 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--file-tokens", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=None, help="engine threads (default: the physical cores)")
+    parser.add_argument("--spec-rounds", type=int, default=2, help="auto/off pairs of the grounded answer")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = asyncio.run(run(args.model, args.file_tokens, args.threads))
+    result = asyncio.run(run(args.model, args.file_tokens, args.threads, args.spec_rounds))
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -108,6 +141,9 @@ def main() -> None:
     for name, r in result["rows"].items():
         print(f"{name:10} {r['enter_to_first_s']:>9.3f}s {r['ttft_s']:>7.3f}s {r['prompt_tokens']:>7} "
               f"{r['cached_tokens']:>7}")
+    for mode, runs in result["speculation"].items():
+        print(f"grounded answer, speculative {mode}: " + ", ".join(f"{r['tok_s']:.1f} tok/s ({r['completion_tokens']} tokens)" for r in runs))
+    print(f"auto / off: {result['auto_over_off']}x (median of pairs)")
 
 
 if __name__ == "__main__":
