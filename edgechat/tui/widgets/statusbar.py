@@ -24,8 +24,9 @@ SEP = " │ "
 #: the fewest columns of the model's name kept before figures are dropped
 NAME_MIN = 12
 #: what gives way first when the line is too wide. A long name's rest ("name") goes before the
-#: figures: on a phone's 50 columns the last answer's speed and guesses matter more.
-DROP_ORDER = ("backend", "model_memory", "memory", "ttft", "name", "context", "guessed", "speed", "gauge", "state")
+#: figures: on a phone's 50 columns the last answer's speed and guesses matter more. The model's
+#: own memory outlasts the process's (which counts the other models the app keeps loaded too).
+DROP_ORDER = ("backend", "memory", "model_memory", "ttft", "name", "context", "guessed", "speed", "gauge", "state")
 
 
 def gauge(used: int, size: int, width: int) -> str:
