@@ -14,6 +14,13 @@ first load (the server up and through one request, nothing loaded), after an ans
 round's unload (what the first load leaves for good, against what a leak would add per cycle).
 
     python -m bench.bench_lifecycle [--rounds 5] [--threads 2] [--ctx 2048] [--json]
+
+`--chat-app`: switching between two models the chat app holds loaded (SmolLM2 and Gemma 3, its
+own pool, headless under Pilot): each round switches to the other model and asks it a short
+question in a new conversation; measured from the switch to the model being ready (polled every
+5 ms, so up to that much late) plus the answer's first-token time (the engine's own TTFT), the
+pool's load counters checked to say no load happened. The first switch to Gemma 3, which loads
+it, is the reference, in the same run.
 """
 
 from __future__ import annotations
@@ -72,6 +79,54 @@ def unload(url: str) -> None:
     wait_unloaded(url)
 
 
+async def chat_app_switches(rounds: int, threads: int) -> dict:
+    """(see --chat-app above) Seconds per switch: to ready, to the first token, and the loads done."""
+    from edgechat.config import get_paths
+    from edgechat.models import resolve_model
+    from edgechat.tui.app import EdgechatApp
+
+    # the user's cache: Gemma 3 is assembled there once, not per run
+    models = [str(resolve_model(name, get_paths())) for name in ("smollm2-135m-instruct", "gemma3-270m")]
+    with tempfile.TemporaryDirectory(prefix="edgechat-lifecycle-tui-") as data_dir:
+        paths = get_paths(data_dir)
+        paths.config.mkdir(parents=True, exist_ok=True)
+        paths.config_file.write_text("[chat]\nmax_tokens = 4\ntemperature = 0.0\nseed = 1\n")
+        app = EdgechatApp(paths, model=models[0], engine_options={"n_threads": threads})
+        switches: list[dict] = []
+        async with app.run_test(size=(100, 30)) as pilot:
+            screen = app.chat_screen
+
+            async def until(condition) -> None:
+                deadline = time.monotonic() + 300
+                while not condition():
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the chat app did not get there in 300 s")
+                    await pilot.pause(0.005)
+
+            async def ask() -> float:
+                await screen.action_new()
+                await screen.send(f"Say hi to {len(switches)}.")  # a new prompt each time: no prompt cache hit
+                await until(lambda: screen.turn is None)
+                return app.store.messages(screen.conv.id)[-1].meta["ttft"]
+
+            await until(lambda: app.client is not None)
+            await ask()
+            for rnd in range(rounds * 2 + 1):  # the first switch loads Gemma 3; then back and forth
+                target, engine = models[(rnd + 1) % 2], app.client.engine
+                pool = app.local_models.pool
+                loads = sum(m.loads for m in pool.models.values())
+                start = time.perf_counter()
+                app.load_model(target)
+                await until(lambda: app.client is not None and app.client.engine is not engine)
+                ready = time.perf_counter() - start
+                ttft = await ask()
+                switches.append({"to": Path(target).name, "ready_s": ready, "first_token_s": ready + ttft,
+                                 "loads": sum(m.loads for m in pool.models.values()) - loads})
+                print(f"switch {rnd + 1}: to {Path(target).name}, ready {ready:.3f} s, first token {ready + ttft:.3f} s, "
+                      f"{switches[-1]['loads']} load(s)", file=sys.stderr)
+    return {"threads": threads, "cold": switches[0], "loaded": switches[1:]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
@@ -79,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=2048, help="context size for both sides")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--log-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")))
+    ap.add_argument("--chat-app", action="store_true", help="switching between two loaded models in the chat app")
     args = ap.parse_args(argv)
+    if args.chat_app:
+        return report_chat_app(args)
 
     from edgechat.config import get_paths
     from edgechat.engine import EngineConfig
@@ -147,6 +205,26 @@ def main(argv: list[str] | None = None) -> int:
               f"{after / mib:.0f} MiB after unloading ({result['rss_after_vs_before']:.2f}x of before)")
         print(f"  after each later load and unload: {', '.join(f'{r / mib:.0f}' for r in later)} MiB "
               f"({result['rss_last_vs_first_unload']:.2f}x of the first unload's)")
+    return 0
+
+
+def report_chat_app(args) -> int:
+    import asyncio
+
+    result = asyncio.run(chat_app_switches(args.rounds, args.threads))
+    warm = result["loaded"]
+    assert all(s["loads"] == 0 for s in warm), "a switch to a loaded model loaded it again"
+    result["median_loaded_first_token_s"] = statistics.median(s["first_token_s"] for s in warm)
+    result["median_loaded_ready_s"] = statistics.median(s["ready_s"] for s in warm)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        cold = result["cold"]
+        print(f"chat app, {args.threads} threads, {len(warm)} switches between two loaded models (median):")
+        print(f"  switch to a loaded model: ready {result['median_loaded_ready_s']:.3f} s, "
+              f"its answer's first token {result['median_loaded_first_token_s']:.3f} s, no load")
+        print(f"  reference, the first switch to {cold['to']} (it loads): ready {cold['ready_s']:.3f} s, "
+              f"first token {cold['first_token_s']:.3f} s")
     return 0
 
 

@@ -224,6 +224,32 @@ def test_idle_models_unload_after_their_seconds_and_keep_alive(smollm2_path, gem
         pool.close()
 
 
+def test_keep_alive_on_anthropic_messages_and_responses(smollm2_path, gemma3_path, isolated_dirs):
+    """The extension field as on chat completions: 0 unloads after the answer, a bad value is a
+    400 in the API's own error shape."""
+    pool = _pool(isolated_dirs, {SMOL: smollm2_path, GEMMA: gemma3_path})
+    try:
+        with serving(create_app(_settings(), pool=pool)) as url:
+            messages = {"model": GEMMA, "max_tokens": 8, "temperature": 0, "messages": QUESTION}
+            r = httpx.post(f"{url}/v1/messages", json={**messages, "keep_alive": 0}, timeout=PATIENCE_S)
+            assert r.status_code == 200 and r.json()["content"][0]["text"]
+            _wait_state(url, GEMMA, "unloaded")
+            bad = httpx.post(f"{url}/v1/messages", json={**messages, "keep_alive": "soon"}, timeout=PATIENCE_S)
+            assert bad.status_code == 400 and bad.json()["type"] == "error" and "keep_alive" in bad.json()["error"]["message"]
+
+            responses = {"model": SMOL, "max_output_tokens": 8, "temperature": 0, "input": "Name a colour."}
+            r = httpx.post(f"{url}/v1/responses", json={**responses, "keep_alive": "5m"}, timeout=PATIENCE_S)
+            assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete")
+            assert 0 < _states(url)[SMOL]["unloads_in"] <= 300
+            r = httpx.post(f"{url}/v1/responses", json={**responses, "keep_alive": 0}, timeout=PATIENCE_S)
+            assert r.status_code == 200
+            _wait_state(url, SMOL, "unloaded")
+            bad = httpx.post(f"{url}/v1/responses", json={**responses, "keep_alive": []}, timeout=PATIENCE_S)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "keep_alive"
+    finally:
+        pool.close()
+
+
 def test_the_fallback_is_a_pool_model_loaded_when_a_request_fails_over(smollm2_path, gemma3_path, isolated_dirs):
     pool = _pool(isolated_dirs, {SMOL: smollm2_path, GEMMA: gemma3_path})
     try:

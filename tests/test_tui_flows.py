@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 
@@ -272,7 +273,7 @@ async def test_quit_mid_answer_keeps_it_interrupted(paths, client):
     assert msgs[-1].role == "assistant" and msgs[-1].status == "interrupted" and msgs[-1].content.strip()
 
 
-async def test_switch_model_and_a_model_that_does_not_fit(paths, gemma3_path, monkeypatch):
+async def test_switch_model_and_a_model_that_does_not_fit(paths, gemma3_path, smollm2_path, tmp_path, monkeypatch):
     app = EdgechatApp(paths)  # its own clients, loaded by the app in the background
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
@@ -292,7 +293,10 @@ async def test_switch_model_and_a_model_that_does_not_fit(paths, gemma3_path, mo
 
         monkeypatch.setattr(planner, "available_memory", lambda: 64 << 20)
         loaded = app.client
-        await send(pilot, "/model smollm2-135m-instruct")
+        # not the SmolLM2 loaded first: that one is still held, and switching to it needs no room
+        other = tmp_path / "other.gguf"
+        os.link(smollm2_path, other)
+        await send(pilot, f"/model {other}")
         await until(pilot, lambda: any("Cannot load" in n.message for n in app._notifications), what="refusal")
         refusal = next(n.message for n in app._notifications if "Cannot load" in n.message)
         assert "free" in refusal and "smaller" in refusal
@@ -343,6 +347,43 @@ async def test_switching_models_twice_quickly_leaves_one_engine(paths, gemma3_pa
         assert [c for c in made if c not in closed] == [app.client]
         await send(pilot, "The sea is")
         assert app.store.messages(screen.conv.id)[-1].status == "complete"
+
+
+async def test_switching_back_to_a_loaded_model_needs_no_load(paths, smollm2_path, gemma3_path):
+    """A -> B -> A: A stays loaded beside B, so the switch back takes the same engine, loads
+    nothing, and answers as before; the picker marks both loaded, the status bar gives the
+    model's memory."""
+    from edgechat.tui.screens.models import ModelPickerScreen
+
+    app = EdgechatApp(paths, model=str(smollm2_path))  # its own models, in its own pool
+    async with app.run_test(size=(120, 30)) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        await send(pilot, "The sea is")
+        before = app.store.messages(screen.conv.id)[-1].content
+        pool = app.local_models.pool
+        small, engine = pool.models[str(smollm2_path)], app.client.engine
+        assert small.loads == 1 and screen.status.model_memory == small.need > 0
+        await send(pilot, f"/model {gemma3_path}")
+        await until(pilot, lambda: app.client.model_name.lower().startswith("gemma"), what="gemma3")
+        gemma = pool.models[str(gemma3_path)]
+        assert screen.status.model_memory == gemma.need
+        assert f"model {gemma.need / 2**20:.0f} MB" in str(screen.status.render())
+        await send(pilot, f"/model {smollm2_path}")
+        await until(pilot, lambda: app.client.model_name.lower().startswith("smollm2"), what="smollm2 again")
+        assert app.client.engine is engine and small.loads == 1 and gemma.loads == 1
+        assert {m.name for m in pool.resident()} == {str(smollm2_path), str(gemma3_path)}
+        assert screen.status.model_memory == small.need
+        await screen.action_new()
+        await send(pilot, "The sea is")
+        assert app.store.messages(screen.conv.id)[-1].content == before
+        screen.action_model()
+        await until(pilot, lambda: isinstance(app.screen, ModelPickerScreen) and app.screen._rows, what="the picker")
+        marked = [ref for ref, row in app.screen._rows.items() if app.screen._loaded_label(row)]
+        assert len(marked) == 2
+        shown = [str(app.screen.query_one("#model-list").get_option_at_index(i).prompt)
+                 for i in range(app.screen.query_one("#model-list").option_count)]
+        assert sum("● loaded" in text for text in shown) == 2
 
 
 @pytest.fixture(scope="module")

@@ -455,6 +455,10 @@ async def test_status_bar_parts_are_whole_or_left_out(isolated_dirs, width):
         await until(pilot, lambda: app.client is not None)
         bar = app.chat_screen.status
         bar.model, bar.backend, bar.context_size, bar.context_used = LONG_NAME, "CPU", 4096, 150
+        bar.model_memory = 180 << 20
+        if width >= 80:  # before an answer's figures: the model's memory has room beside its name
+            await pilot.pause()
+            assert bar.render().plain.startswith(LONG_NAME + " │ model 180 MB │ "), bar.render().plain
         bar.ttft, bar.tok_s, bar.spec = 0.12, 25.3, 27.0
         for state in ("ready", "generating"):
             bar.state = state
@@ -462,7 +466,7 @@ async def test_status_bar_parts_are_whole_or_left_out(isolated_dirs, width):
             line = bar.render()
             assert line.cell_len <= bar.content_size.width, line.plain
             name, *parts = line.plain.split(" │ ")
-            whole = r"CPU|(ctx )?[█░]+( 150/4096)?|TTFT 0\.12s|25\.3 tok/s|guessed 27%|mem 200 MB"
+            whole = r"CPU|model 180 MB|(ctx )?[█░]+( 150/4096)?|TTFT 0\.12s|25\.3 tok/s|guessed 27%|mem 200 MB"
             assert all(re.fullmatch(whole, p) for p in parts), line.plain
             assert "spec" not in line.plain
             assert "25.3 tok/s" in parts

@@ -30,6 +30,7 @@ from edgechat.server import responses
 from edgechat.server.bridge import abandon
 from edgechat.server.responses import KEEPALIVE
 from edgechat.server.errors import ApiError, bad_request, from_engine_error
+from edgechat.server.keepalive import keep_alive_seconds
 from edgechat.server.schemas import ParsedRequest, _describe, _opt_bool, _opt_float, _opt_int, _sampling, _text, _type_error
 from edgechat.server.settings import ServerSettings
 from edgechat.engine.schema_grammar import check_schema
@@ -401,6 +402,7 @@ class MessagesApi:
         arrival = time.monotonic()
         body = await server.read_body(request)
         parsed = parse_messages(body, server.settings, server.defaults_for(body.get("model")))
+        parsed.keep_alive = keep_alive_seconds(body.get("keep_alive"))  # an extension, as on chat completions
         # every refusal (queue full, prompt too long, unknown model) is an HTTP status from here
         start = await server.launch(request, parsed, arrival)
         message_id = f"msg_{uuid.uuid4().hex}"

@@ -34,6 +34,7 @@ from edgechat.server import responses
 from edgechat.server.bridge import abandon
 from edgechat.server.responses import KEEPALIVE
 from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.keepalive import keep_alive_seconds
 from edgechat.server.schemas import REASONING_EFFORT, ParsedRequest, _describe, _is_off, _opt_bool, _opt_int, _sampling, _text, _type_error
 from edgechat.server.settings import ServerSettings
 from edgechat.server.structured import json_schema_grammar, response_format_grammar
@@ -499,6 +500,7 @@ class ResponsesApi:
         arrival = time.monotonic()
         body = await server.read_body(request)
         r = parse_responses(body, server.settings, server.defaults_for(body.get("model")), await self._history(body))
+        r.parsed.keep_alive = keep_alive_seconds(body.get("keep_alive"))  # an extension, as on chat completions
         # every refusal (queue full, prompt too long, unknown model) is an HTTP status from here
         start = await server.launch(request, r.parsed, arrival)
         response_id, created = _new_id("resp"), int(time.time())

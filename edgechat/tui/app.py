@@ -53,6 +53,8 @@ class EdgechatApp(App):
         self.client: ChatClient | None = None
         #: EngineConfig fields from the command line for local models (--gpu-layers, --rpc, --draft-model)
         self.engine_options = engine_options or {}
+        #: the local models this app loaded and keeps while memory allows (None: remote, or a caller's factory)
+        self.local_models = None
         self._client_factory = client_factory or self._default_factory(url, api_key)
         #: clients from a caller's factory belong to the caller (tests share one engine between apps)
         self._owns_clients = client_factory is None
@@ -73,11 +75,19 @@ class EdgechatApp(App):
                 return RemoteClient(url, api_key, ref)
             from edgechat.tui.client import LocalClient
 
+            with self._loaded_lock:
+                if self._closed:  # a pool made now would have nobody to close it
+                    raise EdgechatError("the app is closing")
+                if self.local_models is None:
+                    from edgechat.tui.client import LocalModels
+
+                    self.local_models = LocalModels(self.paths)
             options = dict(self.engine_options)
             if ref != self.model_ref:
                 # --draft-model drafts for the model it was given with; others use their catalog's
                 options.pop("draft_model", None)
-            return LocalClient(ref, self.paths, on_progress=self._load_progress(ref), engine_options=options)
+            return LocalClient(ref, self.paths, on_progress=self._load_progress(ref), engine_options=options,
+                               models=self.local_models)
 
         return make
 
@@ -216,6 +226,8 @@ class EdgechatApp(App):
         if self._owns_clients:
             for loaded in unclaimed:
                 loaded.close()
+            if self.local_models is not None:
+                self.local_models.close()  # the models kept loaded, each snapshotting its conversations
         self.tool_servers.close()
 
     def on_unmount(self) -> None:

@@ -58,20 +58,62 @@ class ChatClient(Protocol):
     def close(self) -> None: ...
 
 
+class LocalModels:
+    """The chat app's local models, held in one ModelPool: a model switched away from stays
+    loaded while memory allows (the least recently used idle one leaves when another needs the
+    room), so switching back to it needs no load."""
+
+    def __init__(self, paths: Paths, budget: int | None = None):
+        from edgechat.engine.pool import ModelPool
+
+        self.paths = paths
+        self.pool = ModelPool(budget)
+        self._adding = threading.Lock()
+
+    def entry(self, ref: str, config) -> str:
+        """The pool's name for `ref` (its resolved file: two spellings of one model share an
+        entry), added with `config` the first time it is asked for."""
+        from edgechat.models import resolve_model
+
+        name = str(resolve_model(ref, self.paths))
+        with self._adding:  # two load workers may ask for one new model at once
+            if name not in self.pool.models:
+                self.pool.add(name, config)
+        return name
+
+    def loaded(self) -> dict[str, tuple[str, int]]:
+        """Models loaded now: their file -> (display name, the planner's bytes for them)."""
+        return {m.name: (m.display_name, m.need) for m in self.pool.resident()}
+
+    def close(self) -> None:
+        self.pool.close()
+
+
 class LocalClient:
-    """The in-process engine. Construction loads the model: call it from a worker thread."""
+    """The in-process engine. Construction loads the model (or, from `models`, takes it already
+    loaded): call it from a worker thread."""
 
     def __init__(self, model: str | None, paths: Paths, n_ctx: int | None = None, kv_type: str = "f16",
-                 on_progress: Callable[[float], None] | None = None, engine_options: dict | None = None):
+                 on_progress: Callable[[float], None] | None = None, engine_options: dict | None = None,
+                 models: LocalModels | None = None):
         # Imported here: loading llama.cpp's shared library is not needed to draw the first frame.
         from edgechat.engine import EngineConfig, open_engine
         from edgechat.models import DEFAULT_MODEL
 
         # One extra sequence keeps the previous conversation hot, so switching back is instant.
-        self.engine = open_engine(
-            EngineConfig(model=model or DEFAULT_MODEL, n_ctx=n_ctx, kv_type=kv_type, hot_sessions=1, paths=paths,
-                         on_load_progress=on_progress, **(engine_options or {}))
-        )
+        config = EngineConfig(model=model or DEFAULT_MODEL, n_ctx=n_ctx, kv_type=kv_type, hot_sessions=1, paths=paths,
+                              on_load_progress=on_progress, **(engine_options or {}))
+        self._models = models
+        if models is None:
+            self.engine = open_engine(config)
+            plan = getattr(self.engine, "plan", None)
+            #: what the model holds in memory: the planner's weights + KV + compute
+            self.memory = plan.total if plan else 0
+        else:
+            self._entry = models.entry(config.model, config)
+            self.engine = models.pool.acquire(self._entry)
+            self.memory = models.pool.models[self._entry].need
+        self._released = False
         self.model_name = self.engine.model_name
         self.n_ctx = self.engine.n_ctx
         self.template_mode = self.engine.template_mode
@@ -98,7 +140,12 @@ class LocalClient:
         self.engine.forget_session(session)
 
     def close(self) -> None:
-        self.engine.close()
+        """Close the engine, or give a pooled one back to its pool, which keeps it loaded."""
+        if self._models is None:
+            self.engine.close()
+        elif not self._released:
+            self._released = True
+            self._models.pool.release(self._entry)
 
 
 @dataclass

@@ -432,6 +432,7 @@ class ChatScreen(Screen):
         client = self.client
         self.status.model = client.model_name
         self.status.backend = client.backend
+        self.status.model_memory = getattr(client, "memory", 0)
         self.status.context_size = client.n_ctx or 0
         self.attach_bar.context_size = client.n_ctx or 0
         self.attach_bar.refresh_summary()
@@ -952,7 +953,9 @@ class ChatScreen(Screen):
         except EdgechatError as exc:
             self.notify(str(exc), severity="error")
             return
-        self.app.push_screen(ModelPickerScreen(self.app.paths, current, names), picked)
+        pool = self.app.local_models
+        loaded = pool.loaded() if pool is not None and names is None else {}
+        self.app.push_screen(ModelPickerScreen(self.app.paths, current, names, loaded), picked)
 
     def action_export(self, arg: str = "") -> None:
         if self.conv is None:

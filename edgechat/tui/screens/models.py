@@ -1,5 +1,6 @@
-"""The model picker: embedded, cached and catalog models with size, quant, architecture and fit; or
-any .gguf path or ONNX folder."""
+"""The model picker: embedded, cached and catalog models with size, quant, architecture and fit,
+and which are loaded in this process (switching to one needs no load); or any .gguf path or ONNX
+folder."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class ModelRow:
     fits: bool | None = None
     #: a catalog model not on disk: picking it offers the download first
     to_download: bool = False
+    #: its file on disk, when it has one
+    path: object | None = None
 
 
 def describe(ref: str, path, note: str = "") -> ModelRow:
@@ -43,7 +46,7 @@ def describe(ref: str, path, note: str = "") -> ModelRow:
         fits, detail = True, detail + f" · fits (ctx {plan.n_ctx})"
     except EdgechatError:
         fits, detail = False, detail + " · too large for free memory"
-    return ModelRow(ref, detail + (f" · {note}" if note else ""), fits)
+    return ModelRow(ref, detail + (f" · {note}" if note else ""), fits, path=path)
 
 
 def local_models(paths: Paths) -> list[ModelRow]:
@@ -94,11 +97,14 @@ class ModelPickerScreen(ModalScreen[str | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, paths: Paths, current: str | None, remote_models: list[str] | None = None):
+    def __init__(self, paths: Paths, current: str | None, remote_models: list[str] | None = None,
+                 loaded: dict[str, tuple[str, int]] | None = None):
         super().__init__(classes="dialog-screen")
         self.paths = paths
         self.current = current
         self.remote_models = remote_models
+        #: models loaded in this process: file -> (display name, bytes), as LocalModels.loaded gives
+        self.loaded = loaded or {}
         self._rows: dict[str, ModelRow] = {}
 
     def compose(self):
@@ -121,11 +127,22 @@ class ModelPickerScreen(ModalScreen[str | None]):
             rows += [row for row in catalog_models(self.paths) if row.ref not in listed]
         self.app.call_from_thread(self._show, rows)
 
+    def _loaded_label(self, row: ModelRow) -> str | None:
+        held = self.loaded.get(str(row.path)) if row.path is not None else None
+        return None if held is None else f"● loaded · {held[1] / 2**20:.0f} MB"
+
     def _show(self, rows: list[ModelRow]) -> None:
+        # a model loaded from a path the lists do not hold (/model FILE) is listed too, first
+        listed = {str(row.path) for row in rows if row.path is not None}
+        rows = [ModelRow(path, f"{name} · {path}", True, path=path)
+                for path, (name, _) in self.loaded.items() if path not in listed] + rows
         self._rows = {row.ref: row for row in rows}
         options = []
         for row in rows:
             label = Text(row.ref, style="bold")
+            held = self._loaded_label(row)
+            if held:
+                label.append("  " + held, style="green")
             label.append("\n")
             label.append(row.detail, style="dim" if row.fits is not False else "red")
             options.append(Option(label, id=row.ref))

@@ -1,4 +1,4 @@
-"""One line at the bottom: model, backend, context gauge, the last answer's TTFT, tok/s and share of
+"""One line at the bottom: model, what it holds in memory, backend, context gauge, the last answer's TTFT, tok/s and share of
 speculative guesses kept, memory in use; what does not fit the width is left out, least useful first."""
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ SEP = " │ "
 #: the fewest columns of the model's name kept before figures are dropped
 NAME_MIN = 12
 #: what gives way first when the line is too wide. A long name's rest ("name") goes before the
-#: figures: on a phone's 50 columns the last answer's speed and guesses matter more.
-DROP_ORDER = ("backend", "memory", "ttft", "name", "context", "guessed", "speed", "gauge", "state")
+#: figures: on a phone's 50 columns the last answer's speed and guesses matter more. The model's
+#: own memory outlasts the process's (which counts the other models the app keeps loaded too).
+DROP_ORDER = ("backend", "memory", "model_memory", "ttft", "name", "context", "guessed", "speed", "gauge", "state")
 
 
 def gauge(used: int, size: int, width: int) -> str:
@@ -45,6 +46,8 @@ class StatusBar(Widget):
     #: the last answer's drafted tokens that were kept, in percent; None when nothing was drafted
     spec: reactive[float | None] = reactive(None)
     memory = reactive(0)
+    #: what the model holds (the planner's weights + KV + compute); 0 when not known (remote)
+    model_memory = reactive(0)
 
     def on_mount(self) -> None:
         self._sample_memory()
@@ -60,6 +63,8 @@ class StatusBar(Widget):
         parts: list[tuple[str, Text]] = []
         if self.state and self.state != "ready":
             parts.append(("state", Text(f" ({self.state})", style="italic")))
+        if self.model_memory:
+            parts.append(("model_memory", Text(SEP + f"model {self.model_memory / 2**20:.0f} MB")))
         if self.backend:
             parts.append(("backend", Text(SEP + self.backend)))
         if self.context_size:
