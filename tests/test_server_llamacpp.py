@@ -126,3 +126,47 @@ def test_tokenize_template_and_greedy_completion_agree_with_llama_server(http, l
     ours, theirs = http.post("/completion", json=body).json(), llama_server.post("/completion", json=body).json()
     assert ours["content"] == theirs["content"] and ours["tokens_predicted"] == theirs["tokens_predicted"]
     assert ours["tokens_evaluated"] == theirs["tokens_evaluated"]
+
+
+def test_completion_probabilities_in_llama_servers_shape(http, engine):
+    body = {"prompt": "The capital of France is", "n_predict": 5, "temperature": 0, "n_probs": 3}
+    whole = http.post("/completion", json=body).json()
+    probs = whole["completion_probabilities"]
+    assert len(probs) == whole["tokens_predicted"] == 5
+    assert "".join(p["token"] for p in probs) == whole["content"]
+    for p in probs:
+        assert engine.detokenize([p["id"]]) == p["token"] and bytes(p["bytes"]).decode() == p["token"]
+        assert p["logprob"] <= 0 and len(p["top_logprobs"]) == 3
+        # greedy: the token chosen is the most likely one
+        assert p["top_logprobs"][0]["id"] == p["id"] and p["top_logprobs"][0]["logprob"] == pytest.approx(p["logprob"])
+        assert all(engine.detokenize([t["id"]]) == t["token"] for t in p["top_logprobs"])
+    with http.stream("POST", "/completion", json={**body, "stream": True}) as r:
+        events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+    streamed = [p for e in events[:-1] for p in e["completion_probabilities"]]
+    assert streamed == probs and [t for e in events[:-1] for t in e["tokens"]] == [p["id"] for p in probs]
+    # without n_probs there are none, and post-sampling probabilities are refused by name
+    assert "completion_probabilities" not in http.post("/completion", json={**body, "n_probs": 0}).json()
+    r = http.post("/completion", json={**body, "post_sampling_probs": True})
+    assert r.status_code == 400 and "post_sampling_probs" in r.json()["error"]["message"]
+
+
+def test_completion_reports_its_own_settings_and_tokens(http, engine):
+    body = {"prompt": "List three colours, one per line:\n", "n_predict": 12, "temperature": 0, "top_k": 7, "seed": 5,
+            "stop": ["zz"], "return_tokens": True}
+    whole = http.post("/completion", json=body).json()
+    settings = whole["generation_settings"]
+    assert (settings["temperature"], settings["top_k"], settings["seed"], settings["n_predict"], settings["stop"]) == (0, 7, 5, 12, ["zz"])
+    assert whole["tokens"] and engine.detokenize(whole["tokens"]) == whole["content"]
+    assert whole["has_new_line"] == ("\n" in whole["content"]) and whole["index"] == 0
+    assert http.post("/completion", json={**body, "return_tokens": False}).json()["tokens"] == []
+    assert http.get("/props").json()["default_generation_settings"]["params"]["n_predict"] == -1
+
+
+def test_completion_probabilities_agree_with_llama_server(http, llama_server):
+    body = {"prompt": "The capital of France is", "n_predict": 6, "temperature": 0, "n_probs": 4}
+    ours, theirs = http.post("/completion", json=body).json(), llama_server.post("/completion", json=body).json()
+    pick = [[(p["id"], p["token"], p["bytes"]) for p in [t, *t["top_logprobs"]]] for t in ours["completion_probabilities"]]
+    assert pick == [[(p["id"], p["token"], p["bytes"]) for p in [t, *t["top_logprobs"]]] for t in theirs["completion_probabilities"]]
+    for a, b in zip(ours["completion_probabilities"], theirs["completion_probabilities"]):
+        assert a["logprob"] == pytest.approx(b["logprob"], abs=0.05)
+    assert set(ours) >= set(theirs) - {"timings"} | {"has_new_line", "index", "tokens"}

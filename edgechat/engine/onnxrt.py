@@ -405,7 +405,7 @@ class OnnxEngine(PromptQueries):
                 if logprobs is not None:  # the model's own distribution, before the sampler's changes
                     logprob, top = token_logprobs(logits, token, req.logprobs)
                     piece = self.vocab.piece
-                    logprobs.append(TokenLogprob(piece(token), logprob, [(piece(t), lp) for t, lp in top]))
+                    logprobs.append(TokenLogprob(piece(token), logprob, [(piece(t), lp) for t, lp in top], token, [t for t, _ in top]))
                 text = proc.feed(self.vocab.piece(token), token)
                 if text:
                     handle.emit(TextDelta(text, logprobs[sent:] if logprobs is not None else None))
