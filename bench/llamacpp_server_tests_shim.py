@@ -28,10 +28,6 @@ MODEL_FLAGS = {"--model", "-m", "--hf-repo", "-hf", "-hfr", "--hf-file", "-hff",
 SAME_VALUE = {
     "--port": "--port",
     "--host": "--host",
-    "--ctx-size": "--ctx",
-    "-c": "--ctx",
-    "--parallel": "--parallel",
-    "-np": "--parallel",
     "--api-key": "--api-key",
     "--cors-origins": "--cors-origins",
     "--cache-ram": "--cache-ram",
@@ -76,7 +72,18 @@ def edgechat_args(argv: list[str], model: str) -> list[str]:
     """`edgechat serve`'s arguments for llama-server's argv; SystemExit with the reason for a
     flag that has no equivalent."""
     out = ["-m", model]
-    for flag, value in _pairs(argv):
+    pairs = list(_pairs(argv))
+    values = dict(pairs)
+    ctx, parallel = values.get("--ctx-size") or values.get("-c"), values.get("--parallel") or values.get("-np")
+    # llama-server's -c is the whole KV cache, which its -np slots share out; edgechat's --ctx is
+    # each sequence's, so a test's per-slot limits hold on both
+    if parallel is not None:
+        out += ["--parallel", parallel]
+    if ctx is not None:
+        out += ["--ctx", str(int(ctx) // int(parallel or 1))]
+    for flag, value in pairs:
+        if flag in ("--ctx-size", "-c", "--parallel", "-np"):
+            continue
         if flag in MODEL_FLAGS or flag in IGNORED_WITH_VALUE or (flag in IGNORED_SWITCHES and value is None):
             continue
         if flag in SAME_VALUE and value is not None:
