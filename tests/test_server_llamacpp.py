@@ -170,3 +170,18 @@ def test_completion_probabilities_agree_with_llama_server(http, llama_server):
     for a, b in zip(ours["completion_probabilities"], theirs["completion_probabilities"]):
         assert a["logprob"] == pytest.approx(b["logprob"], abs=0.05)
     assert set(ours) >= set(theirs) - {"timings"} | {"has_new_line", "index", "tokens"}
+
+
+def test_chat_answers_carry_llama_servers_timings(http, llama_server):
+    body = {"messages": HI, "max_tokens": 5, "temperature": 0}
+    whole = http.post("/v1/chat/completions", json=body).json()
+    timings, usage = whole["timings"], whole["usage"]
+    assert timings["predicted_n"] == usage["completion_tokens"] and timings["cache_n"] == usage["prompt_tokens_details"]["cached_tokens"]
+    assert timings["prompt_n"] + timings["cache_n"] == usage["prompt_tokens"] and timings["predicted_per_second"] > 0
+    assert set(timings) == set(llama_server.post("/v1/chat/completions", json=body).json()["timings"])
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/chat/completions", json=stream) as r:
+        chunks = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["timings"]["predicted_n"] == chunks[-1]["usage"]["completion_tokens"]
+    legacy = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).json()
+    assert legacy["timings"]["predicted_n"] == legacy["usage"]["completion_tokens"]

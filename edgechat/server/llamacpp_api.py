@@ -229,13 +229,7 @@ class LlamaCppApi:
             "truncated": False,
             "stop_type": _stop_type(finished),
             "stopping_word": finished.stop_sequence or "",
-            "timings": {
-                "prompt_n": m.prompt_tokens - m.cached_tokens,
-                "prompt_ms": m.prefill * 1e3,
-                "predicted_n": m.completion_tokens,
-                "predicted_ms": m.decode * 1e3,
-                "predicted_per_second": m.completion_tokens / m.decode if m.decode > 0 else 0.0,
-            },
+            "timings": responses.timings(m),
         }
 
     async def events(self, gen, served, req: ChatRequest) -> AsyncIterator[str]:
