@@ -185,3 +185,13 @@ def test_chat_answers_carry_llama_servers_timings(http, llama_server):
     assert chunks[-1]["choices"] == [] and chunks[-1]["timings"]["predicted_n"] == chunks[-1]["usage"]["completion_tokens"]
     legacy = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).json()
     assert legacy["timings"]["predicted_n"] == legacy["usage"]["completion_tokens"]
+
+
+def test_apply_template_without_the_generation_prompt(http, llama_server):
+    body = {"messages": HI, "add_generation_prompt": False}
+    ours = http.post("/apply-template", json=body).json()["prompt"]
+    assert ours == llama_server.post("/apply-template", json=body).json()["prompt"]
+    assert ours.endswith("Say hello.<|im_end|>\n")
+    assert http.post("/apply-template", json={**body, "add_generation_prompt": True}).json()["prompt"].endswith("<|im_start|>assistant\n")
+    r = http.post("/apply-template", json={**body, "add_generation_prompt": "no"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400

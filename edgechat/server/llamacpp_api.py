@@ -187,7 +187,8 @@ class LlamaCppApi:
     async def apply_template(self, request: Request) -> Response:
         body = await self.server.read_body(request)
         messages = render_messages(_messages(body, self.server.settings.max_messages), None)
-        prompt = await run_in_threadpool(self.server.engine.format.render, messages, True)
+        generation_prompt = body.get("add_generation_prompt") is None or _opt_bool(body, "add_generation_prompt")
+        prompt = await run_in_threadpool(self.server.engine.format.render, messages, generation_prompt)
         return JSONResponse({"prompt": prompt})
 
     @_llamacpp_errors
