@@ -95,9 +95,9 @@ def parse_completion(body: dict, server) -> ParsedRequest:
 
 def generation_settings(req: ChatRequest, stream: bool) -> dict:
     """A request's own settings, flat, as llama-server reports them with each answer."""
-    s = req.sampling
+    n_predict = -1 if req.max_tokens is None else req.max_tokens
     return {
-        **sampling_settings(s), "n_predict": -1 if req.max_tokens is None else req.max_tokens,
+        **sampling_settings(req.sampling), "n_predict": n_predict, "max_tokens": n_predict,
         "stop": list(req.stop), "ignore_eos": req.ignore_eos, "stream": stream, "n_probs": req.logprobs or 0,
     }
 
