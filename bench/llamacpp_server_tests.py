@@ -83,7 +83,8 @@ def read_junit(path: Path) -> dict[str, tuple[str, str]]:
 
 def run_suite(server: str, model: Path, folder: Path, files: list[str], select: str | None, work: Path,
               timeout: float) -> dict[str, tuple[str, str]]:
-    """Their tests against one server; the servers' output goes to work/SERVER.log."""
+    """Their tests against one server, a pytest run per file (what ran survives an interrupted
+    run); the servers' output goes to work/SERVER.log."""
     env = {
         **os.environ,
         "LLAMA_SERVER_BIN_PATH": str(SHIM),
@@ -103,14 +104,20 @@ def run_suite(server: str, model: Path, folder: Path, files: list[str], select: 
 
         env["EDGECHAT_LLAMACPP_SERVER"] = str(find_llama_server())
         env["EDGECHAT_LLAMACPP_NO_REPACK"] = "0" if use_extra_buffers() else "1"  # the engine's weight layout
-    junit = work / f"{server}.xml"
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "bench.llamacpp_server_tests_plugin", "-n", "0", "-q",
-           "--timeout", str(timeout), "-m", "not slow", f"--junitxml={junit}", *(["-k", select] if select else []), *files]
+    results = {}
     with open(work / f"{server}.log", "w") as log:
-        subprocess.run(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if not junit.is_file():
-        raise SystemExit(f"pytest wrote no results for {server}; see {work / f'{server}.log'}")
-    return read_junit(junit)
+        for file in files:
+            junit = work / f"{server}-{Path(file).stem}.xml"
+            cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "bench.llamacpp_server_tests_plugin",
+                   "-n", "0", "-q", "--timeout", str(timeout), "-m", "not slow", f"--junitxml={junit}",
+                   *(["-k", select] if select else []), file]
+            log.flush()
+            subprocess.run(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
+            if not junit.is_file():
+                raise SystemExit(f"pytest wrote no results for {server} on {file}; see {work / f'{server}.log'}")
+            results.update(read_junit(junit))
+            print(f"  {server} {file}: {sum(1 for t in results if t.startswith(file + '::') and results[t][0] == 'passed')} passed", flush=True)
+    return results
 
 
 def report(results: dict[str, dict[str, tuple[str, str]]]) -> str:
