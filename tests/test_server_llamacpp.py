@@ -195,3 +195,25 @@ def test_apply_template_without_the_generation_prompt(http, llama_server):
     assert http.post("/apply-template", json={**body, "add_generation_prompt": True}).json()["prompt"].endswith("<|im_start|>assistant\n")
     r = http.post("/apply-template", json={**body, "add_generation_prompt": "no"})
     assert r.status_code == 400 and r.json()["error"]["code"] == 400
+
+
+# a thinking template that closes the block unless told to think (as llama.cpp's DeepSeek-R1 ones do)
+CLOSED_UNLESS_ASKED = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% if not enable_thinking %}</think>\n{% endif %}{% endif %}"
+)
+
+
+def test_a_thinking_template_closed_unless_asked_still_thinks(models_root):
+    settings = ServerSettings(api_key=KEY, model_id=MODEL, degrade_queue_wait=None)
+    with Engine(EngineConfig(model=MODEL, n_ctx=512, n_parallel=1, paths=models_root, chat_template=CLOSED_UNLESS_ASKED)) as eng:
+        opened = eng.prompts.text(ChatRequest(messages=HI))
+        assert opened.endswith("<|im_start|>assistant\n<think>\n")
+        assert eng.prompt_text_tokens(opened) == eng.prompt_tokens(ChatRequest(messages=HI))
+        assert eng.prompts.text(ChatRequest(messages=HI, reasoning_budget=0)).endswith("<think>\n</think>\n")
+        with serving(create_app(settings, eng)) as url, httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
+            assert client.post("/apply-template", json={"messages": HI}).json()["prompt"] == opened
+            off = client.post("/apply-template", json={"messages": HI, "reasoning_effort": "none"}).json()["prompt"]
+            assert off.endswith("</think>\n")
+            kwargs = client.post("/apply-template", json={"messages": HI, "chat_template_kwargs": {"enable_thinking": False}}).json()
+            assert kwargs["prompt"] == off

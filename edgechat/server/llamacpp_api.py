@@ -26,8 +26,10 @@ from edgechat.server.schemas import (
     _messages,
     _opt_bool,
     _opt_int,
+    _reasoning_budget,
     _sampling,
     _stop,
+    _template_kwargs,
     _text,
     _type_error,
     extension_grammar,
@@ -188,7 +190,10 @@ class LlamaCppApi:
         body = await self.server.read_body(request)
         messages = render_messages(_messages(body, self.server.settings.max_messages), None)
         generation_prompt = body.get("add_generation_prompt") is None or _opt_bool(body, "add_generation_prompt")
-        prompt = await run_in_threadpool(self.server.engine.format.render, messages, generation_prompt)
+        # as a chat request's prompt is rendered: the thinking switch, the client's template variables
+        request = ChatRequest(messages=messages, template_kwargs=_template_kwargs(body),
+                              reasoning_budget=_reasoning_budget(body, self.server.settings.reasoning_budget))
+        prompt = await run_in_threadpool(self.server.engine.prompts.text, request, generation_prompt)
         return JSONResponse({"prompt": prompt})
 
     @_llamacpp_errors
