@@ -71,7 +71,8 @@ def _pairs(argv: list[str]):
 def edgechat_args(argv: list[str], model: str) -> list[str]:
     """`edgechat serve`'s arguments for llama-server's argv; SystemExit with the reason for a
     flag that has no equivalent."""
-    out = ["-m", model]
+    # llama-server answers a request naming any model with its one model, as --any-model-name does
+    out = ["-m", model, "--any-model-name"]
     pairs = list(_pairs(argv))
     values = dict(pairs)
     ctx, parallel = values.get("--ctx-size") or values.get("-c"), values.get("--parallel") or values.get("-np")
