@@ -27,6 +27,7 @@ from edgechat.server.schemas import (
     _opt_bool,
     _opt_int,
     _reasoning_budget,
+    _refuse_unsupported,
     _sampling,
     _stop,
     _template_kwargs,
@@ -67,6 +68,9 @@ def _llamacpp_errors(handler):
 
 
 def parse_completion(body: dict, server) -> ParsedRequest:
+    # what would change the answer and is not served (logit_bias, mirostat, ...) is refused, as on
+    # every API; n_probs is served here
+    _refuse_unsupported({k: v for k, v in body.items() if k != "n_probs"})
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
