@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from bench.llamabench import find_llama_server
+    from quantize.llm import use_extra_buffers
 
     model_path = resolve_model(MODEL, get_paths())
     plan = [(1, args.requests_c1), (4, args.requests_c4)]
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         llama_cmd = [
             str(find_llama_server()), "-m", str(model_path), "-t", str(THREADS), "-tb", str(THREADS),
             "-c", str(CTX_TOTAL), "-np", str(PARALLEL), "--no-webui", "--host", "127.0.0.1", "--port", str(llama_port),
+            *([] if use_extra_buffers() else ["--no-repack"]),  # the engine's weight layout on this CPU (AMX)
         ]
         edge_cmd = [
             sys.executable, "-m", "edgechat", "serve", "-m", MODEL, "--threads", str(THREADS),
