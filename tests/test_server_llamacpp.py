@@ -220,3 +220,16 @@ def test_a_thinking_template_closed_unless_asked_still_thinks(models_root):
             assert off.endswith("</think>\n")
             kwargs = client.post("/apply-template", json={"messages": HI, "chat_template_kwargs": {"enable_thinking": False}}).json()
             assert kwargs["prompt"] == off
+
+
+def test_templates_get_todays_date(models_root):
+    """Llama 3.x templates fall back to a fixed day unless given date_string, as llama.cpp does."""
+    import datetime
+
+    template = ("{% if not date_string is defined %}{% set date_string = '26 Jul 2024' %}{% endif %}Today Date: {{ date_string }}\n"
+                "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with Engine(EngineConfig(model=MODEL, n_ctx=512, n_parallel=1, paths=models_root, chat_template=template)) as eng:
+        prompt = eng.prompts.text(ChatRequest(messages=HI))
+        assert prompt.startswith(f"Today Date: {datetime.date.today().strftime('%d %b %Y')}\n")
+        assert eng.prompt_text_tokens(prompt) == eng.prompt_tokens(ChatRequest(messages=HI))
