@@ -91,6 +91,9 @@ def test_errors_in_llama_servers_shape(http):
         http.post("/detokenize", json={"tokens": [10**9]}),  # outside the vocabulary
         http.post("/completion", json={"prompt": [1, 2, 3]}),
         http.post("/completion", json={"prompt": "x", "temperature": "warm"}),
+        # a field that would change the answer and is not served is refused, never ignored
+        http.post("/completion", json={"prompt": "x", "logit_bias": [[15, -100]]}),
+        http.post("/completion", json={"prompt": "x", "mirostat": 2}),
         http.post("/tokenize", content=b"x" * (9 << 20)),
     ):
         error = r.json()["error"]
@@ -126,3 +129,107 @@ def test_tokenize_template_and_greedy_completion_agree_with_llama_server(http, l
     ours, theirs = http.post("/completion", json=body).json(), llama_server.post("/completion", json=body).json()
     assert ours["content"] == theirs["content"] and ours["tokens_predicted"] == theirs["tokens_predicted"]
     assert ours["tokens_evaluated"] == theirs["tokens_evaluated"]
+
+
+def test_completion_probabilities_in_llama_servers_shape(http, engine):
+    body = {"prompt": "The capital of France is", "n_predict": 5, "temperature": 0, "n_probs": 3}
+    whole = http.post("/completion", json=body).json()
+    probs = whole["completion_probabilities"]
+    assert len(probs) == whole["tokens_predicted"] == 5
+    assert "".join(p["token"] for p in probs) == whole["content"]
+    for p in probs:
+        assert engine.detokenize([p["id"]]) == p["token"] and bytes(p["bytes"]).decode() == p["token"]
+        assert p["logprob"] <= 0 and len(p["top_logprobs"]) == 3
+        # greedy: the token chosen is the most likely one
+        assert p["top_logprobs"][0]["id"] == p["id"] and p["top_logprobs"][0]["logprob"] == pytest.approx(p["logprob"])
+        assert all(engine.detokenize([t["id"]]) == t["token"] for t in p["top_logprobs"])
+    with http.stream("POST", "/completion", json={**body, "stream": True}) as r:
+        events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+    streamed = [p for e in events[:-1] for p in e["completion_probabilities"]]
+    assert streamed == probs and [t for e in events[:-1] for t in e["tokens"]] == [p["id"] for p in probs]
+    # without n_probs there are none, and post-sampling probabilities are refused by name
+    assert "completion_probabilities" not in http.post("/completion", json={**body, "n_probs": 0}).json()
+    r = http.post("/completion", json={**body, "post_sampling_probs": True})
+    assert r.status_code == 400 and "post_sampling_probs" in r.json()["error"]["message"]
+
+
+def test_completion_reports_its_own_settings_and_tokens(http, engine):
+    body = {"prompt": "List three colours, one per line:\n", "n_predict": 12, "temperature": 0, "top_k": 7, "seed": 5,
+            "stop": ["zz"], "return_tokens": True}
+    whole = http.post("/completion", json=body).json()
+    settings = whole["generation_settings"]
+    assert (settings["temperature"], settings["top_k"], settings["seed"], settings["n_predict"], settings["stop"]) == (0, 7, 5, 12, ["zz"])
+    assert whole["tokens"] and engine.detokenize(whole["tokens"]) == whole["content"]
+    assert whole["has_new_line"] == ("\n" in whole["content"]) and whole["index"] == 0
+    assert http.post("/completion", json={**body, "return_tokens": False}).json()["tokens"] == []
+    assert http.get("/props").json()["default_generation_settings"]["params"]["n_predict"] == -1
+
+
+def test_completion_probabilities_agree_with_llama_server(http, llama_server):
+    body = {"prompt": "The capital of France is", "n_predict": 6, "temperature": 0, "n_probs": 4}
+    ours, theirs = http.post("/completion", json=body).json(), llama_server.post("/completion", json=body).json()
+    pick = [[(p["id"], p["token"], p["bytes"]) for p in [t, *t["top_logprobs"]]] for t in ours["completion_probabilities"]]
+    assert pick == [[(p["id"], p["token"], p["bytes"]) for p in [t, *t["top_logprobs"]]] for t in theirs["completion_probabilities"]]
+    for a, b in zip(ours["completion_probabilities"], theirs["completion_probabilities"]):
+        assert a["logprob"] == pytest.approx(b["logprob"], abs=0.05)
+    assert set(ours) >= set(theirs) - {"timings"} | {"has_new_line", "index", "tokens"}
+
+
+def test_chat_answers_carry_llama_servers_timings(http, llama_server):
+    body = {"messages": HI, "max_tokens": 5, "temperature": 0}
+    whole = http.post("/v1/chat/completions", json=body).json()
+    timings, usage = whole["timings"], whole["usage"]
+    assert timings["predicted_n"] == usage["completion_tokens"] and timings["cache_n"] == usage["prompt_tokens_details"]["cached_tokens"]
+    assert timings["prompt_n"] + timings["cache_n"] == usage["prompt_tokens"] and timings["predicted_per_second"] > 0
+    assert set(timings) == set(llama_server.post("/v1/chat/completions", json=body).json()["timings"])
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/chat/completions", json=stream) as r:
+        chunks = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["timings"]["predicted_n"] == chunks[-1]["usage"]["completion_tokens"]
+    legacy = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).json()
+    assert legacy["timings"]["predicted_n"] == legacy["usage"]["completion_tokens"]
+
+
+def test_apply_template_without_the_generation_prompt(http, llama_server):
+    body = {"messages": HI, "add_generation_prompt": False}
+    ours = http.post("/apply-template", json=body).json()["prompt"]
+    assert ours == llama_server.post("/apply-template", json=body).json()["prompt"]
+    assert ours.endswith("Say hello.<|im_end|>\n")
+    assert http.post("/apply-template", json={**body, "add_generation_prompt": True}).json()["prompt"].endswith("<|im_start|>assistant\n")
+    r = http.post("/apply-template", json={**body, "add_generation_prompt": "no"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400
+
+
+# a thinking template that closes the block unless told to think (as llama.cpp's DeepSeek-R1 ones do)
+CLOSED_UNLESS_ASKED = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% if not enable_thinking %}</think>\n{% endif %}{% endif %}"
+)
+
+
+def test_a_thinking_template_closed_unless_asked_still_thinks(models_root):
+    settings = ServerSettings(api_key=KEY, model_id=MODEL, degrade_queue_wait=None)
+    with Engine(EngineConfig(model=MODEL, n_ctx=512, n_parallel=1, paths=models_root, chat_template=CLOSED_UNLESS_ASKED)) as eng:
+        opened = eng.prompts.text(ChatRequest(messages=HI))
+        assert opened.endswith("<|im_start|>assistant\n<think>\n")
+        assert eng.prompt_text_tokens(opened) == eng.prompt_tokens(ChatRequest(messages=HI))
+        assert eng.prompts.text(ChatRequest(messages=HI, reasoning_budget=0)).endswith("<think>\n</think>\n")
+        with serving(create_app(settings, eng)) as url, httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
+            assert client.post("/apply-template", json={"messages": HI}).json()["prompt"] == opened
+            off = client.post("/apply-template", json={"messages": HI, "reasoning_effort": "none"}).json()["prompt"]
+            assert off.endswith("</think>\n")
+            kwargs = client.post("/apply-template", json={"messages": HI, "chat_template_kwargs": {"enable_thinking": False}}).json()
+            assert kwargs["prompt"] == off
+
+
+def test_templates_get_todays_date(models_root):
+    """Llama 3.x templates fall back to a fixed day unless given date_string, as llama.cpp does."""
+    import datetime
+
+    template = ("{% if not date_string is defined %}{% set date_string = '26 Jul 2024' %}{% endif %}Today Date: {{ date_string }}\n"
+                "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with Engine(EngineConfig(model=MODEL, n_ctx=512, n_parallel=1, paths=models_root, chat_template=template)) as eng:
+        prompt = eng.prompts.text(ChatRequest(messages=HI))
+        assert prompt.startswith(f"Today Date: {datetime.date.today().strftime('%d %b %Y')}\n")
+        assert eng.prompt_text_tokens(prompt) == eng.prompt_tokens(ChatRequest(messages=HI))

@@ -408,7 +408,7 @@ class OnnxEngine(PromptQueries):
                 if logprobs is not None:  # the model's own distribution, before the sampler's changes
                     logprob, top = token_logprobs(logits, token, req.logprobs)
                     piece = self.vocab.piece
-                    logprobs.append(TokenLogprob(piece(token), logprob, [(piece(t), lp) for t, lp in top]))
+                    logprobs.append(TokenLogprob(piece(token), logprob, [(piece(t), lp) for t, lp in top], token, [t for t, _ in top]))
                 sent = self._emit(handle, proc, proc.feed(self.vocab.piece(token), token), logprobs, sent)
                 if proc.stopped:
                     status = RequestStatus.FINISHED_REPEATING if proc.repeating else RequestStatus.FINISHED_STOPPED

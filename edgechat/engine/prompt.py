@@ -131,13 +131,20 @@ class PromptBuilder:
             return ["\n\n".join(m["content"] for m in messages)]
         return self.format.segments(messages, **(variables or {}))
 
+    def text(self, request: ChatRequest, generation_prompt: bool = True) -> str:
+        """A chat request's whole prompt as text, rendered as `prepare` renders it (before any
+        eviction; without the assistant's opening if not `generation_prompt`): what
+        llama-server's /apply-template gives."""
+        return self.format.render(request.messages, generation_prompt, **self._variables(request))
+
     def _variables(self, request: ChatRequest) -> dict:
         """The template's variables: the request's own, and the thinking switch where the
-        template has one and the request wants no thoughts."""
+        template has one, set both ways: some templates (llama.cpp's DeepSeek-R1 ones) close the
+        thinking block unless the switch is set, others open it unless it is false."""
         variables = dict(request.template_kwargs)
         fmt = self.format.reasoning
-        if fmt is not None and fmt.switch and request.reasoning_budget == 0:
-            variables.setdefault(fmt.switch, False)
+        if fmt is not None and fmt.switch:
+            variables.setdefault(fmt.switch, request.reasoning_budget != 0)
         return variables
 
     def _prepare_chat(self, request: ChatRequest, policy: ContextPolicy, limit: int) -> Prepared:

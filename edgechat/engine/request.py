@@ -181,6 +181,9 @@ class TokenLogprob:
     token: bytes
     logprob: float
     top: list[tuple[bytes, float]] = field(default_factory=list)
+    #: the token's id and its alternatives' (llama-server's /completion returns ids)
+    id: int = -1
+    top_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

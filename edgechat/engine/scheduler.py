@@ -276,7 +276,7 @@ class Scheduler:
         """Only for requests that ask: the others never read their logits in Python."""
         be = self.backend
         logprob, top = token_logprobs(logits, token, run.request.logprobs)
-        run.logprobs.append(TokenLogprob(be.piece(token), logprob, [(be.piece(t), lp) for t, lp in top]))
+        run.logprobs.append(TokenLogprob(be.piece(token), logprob, [(be.piece(t), lp) for t, lp in top], token, [t for t, _ in top]))
 
     def _emit_text(self, run: Running, text: str) -> None:
         """Text to the client, after the thoughts released with it, with the log probabilities

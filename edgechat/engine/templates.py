@@ -266,6 +266,9 @@ def choose_format(template: str | None, architecture: str, bos: str, eos: str, h
         return ChatFormat("completion", f"the model's chat template is broken ({exc}); plain completion mode", _completion)
 
     def render(messages: list[dict], add_generation_prompt: bool, **variables) -> str:
+        # Llama 3.x templates write "Today Date" from date_string, else a fixed placeholder day;
+        # llama.cpp gives them today's, as Meta's own prompt format does
+        variables.setdefault("date_string", datetime.date.today().strftime("%d %b %Y"))
         return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos, **variables)
 
     return ChatFormat(mode, warning, render, source)

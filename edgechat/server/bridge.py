@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from edgechat.engine.request import Event, Finished, TextDelta
+from edgechat.engine.request import Event, Finished, TextDelta, TokenLogprob
 
 #: while streams run, the event loop takes their events this often, on its own timer: 20 updates
 #: a second read as smooth text, and on 2 cores every chunk the loop streams is CPU taken from
@@ -154,8 +154,10 @@ class Generation:
         while not self.events.empty():
             events.append(self.events.get_nowait()[1])
         deltas = [e for e in events if isinstance(e, TextDelta)]
-        return Batch("".join(d.text for d in deltas if d.reasoning), "".join(d.text for d in deltas if not d.reasoning),
-                     next((e for e in events if isinstance(e, Finished)), None))
+        answer = [d for d in deltas if not d.reasoning]
+        return Batch("".join(d.text for d in deltas if d.reasoning), "".join(d.text for d in answer),
+                     next((e for e in events if isinstance(e, Finished)), None),
+                     logprobs=[e for d in answer for e in d.logprobs or ()] if any(d.logprobs is not None for d in answer) else None)
 
     def time_out(self) -> None:
         self.timed_out = True
@@ -180,3 +182,5 @@ class Batch:
     finished: Finished | None = None
     idle: bool = False
     expired: bool = False
+    #: with ChatRequest.logprobs: those of the answer's tokens that came (None: not asked for)
+    logprobs: list[TokenLogprob] | None = None

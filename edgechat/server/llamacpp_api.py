@@ -16,12 +16,26 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgechat import __version__
-from edgechat.engine.request import ChatRequest, Finished
+from edgechat.engine.request import ChatRequest, Finished, SamplingParams, TokenLogprob
+from edgechat.engine.tools import render_messages
 from edgechat.errors import UsageError
 from edgechat.server import responses
 from edgechat.server.errors import ApiError, bad_request
-from edgechat.server.schemas import ParsedRequest, _messages, _opt_bool, _opt_int, _sampling, _stop, _text, _type_error, extension_grammar
-from edgechat.engine.tools import render_messages
+from edgechat.server.schemas import (
+    MAX_TOP_LOGPROBS,
+    ParsedRequest,
+    _messages,
+    _opt_bool,
+    _opt_int,
+    _reasoning_budget,
+    _refuse_unsupported,
+    _sampling,
+    _stop,
+    _template_kwargs,
+    _text,
+    _type_error,
+    extension_grammar,
+)
 
 PATHS = frozenset({"/completion", "/tokenize", "/detokenize", "/apply-template", "/props"})
 
@@ -54,13 +68,20 @@ def _llamacpp_errors(handler):
 
 
 def parse_completion(body: dict, server) -> ParsedRequest:
+    # what would change the answer and is not served (logit_bias, mirostat, ...) is refused, as on
+    # every API; n_probs is served here
+    _refuse_unsupported({k: v for k, v in body.items() if k != "n_probs"})
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise _type_error("prompt", "a string (token prompts are not supported)", prompt)
-    if _opt_int(body, "n_probs"):
-        raise bad_request("'n_probs' is not supported on /completion; use /v1/completions' logprobs", param="n_probs", code="unsupported_parameter")
+    if _opt_bool(body, "post_sampling_probs"):
+        # the engine reads the model's distribution before any sampler: probabilities after
+        # top-k/top-p would be different numbers under the same names
+        raise bad_request("'post_sampling_probs' is not supported; leave it out for the model's own log probabilities (n_probs)",
+                          param="post_sampling_probs", code="unsupported_parameter")
+    n_probs = _opt_int(body, "n_probs", lo=0, hi=MAX_TOP_LOGPROBS)
     n_predict = _opt_int(body, "n_predict")
     request = ChatRequest(
         prompt=_text("prompt", prompt),
@@ -70,11 +91,41 @@ def parse_completion(body: dict, server) -> ParsedRequest:
         stop=_stop(body),
         ignore_eos=_opt_bool(body, "ignore_eos"),
         grammar=extension_grammar(body),
+        logprobs=n_probs or None,  # llama-server's default 0: none
     )
     if request.max_tokens == 0:
         raise bad_request("'n_predict' must be -1 or at least 1", param="n_predict", code="invalid_value")
     return ParsedRequest(request, body.get("model") if isinstance(body.get("model"), str) else None, _opt_bool(body, "stream"), False,
                          client_grammar=bool(body.get("grammar")))
+
+
+def generation_settings(req: ChatRequest, stream: bool) -> dict:
+    """A request's own settings, flat, as llama-server reports them with each answer."""
+    n_predict = -1 if req.max_tokens is None else req.max_tokens
+    return {
+        **sampling_settings(req.sampling), "n_predict": n_predict, "max_tokens": n_predict,
+        "stop": list(req.stop), "ignore_eos": req.ignore_eos, "stream": stream, "n_probs": req.logprobs or 0,
+    }
+
+
+def sampling_settings(s: SamplingParams) -> dict:
+    return {
+        "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+        "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.penalty_last_n,
+        "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
+        "seed": -1 if s.seed is None else s.seed,
+    }
+
+
+def probabilities(entries: list[TokenLogprob]) -> list[dict]:
+    """llama-server's `completion_probabilities`: per token its id, text, bytes and log
+    probability, with the most likely alternatives in the same shape."""
+
+    def one(token_id: int, token: bytes, logprob: float) -> dict:
+        # a token may hold part of a character: its bytes are exact, its text the whole characters
+        return {"id": token_id, "token": token.decode("utf-8", errors="ignore"), "bytes": list(token), "logprob": logprob}
+
+    return [{**one(e.id, e.token, e.logprob), "top_logprobs": [one(i, t, lp) for i, (t, lp) in zip(e.top_ids, e.top)]} for e in entries]
 
 
 def _stop_type(finished: Finished) -> str:
@@ -98,24 +149,14 @@ class LlamaCppApi:
             Route("/props", self.props, methods=["GET"]),
         ]
 
-    def settings(self, served) -> dict:
-        s = served.engine.default_sampling
-        return {
-            "n_ctx": served.engine.n_ctx,
-            "params": {
-                "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
-                "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.penalty_last_n,
-                "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
-                "seed": -1 if s.seed is None else s.seed, "n_predict": -1,
-            },
-            "model": str(served.engine.model_info.path),
-        }
-
     @_llamacpp_errors
     async def props(self, request: Request) -> Response:
-        served, engine = self.server.primary, self.server.engine
+        engine = self.server.engine
         return JSONResponse({
-            "default_generation_settings": self.settings(served),
+            "default_generation_settings": {
+                "n_ctx": engine.n_ctx,
+                "params": {**sampling_settings(engine.default_sampling), "n_predict": -1},
+            },
             "total_slots": engine.config.n_parallel,
             "model_path": str(engine.model_info.path),
             "chat_template": engine.format.source or "",
@@ -152,13 +193,19 @@ class LlamaCppApi:
     async def apply_template(self, request: Request) -> Response:
         body = await self.server.read_body(request)
         messages = render_messages(_messages(body, self.server.settings.max_messages), None)
-        prompt = await run_in_threadpool(self.server.engine.format.render, messages, True)
+        generation_prompt = body.get("add_generation_prompt") is None or _opt_bool(body, "add_generation_prompt")
+        # as a chat request's prompt is rendered: the thinking switch, the client's template variables
+        request = ChatRequest(messages=messages, template_kwargs=_template_kwargs(body),
+                              reasoning_budget=_reasoning_budget(body, self.server.settings.reasoning_budget))
+        prompt = await run_in_threadpool(self.server.engine.prompts.text, request, generation_prompt)
         return JSONResponse({"prompt": prompt})
 
     @_llamacpp_errors
     async def completion(self, request: Request) -> Response:
         arrival = time.monotonic()
-        parsed = parse_completion(await self.server.read_body(request), self.server)
+        body = await self.server.read_body(request)
+        parsed = parse_completion(body, self.server)
+        return_tokens = _opt_bool(body, "return_tokens")
         served, req, gens = await (await self.server.launch(request, parsed, arrival))
         self.server.opened(served, parsed, req, "text")
         gen = gens[0]
@@ -168,30 +215,31 @@ class LlamaCppApi:
         if finished is None:
             # the client left; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(self.end(finished[0], finished[0].text, served, req))
+        end = finished[0]
+        body = self.end(end, end.text, served, req, stream=False, tokens=end.token_ids if return_tokens else [])
+        if end.logprobs is not None:
+            body["completion_probabilities"] = probabilities(end.logprobs)
+        return JSONResponse(body)
 
-    def end(self, finished: Finished, content: str, served, req: ChatRequest) -> dict:
+    def end(self, finished: Finished, content: str, served, req: ChatRequest, stream: bool, tokens: list[int]) -> dict:
         m = finished.metrics
         return {
+            "index": 0,
             "content": content,
+            "tokens": tokens,
             "id_slot": 0,
             "stop": True,
             "model": served.id,
             "tokens_predicted": m.completion_tokens,
             "tokens_evaluated": m.prompt_tokens,
             "tokens_cached": m.cached_tokens,
-            "generation_settings": self.settings(served),
+            "generation_settings": generation_settings(req, stream),
             "prompt": req.prompt,
+            "has_new_line": "\n" in finished.text,
             "truncated": False,
             "stop_type": _stop_type(finished),
             "stopping_word": finished.stop_sequence or "",
-            "timings": {
-                "prompt_n": m.prompt_tokens - m.cached_tokens,
-                "prompt_ms": m.prefill * 1e3,
-                "predicted_n": m.completion_tokens,
-                "predicted_ms": m.decode * 1e3,
-                "predicted_per_second": m.completion_tokens / m.decode if m.decode > 0 else 0.0,
-            },
+            "timings": responses.timings(m),
         }
 
     async def events(self, gen, served, req: ChatRequest) -> AsyncIterator[str]:
@@ -203,14 +251,18 @@ class LlamaCppApi:
                     yield responses.sse(error_body(ApiError(504, "the request timed out and was cancelled", type="timeout")))
                     return
                 finished = batch.finished
-                if text := batch.thought + batch.text:  # this API has no thoughts of its own: they come first, as written
-                    yield responses.sse({"content": text, "stop": False, "id_slot": 0})
+                text = batch.thought + batch.text  # this API has no thoughts of its own: they come first, as written
+                if text or batch.logprobs:
+                    chunk = {"index": 0, "content": text, "stop": False, "id_slot": 0}
+                    if batch.logprobs is not None:
+                        chunk.update(tokens=[e.id for e in batch.logprobs], completion_probabilities=probabilities(batch.logprobs))
+                    yield responses.sse(chunk)
                 if finished is not None:
                     if finished.reason not in ("stop", "length"):
                         message = finished.error or f"the generation ended: {finished.reason}"
                         yield responses.sse(error_body(ApiError(500, message, type="server_error")))
                     else:
-                        yield responses.sse(self.end(finished, "", served, req))
+                        yield responses.sse(self.end(finished, "", served, req, stream=True, tokens=[]))
                     return
         finally:
             # the client left (the task was cancelled) or the request timed out: free the sequence now

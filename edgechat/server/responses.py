@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from edgechat.engine.request import Finished, TokenLogprob
+from edgechat.engine.request import Finished, RequestMetrics, TokenLogprob
 from edgechat.engine.tools import ToolCall
 
 #: proxies must pass each event on at once, not buffer the stream
@@ -45,6 +45,24 @@ def usage(finished: list[Finished]) -> dict:
         "total_tokens": first.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
         "completion_tokens_details": {"reasoning_tokens": sum(f.metrics.reasoning_tokens for f in finished)},
+    }
+
+
+def timings(m: RequestMetrics) -> dict:
+    """llama-server's `timings` of one answer (its extension, read by llama.cpp's web UI and
+    tools for tokens/s): what was prefilled and decoded, and how fast."""
+    prompt_n, predicted_n = m.prompt_tokens - m.cached_tokens, m.completion_tokens
+    prompt_ms, predicted_ms = m.prefill * 1e3, m.decode * 1e3
+    return {
+        "cache_n": m.cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": prompt_n * 1e3 / prompt_ms if prompt_ms > 0 else 0.0,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+        "predicted_per_second": predicted_n * 1e3 / predicted_ms if predicted_ms > 0 else 0.0,
     }
 
 
@@ -119,7 +137,8 @@ def completion_body(choices: list[Choice], kind: str, ids: ResponseIds) -> dict:
         out.append(choice)
     obj = "chat.completion" if kind == "chat" else "text_completion"
     finished = [c.finished for c in choices]
-    return {"id": ids.id, "object": obj, "created": ids.created, "model": ids.model, "choices": out, "usage": usage(finished)}
+    return {"id": ids.id, "object": obj, "created": ids.created, "model": ids.model, "choices": out, "usage": usage(finished),
+            "timings": timings(finished[0].metrics)}
 
 
 def chunk(
@@ -160,4 +179,4 @@ def tool_call_deltas(index: int, call: ToolCall) -> list[list[dict]]:
 
 def usage_chunk(kind: str, ids: ResponseIds, finished: list[Finished]) -> dict:
     """The last chunk when the request set stream_options.include_usage: no choices, the counts."""
-    return {**chunk(kind, ids, None, None), "choices": [], "usage": usage(finished)}
+    return {**chunk(kind, ids, None, None), "choices": [], "usage": usage(finished), "timings": timings(finished[0].metrics)}
