@@ -9,6 +9,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Sequence
 from urllib.parse import unquote
 
 from edgechat.errors import UsageError
@@ -21,6 +22,10 @@ MAX_PDF_BYTES = 32 * 1024 * 1024
 MAX_FILES = 50
 #: a paste longer than this (characters) becomes an attachment instead of filling the input
 LONG_PASTE = 2000
+#: an excerpt's size in characters (~150 tokens): small enough to pick, whole enough to read
+EXCERPT_CHARS = 600
+#: what stands between two excerpts of one file that were not next to each other
+GAP = "\n[…]\n"
 #: directories that hold tools' state, not the user's material (hidden ones are skipped too)
 _SKIP_DIRS = {"node_modules", "__pycache__", "venv"}
 
@@ -221,3 +226,51 @@ def split(content: str, count: int) -> tuple[list[Attachment], str]:
         if content.startswith("\n\n", pos):
             pos += 2
     return found, content[pos:]
+
+
+def excerpts(files: list[Attachment], question: str, budget: int, count: Callable[[str], int],
+             embed: Callable[[list[str]], Sequence]) -> list[Attachment]:
+    """The parts of `files` nearest to `question` that fit in `budget` tokens (as `count` counts
+    a text), each file's parts in their own order with a GAP where some were left out. `embed`
+    gives unit vectors, so a dot product is the cosine. Files none of whose parts fit are left out."""
+    pieces = [(i, n, text) for i, a in enumerate(files) for n, text in enumerate(_pieces(a.text))]
+    if not pieces:
+        return []
+    vectors = embed([question] + [text for _, _, text in pieces])
+    near = sorted(range(len(pieces)), key=lambda k: -float(vectors[k + 1] @ vectors[0]))
+    chosen, used = set(), 0
+    for k in near:
+        cost = count(pieces[k][2])
+        if used + cost <= budget:
+            chosen.add(k)
+            used += cost
+    out = []
+    for i, a in enumerate(files):
+        parts = [(n, text) for k, (f, n, text) in enumerate(pieces) if f == i and k in chosen]
+        if not parts:
+            continue
+        body = parts[0][1]
+        for (before, _), (n, text) in zip(parts, parts[1:]):
+            body += (GAP if n != before + 1 else "") + text
+        out.append(Attachment(f"{a.name} (excerpts)", body, a.lang))
+    return out
+
+
+def _pieces(text: str) -> list[str]:
+    """`text` cut into runs of whole lines of about EXCERPT_CHARS, ending at a paragraph's end
+    where one comes after a quarter of that (a line longer than EXCERPT_CHARS on its own, cut)."""
+    out, run = [], ""
+    for line in text.splitlines(keepends=True):
+        while len(line) > EXCERPT_CHARS:
+            if run:
+                out.append(run)
+                run = ""
+            out.append(line[:EXCERPT_CHARS])
+            line = line[EXCERPT_CHARS:]
+        run += line
+        if len(run) >= EXCERPT_CHARS or (not line.strip() and len(run) >= EXCERPT_CHARS // 4):
+            out.append(run)
+            run = ""
+    if run.strip():
+        out.append(run)
+    return out

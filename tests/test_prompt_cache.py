@@ -215,9 +215,10 @@ def test_serve_passes_cache_ram_in_mib_to_the_engine(monkeypatch):
         raise Stop  # the configuration is all this test needs: no model is loaded
 
     monkeypatch.setattr(edgechat.engine, "open_engine", record)
-    for args, budget in (([], 256 << 20), (["--cache-ram", "0"], 0), (["--cache-ram", "64"], 64 << 20)):
+    for i, (args, budget) in enumerate((([], 256 << 20), (["--cache-ram", "0"], 0), (["--cache-ram", "64"], 64 << 20))):
         result = CliRunner().invoke(cli, ["serve", *args])
-        assert isinstance(result.exception, Stop) and seen[-1] == budget
+        # the model pool reports the stopped load as a load failure; the engine saw the setting
+        assert result.exit_code != 0 and len(seen) == i + 1 and seen[-1] == budget
     result = CliRunner().invoke(cli, ["serve", "--cache-ram", "-1"])
     assert result.exit_code == 2 and "--cache-ram" in result.output
 

@@ -10,16 +10,20 @@ import pytest
 from textual import events
 from test_tui_layout import ScriptedClient, make_app, until
 
-from edgechat.attachments import MAX_FILE_BYTES, gather, read_file
+from edgechat.attachments import GAP, MAX_FILE_BYTES, Attachment, excerpts, gather, read_file, split
 from edgechat.errors import UsageError
 from edgechat.tui.app import EdgechatApp
 from edgechat.tui.client import LocalClient
 from edgechat.tui.presets import SHIPPED, load_presets
+from edgechat.tui.screens.dialogs import ConfirmScreen
 from edgechat.tui.screens.pickers import AttachPickerScreen, PresetPickerScreen
 
 pytestmark = pytest.mark.asyncio
 
 SECRET = "The lighthouse code word is PERIWINKLE-42."
+#: a paragraph of its own about the code word, in a file of figures
+KEEPER_NOTE = (f"A note from the keeper of the lighthouse on the northern cape. {SECRET} "
+               "Give the lighthouse code word to the relief keeper at the lighthouse door.")
 
 
 class Recording:
@@ -123,9 +127,20 @@ async def test_real_model_is_given_the_file_and_answers(paths, engine, tmp_path)
         assert answer.status == "complete" and answer.content.strip() and answer.meta["completion_tokens"] > 0
 
 
+def figures(lines: range) -> str:
+    return "\n".join(f"Line {i}: the quarterly figures rose by {i % 17} percent." for i in lines)
+
+
+def quarterly_report(path, note_at: int | None = None):
+    if note_at is None:
+        path.write_text(figures(range(400)))
+    else:
+        path.write_text(f"{figures(range(note_at))}\n\n{KEEPER_NOTE}\n\n{figures(range(note_at, 400))}")
+    return path
+
+
 async def test_too_large_for_the_context_is_refused_with_the_figures(paths, engine, tmp_path):
-    big = tmp_path / "report.txt"
-    big.write_text("\n".join(f"Line {i}: the quarterly figures rose by {i % 17} percent." for i in range(400)))
+    big = quarterly_report(tmp_path / "report.txt")
     app = EdgechatApp(paths, client_factory=lambda ref: engine)
     async with app.run_test(size=(100, 30)) as pilot:
         await until(pilot, lambda: app.client is not None, timeout=60)
@@ -133,15 +148,62 @@ async def test_too_large_for_the_context_is_refused_with_the_figures(paths, engi
         await command(pilot, f"/attach {big}")
         await counted(pilot, 1)
         await command(pilot, "Summarise it.")
-        refusal = next(n for n in notes(app) if n.startswith("Too large"))
+        # the local model can embed, so the refusal offers the relevant parts instead
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        refusal = app.screen.question
+        assert refusal.startswith("Too large") and "\n" not in refusal
         # the attachments' tokens, what the context allows (2,048 less max_tokens for the answer),
         # and how much of attachments would fit
         took, allowed, fit = (int(x.replace(",", "")) for x in re.findall(r"\d[\d,]*(?= tokens| for)", refusal))
         assert abs(took - screen.attach_bar.tokens) <= 2 and took > 2044
-        assert allowed == 2048 - 4 and 2000 < fit < 2044 and "\n" not in refusal
+        assert allowed == 2048 - 4 and 2000 < fit < 2044
+        await pilot.press("escape")
+        await pilot.pause(0.05)
         # nothing stored or lost: the question stays in the input, the file above it
         assert screen.conv is None and screen.prompt.text == "Summarise it."
         assert [c.attachment.name for c in screen.attach_bar.chips] == ["report.txt"]
+
+
+async def test_a_file_too_large_is_sent_as_its_parts_nearest_the_question(paths, engine, tmp_path):
+    big = quarterly_report(tmp_path / "report.txt", note_at=250)
+    client = Recording(engine)
+    app = EdgechatApp(paths, client_factory=lambda ref: client)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.client is not None, timeout=60)
+        screen = app.chat_screen
+        await command(pilot, f"/attach {big}")
+        await counted(pilot, 1)
+        await command(pilot, "What is the lighthouse code word?")
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("enter")  # "Send the relevant parts" has the focus
+        await until(pilot, lambda: screen.conv is not None and screen.turn is None
+                    and len(app.store.messages(screen.conv.id)) == 2, timeout=120)
+        user = app.store.messages(screen.conv.id)[0]
+        assert [a["name"] for a in user.meta["attachments"]] == ["report.txt (excerpts)"]
+        sent, text = split(user.content, 1)
+        assert text == "What is the lighthouse code word?" and SECRET in sent[0].text
+        # parts, in the file's order, with the gaps marked: less than the whole, within the context
+        kept = [line for line in sent[0].text.splitlines() if line.startswith("Line ")]
+        numbers = [int(line.split(":")[0].split()[1]) for line in kept]
+        assert numbers == sorted(numbers) and 0 < len(kept) < 399 and GAP.strip() in sent[0].text
+        tokens, limit = engine.prompt_room(client.requests[-1])
+        assert tokens <= limit
+        assert app.store.messages(screen.conv.id)[1].status == "complete"
+
+
+async def test_excerpts_rank_by_the_models_embeddings_and_keep_to_the_budget(engine):
+    short = figures(range(200, 204))  # a paragraph of figures as long as the keeper's note
+    files = [Attachment("a.txt", figures(range(60))),
+             Attachment("b.txt", f"{figures(range(60))}\n\n{short}\n\n{KEEPER_NOTE}\n\n{figures(range(60, 120))}")]
+    count = lambda text: len(engine.engine.tokenize(text))  # noqa: E731
+    question = "What is the lighthouse code word?"
+    # room for one of the two short paragraphs and nothing longer: the embeddings choose
+    budget = max(count(short + "\n\n"), count(KEEPER_NOTE + "\n\n"))
+    one = excerpts(files, question, budget, count, engine.embed)
+    assert [(a.name, a.text.strip()) for a in one] == [("b.txt (excerpts)", KEEPER_NOTE)]
+    everything = excerpts(files, question, 10**6, count, engine.embed)
+    assert [a.text for a in everything] == [f.text for f in files]  # all of it: no gap, nothing lost
+    assert excerpts(files, question, 5, count, engine.embed) == []
 
 
 async def test_binary_and_missing_paths_each_get_one_line(paths, tmp_path):

@@ -128,6 +128,14 @@ class LocalClient:
     def count_tokens(self, request: ChatRequest) -> int:
         return self.engine.count_tokens(request)
 
+    def embed(self, texts: list[str]) -> list:
+        """Unit vectors of `texts` from the loaded model (the relevant parts of an attachment too
+        large to send whole); each text cut to the embedding context."""
+        embed = getattr(self.engine, "embed", None)
+        if embed is None:
+            raise UsageError(f"{self.model_name} cannot embed text here (an ONNX folder); remove some attachments instead.")
+        return embed(texts, truncate=True).result()
+
     def prompt_room(self, request: ChatRequest) -> tuple[int, int]:
         """(the request's prompt tokens, the most the context allows it): the engine's own figures,
         for refusing a message before it is stored."""

@@ -343,13 +343,42 @@ class ChatScreen(Screen):
         if tokens <= limit:
             return True
         bare, _ = need(text if text.strip() else ".")
-        self.notify(
-            f"Too large: the attachments take {tokens - bare:,} tokens and this context allows "
-            f"{limit:,} for the whole prompt, so about {max(limit - bare, 0):,} tokens of attachments "
-            "would fit; remove some (click a chip, or /detach).",
-            severity="error", timeout=12,
-        )
+        room_left = max(limit - bare, 0)
+        figures = (f"the attachments take {tokens - bare:,} tokens and this context allows {limit:,} for the whole "
+                   f"prompt, so about {room_left:,} tokens of attachments would fit")
+        if callable(getattr(self.client, "embed", None)) and text.strip() and room_left > 0:
+            question = f"Too large: {figures}. Send only the parts most relevant to your question?"
+            self.app.push_screen(ConfirmScreen(question, yes="Send the relevant parts", enter_confirms=True),
+                                 lambda yes: yes and self._send_excerpts(text, room_left))
+            return False
+        self.notify(f"Too large: {figures}; remove some (click a chip, or /detach).", severity="error", timeout=12)
         return False
+
+    @work(thread=True, exclusive=True, group="excerpts", exit_on_error=False)
+    def _send_excerpts(self, text: str, room: int) -> None:
+        """Send the question with the attachments' parts nearest to it (the loaded model's
+        embeddings) in place of the whole files; the chips show what goes."""
+        files, count = self.attach_bar.attachments, self._token_counter()
+        self.app.call_from_thread(self.notify, "Finding the relevant parts…", timeout=4)
+        # the blocks' headers and fences, and the count's rounding, take some of the room
+        budget = int(room * 0.9) - 16 * len(files)
+        try:
+            parts = attachments.excerpts(files, text, budget, count, self.client.embed)
+        except EdgechatError as exc:
+            self.app.call_from_thread(self.notify, str(exc), severity="error", timeout=12)
+            return
+        if not parts:
+            self.app.call_from_thread(self.notify, "No part of the attachments fits; remove some.", severity="error")
+            return
+
+        async def send() -> None:
+            self.attach_bar.clear()
+            self.attach_bar.add(parts, count)
+            while not self.attach_bar.counted:
+                await asyncio.sleep(0.01)
+            await self.send(text)
+
+        self.app.call_from_thread(lambda: self.run_worker(send(), group="excerpts-send"))
 
     def _token_counter(self):
         """The loaded model's count of a text's tokens (its tokens in a message, less a one-token
