@@ -1,6 +1,6 @@
 """Shared fixtures: every test gets its own data/config/cache dirs; real models are located once;
 llama.cpp's own tools are built once per machine, before the first test; the tests run in one
-worker process per physical core (pytest-xdist), each file in one worker."""
+worker process per CPU (pytest-xdist, a few at most), each file in one worker."""
 
 from __future__ import annotations
 
@@ -12,15 +12,21 @@ from pathlib import Path
 import pytest
 
 from edgechat.config import DATA_DIR_ENV, get_paths
-from edgechat.engine.planner import THREADS_ENV, physical_cores
+from edgechat.engine.planner import THREADS_ENV
 from edgechat.models import resolve_model
 
 MAX_WORKERS = 4  # past a few workers the suite is bound by its longest file (--dist loadfile)
 
 
+def _cpus() -> int:
+    """The CPUs this process may run on (a container's share, SMT siblings included: a worker
+    on each keeps them busy while the other waits on a model or a subprocess)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (the default, pyproject.toml): one worker per physical core, a few at most."""
-    return max(1, min(physical_cores(), MAX_WORKERS))
+    """`-n auto` (the default, pyproject.toml): one worker per CPU, a few at most."""
+    return max(1, min(_cpus(), MAX_WORKERS))
 
 
 def pytest_configure(config):
@@ -29,7 +35,7 @@ def pytest_configure(config):
     cores are oversubscribed."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        os.environ.setdefault(THREADS_ENV, str(max(1, physical_cores() // workers)))
+        os.environ.setdefault(THREADS_ENV, str(max(1, _cpus() // workers)))
 
 
 @pytest.fixture(autouse=True)
