@@ -209,5 +209,6 @@ def test_a_forced_call_that_repeats_ends_the_streamed_answer(client):
     reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     assert {c.index for c in calls} == {0} and [c.function.name for c in calls if c.function.name] == ["get_time"]
     assert reasons == ["tool_calls"]
-    # two calls' worth of tokens, not the eight the grammar allows
-    assert chunks[-1].usage.completion_tokens < 60
+    # a call and its repeat (about 30 tokens each, a few more where a batch-mate's numerics change
+    # the arguments' words), far from the cap of 200 that eight calls would run into
+    assert chunks[-1].usage.completion_tokens < 100
