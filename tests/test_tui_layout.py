@@ -104,10 +104,10 @@ def seed(store, n_convs: int = 3):
     return convs
 
 
-async def until(pilot, condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
+async def until(pilot, condition, timeout: float = 10.0, what: str = "the condition") -> None:
+    deadline = time.monotonic() + timeout  # a hang guard, not a measurement
     while not condition():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await pilot.pause(0.02)
 
 

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from test_tui_layout import until
 
 from edgechat.errors import UsageError
 from edgechat.tui.config import load_config
@@ -141,14 +142,8 @@ def _app(paths, client):
     return EdgechatApp(paths, client_factory=lambda ref: client)
 
 
-async def _until(pilot, condition, what: str, timeout: float = 180.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout  # a hang guard, not a measurement
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.05)
+#: the model answers and the servers start within this (a hang guard)
+WAIT = 180.0
 
 
 def _asking(app) -> bool:
@@ -172,25 +167,25 @@ async def _command(pilot, text: str) -> None:
 
 async def _ask(pilot, text: str) -> None:
     await _command(pilot, text)
-    await _until(pilot, lambda: _asking(pilot.app) or _settled(pilot.app), "the call or the answer")
+    await until(pilot, lambda: _asking(pilot.app) or _settled(pilot.app), WAIT, "the call or the answer")
 
 
 @pytest.mark.asyncio
 async def test_a_forced_call_is_asked_run_and_answered_and_always_skips_the_question(paths, client):
     app = _app(paths, client)
     async with app.run_test(size=(50, 30)) as pilot:
-        await _until(pilot, lambda: app.client is not None, "the model")
+        await until(pilot, lambda: app.client is not None, WAIT, "the model")
         screen = app.chat_screen
         await _command(pilot, "/tools on calc.add")
         await _command(pilot, "/tools required")
         await _command(pilot, "/tools")  # the servers' tools, which are on here
-        await _until(pilot, lambda: any("[on ] calc.add: Add two integers." in str(n.render()) for n in screen.query(".note")),
+        await until(pilot, lambda: any("[on ] calc.add: Add two integers." in str(n.render()) for n in screen.query(".note")), WAIT,
                      "the list of tools")
         assert any("[off] calc.crash" in str(n.render()) for n in screen.query(".note"))
         await _ask(pilot, "What is 2 plus 3? Use the add tool.")
         assert _asking(app) and app.screen.line.startswith("calc.add(")
         await pilot.press("a")  # always: this call runs, and the next one is not asked about
-        await _until(pilot, lambda: _settled(app) or _asking(app), "the answer after the call")
+        await until(pilot, lambda: _settled(app) or _asking(app), WAIT, "the answer after the call")
         assert not _asking(app)
         conv_id = screen.conv.id
         called, answer = app.store.messages(conv_id)[1:3]
@@ -209,17 +204,17 @@ async def test_a_forced_call_is_asked_run_and_answered_and_always_skips_the_ques
         assert {"role": "tool", "content": call["result"], "tool_call_id": call["id"]} in sent
         await _ask(pilot, "And what is 4 plus 4? Use the add tool.")
         assert not _asking(app)  # "always" held
-        await _until(pilot, lambda: _settled(app), "the second answer")
+        await until(pilot, lambda: _settled(app), WAIT, "the second answer")
         second = [m for m in app.store.messages(conv_id) if m.tool_calls][-1]
         assert second.id != called.id and second.tool_calls[0]["outcome"] == "ok"
         await _command(pilot, f"/export {paths.data / 'out.md'}")
-        await _until(pilot, lambda: (paths.data / "out.md").is_file(), "the export")
+        await until(pilot, lambda: (paths.data / "out.md").is_file(), WAIT, "the export")
     exported = (paths.data / "out.md").read_text()
     assert f"calc.add({call['arguments']})" in exported and "Tool call" in exported
     # the calls survive a restart: stored, and shown when the conversation opens
     app = _app(paths, client)
     async with app.run_test(size=(50, 30)) as pilot:
-        await _until(pilot, lambda: app.client is not None, "the model")
+        await until(pilot, lambda: app.client is not None, WAIT, "the model")
         await app.chat_screen.open_conversation(conv_id)
         await pilot.pause(0.1)
         blocks = [b for box in app.chat_screen.chat.boxes() for b in box.tool_blocks()]
@@ -233,13 +228,13 @@ async def test_a_denied_call_reaches_the_model_as_a_refusal(paths, client):
 
     app = _app(paths, client)
     async with app.run_test(size=(50, 30)) as pilot:
-        await _until(pilot, lambda: app.client is not None, "the model")
+        await until(pilot, lambda: app.client is not None, WAIT, "the model")
         await _command(pilot, "/tools on calc.add")
         await _command(pilot, "/tools required")
         await _ask(pilot, "What is 2 plus 3? Use the add tool.")
         assert _asking(app)
         await pilot.press("n")
-        await _until(pilot, lambda: _settled(app) or _asking(app), "the answer after the refusal")
+        await until(pilot, lambda: _settled(app) or _asking(app), WAIT, "the answer after the refusal")
         conv_id = app.chat_screen.conv.id
         [called] = [m for m in app.store.messages(conv_id) if m.tool_calls]
         assert called.tool_calls[0]["outcome"] == "denied"
@@ -251,15 +246,15 @@ async def test_a_denied_call_reaches_the_model_as_a_refusal(paths, client):
 async def test_a_server_that_crashes_mid_call_is_one_line_and_the_conversation_goes_on(paths, client):
     app = _app(paths, client)
     async with app.run_test(size=(50, 30)) as pilot:
-        await _until(pilot, lambda: app.client is not None, "the model")
+        await until(pilot, lambda: app.client is not None, WAIT, "the model")
         await _command(pilot, "/tools on calc.crash")
         await _command(pilot, "/tools required")
         await _ask(pilot, "Run the crash tool.")
         assert _asking(app)
         await pilot.press("y")
         # one line on the screen (the screen stays live: the call ran off its thread)
-        await _until(pilot, lambda: any("calc.crash failed" in n.message for n in app._notifications), "the line")
-        await _until(pilot, lambda: _settled(app) or _asking(app), "the answer after the crash")
+        await until(pilot, lambda: any("calc.crash failed" in n.message for n in app._notifications), WAIT, "the line")
+        await until(pilot, lambda: _settled(app) or _asking(app), WAIT, "the answer after the crash")
         conv_id = app.chat_screen.conv.id
         [called] = [m for m in app.store.messages(conv_id) if m.tool_calls]
         call = called.tool_calls[0]
@@ -278,13 +273,13 @@ async def test_esc_at_the_question_stops_the_calls_and_the_model_is_told(paths, 
 
     app = _app(paths, client)
     async with app.run_test(size=(50, 30)) as pilot:
-        await _until(pilot, lambda: app.client is not None, "the model")
+        await until(pilot, lambda: app.client is not None, WAIT, "the model")
         await _command(pilot, "/tools on calc.add")
         await _command(pilot, "/tools required")
         await _ask(pilot, "What is 2 plus 3? Use the add tool.")
         assert _asking(app)
         await pilot.press("escape")
-        await _until(pilot, lambda: _settled(app), "the stop")
+        await until(pilot, lambda: _settled(app), WAIT, "the stop")
         conv_id = app.chat_screen.conv.id
         messages = app.store.messages(conv_id)
         assert messages[-1].tool_calls[0]["outcome"] == "stopped"  # no answer after it
