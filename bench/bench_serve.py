@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 
 from edgechat.config import get_paths
-from edgechat.models import resolve_model
 from edgechat.loadgen import Run, load, summarize
+from edgechat.models import resolve_model
 
 MODEL = "smollm2-135m-instruct"
 THREADS, CTX_TOTAL, PARALLEL, MAX_TOKENS = 2, 8192, 4, 128

@@ -7,9 +7,9 @@ import glob
 import os
 import re
 import shlex
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 from urllib.parse import unquote
 
 from edgechat.errors import UsageError

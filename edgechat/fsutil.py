@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 
 def atomic_write(path: str | os.PathLike, chunks: Iterable[bytes]) -> Path:

@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
+from neartie import assert_same_or_near_tie
 
 from edgechat.engine import Engine, EngineConfig, devices, planner
 from edgechat.engine.devices import Device
 from edgechat.engine.request import ChatRequest, SamplingParams
 from edgechat.errors import UsageError
 from edgechat.models import read_model_info
-from neartie import assert_same_or_near_tie
 
 
 def gpu(free: int) -> Device:

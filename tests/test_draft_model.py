@@ -9,17 +9,17 @@ import json
 
 import httpx
 import pytest
+from neartie import assert_same_or_near_tie
+from serving import serving
+from test_hub import CATALOG_NAME, edgechat, hub_cache, one_line_error  # noqa: F401 (hub_cache is a fixture)
+from test_speculative import answer
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
 from edgechat.engine.planner import default_threads
 from edgechat.errors import UsageError
 from edgechat.models import catalog
 from edgechat.server import ServerSettings, create_app
-from neartie import assert_same_or_near_tie
 from quantize.requantize import requantize
-from serving import serving
-from test_hub import CATALOG_NAME, edgechat, hub_cache, one_line_error  # noqa: F401 (hub_cache is a fixture)
-from test_speculative import answer
 
 GREEDY = SamplingParams(temperature=0)
 PASSAGE = (

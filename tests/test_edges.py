@@ -7,11 +7,11 @@ import json
 
 import openai
 import pytest
+from serving import serving
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
 from edgechat.engine.request import SamplingParams
 from edgechat.server import ServerSettings, create_app
-from serving import serving
 from tests.test_cli import edgechat
 
 MODEL = "smollm2-135m-instruct"

@@ -10,10 +10,10 @@ import numpy as np
 import ollama
 import openai
 import pytest
+from serving import serving
 
 from edgechat.engine import Engine, EngineConfig, embeddings
 from edgechat.server import ServerSettings, create_app
-from serving import serving
 
 KEY = "sk-test-key"
 MODEL = "smollm2-135m-instruct"

@@ -5,12 +5,12 @@ from __future__ import annotations
 import threading
 
 import pytest
+from neartie import assert_same_or_near_tie
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams, TextDelta
 from edgechat.engine.stream import OutputProcessor
 from edgechat.engine.templates import choose_format
 from edgechat.errors import PromptTooLongError, UsageError
-from neartie import assert_same_or_near_tie
 
 GREEDY = SamplingParams(temperature=0)
 

@@ -15,12 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from serving import serving
 
 from edgechat.engine import Engine, EngineConfig
 from edgechat.errors import UsageError
 from edgechat.server import ServerSettings, create_app
 from edgechat.server.priority import ClassFull, PriorityClass, PriorityGate, parse_class
-from serving import serving
 
 MODEL = "smollm2-135m-instruct"
 AGENT_KEY, CHAT_KEY = "sk-agent", "sk-chat"

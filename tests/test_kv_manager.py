@@ -6,9 +6,9 @@ by greedy continuation of a cached sequence against a cold prefill of its mirror
 from __future__ import annotations
 
 import pytest
+from neartie import assert_same_tokens_or_near_tie
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, Evicted, SamplingParams
-from neartie import assert_same_tokens_or_near_tie
 
 GREEDY = SamplingParams(temperature=0)
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. The capital of the country Zubrowka is Lutz."}

@@ -12,6 +12,7 @@ import sys
 import time
 
 import httpx
+
 from edgechat.engine import EngineConfig
 from edgechat.engine.core import Engine
 from edgechat.engine.pool import ModelPool, plan_model

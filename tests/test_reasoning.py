@@ -16,6 +16,7 @@ import gguf
 import httpx
 import openai
 import pytest
+from serving import serving
 
 from bench.bench_reasoning import TEMPLATE as THINK_TEMPLATE  # the template the benchmark measures
 from edgechat.engine import ChatRequest, Engine, EngineConfig
@@ -24,9 +25,8 @@ from edgechat.engine.llama import LlamaBackend
 from edgechat.engine.reasoning import ChannelFormat, ReasoningSplitter, reasoning_format
 from edgechat.engine.request import SamplingParams, TextDelta
 from edgechat.engine.stream import OutputProcessor
-from edgechat.server import ServerSettings, create_app
 from edgechat.engine.tools import ToolCallParser
-from serving import serving
+from edgechat.server import ServerSettings, create_app
 from tests.test_cli import assert_one_line_error, edgechat
 
 MODEL = "smollm2-135m-instruct"

@@ -8,10 +8,10 @@ import time
 import httpx
 import openai
 import pytest
+from serving import serving
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
 from edgechat.server import ServerSettings, create_app
-from serving import serving
 
 KEY = "sk-test-key"
 MODEL = "smollm2-135m-instruct"

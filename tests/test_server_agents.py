@@ -9,19 +9,19 @@ import json
 import httpx
 import openai
 import pytest
+from neartie import assert_same_or_near_tie
 from pydantic import BaseModel, Field
+from serving import serving
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
 from edgechat.engine.llama import Batch, LlamaBackend
 from edgechat.engine.planner import default_threads
 from edgechat.engine.request import Grammar, SamplingParams
 from edgechat.engine.sampling import SamplerChain
-from edgechat.server import ServerSettings, create_app
 from edgechat.engine.schema_grammar import schema_rules
 from edgechat.engine.tools import ToolCallParser, render_messages
+from edgechat.server import ServerSettings, create_app
 from edgechat.server.tools import parse_tools
-from neartie import assert_same_or_near_tie
-from serving import serving
 
 KEY = "sk-test-key"
 MODEL = "smollm2-135m-instruct"

@@ -11,10 +11,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from serving import serving
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
 from edgechat.server import ServerSettings, create_app
-from serving import serving
 
 KEY = "sk-test-key"
 MODEL = "smollm2-135m-instruct"

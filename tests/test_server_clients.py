@@ -14,13 +14,13 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from serving import serving
 
 from edgechat.cli import cli
 from edgechat.cli.common import run_guarded
 from edgechat.engine import Engine, EngineConfig
-from edgechat.server import ServerSettings, create_app, listen
 from edgechat.engine.tools import ToolCallParser
-from serving import serving
+from edgechat.server import ServerSettings, create_app, listen
 
 KEY = "sk-clients"
 MODEL = "smollm2-135m-instruct"

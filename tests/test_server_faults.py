@@ -8,10 +8,10 @@ import time
 
 import httpx
 import pytest
+from serving import serving
 
 from edgechat.engine import Engine, EngineConfig
 from edgechat.server import ServerSettings, create_app
-from serving import serving
 
 MODEL = "smollm2-135m-instruct"
 

@@ -7,11 +7,11 @@ import json
 import httpx
 import openai
 import pytest
+from serving import serving
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
 from edgechat.engine.planner import default_threads
 from edgechat.server import ServerSettings, create_app
-from serving import serving
 
 KEY = "sk-test-key"
 MODEL = "smollm2-135m-instruct"

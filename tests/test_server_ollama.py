@@ -10,13 +10,13 @@ import httpx
 import ollama
 import openai
 import pytest
+from serving import serving
+from test_hub import TEST_REPO, fake_hub  # noqa: F401  (fake_hub: the stand-in Hub fixture)
+from test_tui_pull import online  # noqa: F401  (this process online, against the stand-in Hub)
 
 from edgechat.engine import Engine, EngineConfig
 from edgechat.models import hub, resolve_model
 from edgechat.server import ServerSettings, create_app
-from serving import serving
-from test_hub import TEST_REPO, fake_hub  # noqa: F401  (fake_hub: the stand-in Hub fixture)
-from test_tui_pull import online  # noqa: F401  (this process online, against the stand-in Hub)
 
 KEY = "sk-test-key"
 MODEL = "smollm2-135m-instruct"

@@ -10,12 +10,12 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from serving import serving
 
 from bench.bench_reasoning import TEMPLATE as THINK_TEMPLATE
 from edgechat.engine import Engine, EngineConfig
 from edgechat.server import ServerSettings, create_app
 from edgechat.store.responses import ResponseStore
-from serving import serving
 
 KEY = "sk-test-key"
 MODEL = "smollm2-135m-instruct"

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from edgechat.server.degrade import DegradeSwitch
 from edgechat.errors import EngineBusyError, EngineStoppedError, PromptTooLongError
-from edgechat.server.errors import ApiError, from_engine_error
 from edgechat.loadgen import RequestResult, Run, make_prompt, prompt_token_targets, summarize
+from edgechat.server.degrade import DegradeSwitch
+from edgechat.server.errors import ApiError, from_engine_error
 from edgechat.server.schemas import decode_body, parse_chat, parse_completion
 
 USER = [{"role": "user", "content": "hi"}]

@@ -12,10 +12,10 @@ import random
 
 import httpx
 import pytest
+from test_server import MODEL, serving, wait_idle
 
 from edgechat.engine import Engine, EngineConfig
 from edgechat.server import ServerSettings, create_app
-from test_server import MODEL, serving, wait_idle
 
 pytestmark = pytest.mark.slow
 

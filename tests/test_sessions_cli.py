@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 from edgechat.store import open_store
-
 from tests.test_cli import assert_one_line_error, edgechat
 
 

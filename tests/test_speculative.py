@@ -5,11 +5,11 @@ cache that stays consistent through rejected drafts, eviction mid-answer, sessio
 from __future__ import annotations
 
 import pytest
+from neartie import assert_same_or_near_tie
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
 from edgechat.engine.speculative import DraftPolicy, NgramDrafter, StepCost
 from edgechat.errors import UsageError
-from neartie import assert_same_or_near_tie
 
 GREEDY = SamplingParams(temperature=0)
 PASSAGE = (

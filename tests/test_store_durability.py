@@ -17,7 +17,6 @@ from edgechat.engine import Engine, EngineConfig
 from edgechat.engine.request import ChatRequest
 from edgechat.store import Store
 from edgechat.store.history import model_messages
-
 from tests.test_cli import assert_one_line_error, edgechat
 
 

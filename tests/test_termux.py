@@ -10,7 +10,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "packaging" / "termux.sh"
 CPUINFO = """processor\t: 0

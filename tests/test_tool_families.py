@@ -11,16 +11,25 @@ import re
 
 import openai
 import pytest
+from serving import serving
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
 from edgechat.engine.request import Evicted, SamplingParams
 from edgechat.engine.templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, choose_format
+from edgechat.engine.toolfamilies import (
+    GENERIC,
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    MISTRAL_V11,
+    PHI4,
+    family_for,
+    native_messages,
+)
+from edgechat.engine.tools import ToolCallParser, _trigger, render_messages, tool_grammar
 from edgechat.server import ServerSettings, create_app
 from edgechat.server.schemas import parse_chat
-from edgechat.engine.toolfamilies import GENERIC, HERMES, LLAMA3, MISTRAL, MISTRAL_V11, PHI4, family_for, native_messages
-from edgechat.engine.tools import ToolCallParser, _trigger, render_messages, tool_grammar
 from edgechat.server.tools import parse_tools
-from serving import serving
 
 MODEL = "smollm2-135m-instruct"
 

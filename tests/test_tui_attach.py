@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from textual import events
 from test_tui_layout import ScriptedClient, make_app, until
+from textual import events
 
 from edgechat.attachments import GAP, MAX_FILE_BYTES, Attachment, excerpts, gather, read_file, split
 from edgechat.errors import UsageError

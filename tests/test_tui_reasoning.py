@@ -12,6 +12,7 @@ import json
 import re
 
 import pytest
+from serving import serving
 from textual.widgets import Static
 
 from edgechat.engine import ChatRequest
@@ -20,7 +21,6 @@ from edgechat.tui.app import EdgechatApp
 from edgechat.tui.client import LocalClient, RemoteClient
 from edgechat.tui.config import build_request, load_config
 from edgechat.tui.widgets.chatview import Thoughts
-from serving import serving
 from tests.test_reasoning import THINK_TEMPLATE
 from tests.test_tui_flows import ready, send, until
 from tests.test_tui_remote import openai_double

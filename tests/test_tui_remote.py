@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+from serving import serving
 
 from edgechat.engine import (
     ChatRequest,
@@ -21,7 +22,6 @@ from edgechat.errors import EdgechatError
 from edgechat.server import ServerSettings, create_app
 from edgechat.tui.app import EdgechatApp
 from edgechat.tui.client import RemoteClient
-from serving import serving
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,9 @@ import enum
 import logging
 import queue
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Union
+from typing import TYPE_CHECKING, Union
 
 if TYPE_CHECKING:
     from edgechat.engine.tools import Tools
@@ -73,7 +74,7 @@ class ChatRequest:
     #: the functions the model may call (engine/tools.py): rendered into the prompt with the
     #: messages, through the template's own tool format where it has one; the call syntax's
     #: grammar is the front end's to set in `grammar`
-    tools: "Tools | None" = None
+    tools: Tools | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     #: None: until end of text or the context's answer reserve runs out
     max_tokens: int | None = None
@@ -101,7 +102,7 @@ class ChatRequest:
     logprobs: int | None = None
     #: another request with the same prompt (n > 1): this one starts once that one's prompt is
     #: in the cache, so it shares those cells instead of prefilling them again
-    prompt_shared_with: "RequestHandle | None" = None
+    prompt_shared_with: RequestHandle | None = None
 
 
 class RequestStatus(enum.Enum):

@@ -23,6 +23,7 @@ from edgechat.engine.kvcache import KVManager, NextLogits, Slot
 from edgechat.engine.llama import Batch, LlamaBackend, token_logprobs
 from edgechat.engine.metrics import RequestClock
 from edgechat.engine.prompt import Prepared
+from edgechat.engine.reasoning import ChannelFormat, ReasoningFormat, Thinking
 from edgechat.engine.request import (
     FINISH_REASONS,
     ChatRequest,
@@ -38,7 +39,6 @@ from edgechat.engine.request import (
 from edgechat.engine.sampling import SamplerChain
 from edgechat.engine.sessions import ConversationStates
 from edgechat.engine.speculative import MAX_DRAFT, DraftPolicy, NgramDrafter, SpeculativeMode, StepCost
-from edgechat.engine.reasoning import ChannelFormat, ReasoningFormat, Thinking
 from edgechat.engine.stream import OutputProcessor
 from edgechat.errors import EngineBusyError
 

@@ -9,8 +9,8 @@ import bisect
 import datetime
 import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment

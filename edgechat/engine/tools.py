@@ -28,8 +28,8 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from edgechat.engine.request import Event, Grammar, TextDelta
 from edgechat.engine.schema_grammar import check_schema, schema_rules

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from edgechat.config import Paths
-from edgechat.fsutil import atomic_write
 from edgechat.errors import ModelNotFoundError
+from edgechat.fsutil import atomic_write
 
 
 @dataclass(frozen=True)

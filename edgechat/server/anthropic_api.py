@@ -25,16 +25,25 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgechat.engine.request import ChatRequest, Finished
+from edgechat.engine.schema_grammar import check_schema
+from edgechat.engine.tools import NAME, ToolCall, ToolCallParser, Tools, tool_grammar
 from edgechat.errors import EdgechatError
 from edgechat.server import responses
 from edgechat.server.bridge import abandon
-from edgechat.server.responses import KEEPALIVE
 from edgechat.server.errors import ApiError, bad_request, from_engine_error
 from edgechat.server.keepalive import keep_alive_seconds
-from edgechat.server.schemas import ParsedRequest, _describe, _opt_bool, _opt_float, _opt_int, _sampling, _text, _type_error
+from edgechat.server.responses import KEEPALIVE
+from edgechat.server.schemas import (
+    ParsedRequest,
+    _describe,
+    _opt_bool,
+    _opt_float,
+    _opt_int,
+    _sampling,
+    _text,
+    _type_error,
+)
 from edgechat.server.settings import ServerSettings
-from edgechat.engine.schema_grammar import check_schema
-from edgechat.engine.tools import NAME, ToolCall, ToolCallParser, Tools, tool_grammar
 
 #: Anthropic's error type for each HTTP status (any other 4xx is an invalid request, 5xx an api_error)
 _ERROR_TYPES = {

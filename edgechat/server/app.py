@@ -19,8 +19,8 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -379,7 +379,7 @@ class _Server:
             deadline = until if until is not None else arrival + self.settings.request_timeout
             try:
                 await asyncio.wait_for(asyncio.shield(ticket.admitted), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.gate.release_all(ticket)
                 if until is not None:
                     return None
@@ -587,7 +587,7 @@ class _Server:
                 remaining = gens[0].remaining()
                 try:
                     event = await asyncio.wait_for(events.get(), min(remaining, self.settings.keepalive_s))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if remaining > self.settings.keepalive_s:
                         yield KEEPALIVE
                         continue

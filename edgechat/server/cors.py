@@ -3,7 +3,7 @@ check, so a browser's preflight (which never carries the key) is answered, not r
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware

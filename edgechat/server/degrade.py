@@ -9,7 +9,7 @@ queue is empty) keeps it from flapping.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("edgechat.server")
 

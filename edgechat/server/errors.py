@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from edgechat.errors import EdgechatError, EngineBusyError, EngineStoppedError, InvalidFieldError, PromptTooLongError, UsageError
+from edgechat.errors import (
+    EdgechatError,
+    EngineBusyError,
+    EngineStoppedError,
+    InvalidFieldError,
+    PromptTooLongError,
+    UsageError,
+)
 
 
 class ApiError(Exception):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request

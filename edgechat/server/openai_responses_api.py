@@ -29,16 +29,26 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgechat.engine.request import ChatRequest, Finished
+from edgechat.engine.tools import ToolCall, ToolCallParser, Tools, check_function, tool_grammar
 from edgechat.errors import StoreError
 from edgechat.server import responses
 from edgechat.server.bridge import abandon
-from edgechat.server.responses import KEEPALIVE
 from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.keepalive import keep_alive_seconds
-from edgechat.server.schemas import REASONING_EFFORT, ParsedRequest, _describe, _is_off, _opt_bool, _opt_int, _sampling, _text, _type_error
+from edgechat.server.responses import KEEPALIVE
+from edgechat.server.schemas import (
+    REASONING_EFFORT,
+    ParsedRequest,
+    _describe,
+    _is_off,
+    _opt_bool,
+    _opt_int,
+    _sampling,
+    _text,
+    _type_error,
+)
 from edgechat.server.settings import ServerSettings
 from edgechat.server.structured import json_schema_grammar, response_format_grammar
-from edgechat.engine.tools import ToolCall, ToolCallParser, Tools, check_function, tool_grammar
 from edgechat.store.responses import ResponseStore
 
 log = logging.getLogger("edgechat.server")

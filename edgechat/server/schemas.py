@@ -14,10 +14,10 @@ import math
 from dataclasses import dataclass
 
 from edgechat.engine.request import ChatRequest, Grammar, SamplingParams
-from edgechat.server.errors import ApiError, bad_request
-from edgechat.server.settings import ServerSettings
 from edgechat.engine.schema_grammar import check_schema, schema_rules
 from edgechat.engine.tools import Tools, tool_grammar
+from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.settings import ServerSettings
 from edgechat.server.structured import check_gbnf, response_format_grammar
 from edgechat.server.tools import parse_tools
 

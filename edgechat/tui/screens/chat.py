@@ -32,13 +32,22 @@ from edgechat.tui.screens.help import HelpScreen
 from edgechat.tui.screens.models import ModelPickerScreen
 from edgechat.tui.screens.pickers import AttachPickerScreen, PresetPickerScreen
 from edgechat.tui.screens.settings import SettingsScreen
-from edgechat.tui.toolrun import CHOICES, DENIED, STOPPED, TOOL_STEPS, call_line, offered_tools, pending_call, split_name
+from edgechat.tui.toolrun import (
+    CHOICES,
+    DENIED,
+    STOPPED,
+    TOOL_STEPS,
+    call_line,
+    offered_tools,
+    pending_call,
+    split_name,
+)
+from edgechat.tui.welcome import welcome_markdown
 from edgechat.tui.widgets.attachbar import AttachBar
 from edgechat.tui.widgets.chatview import PAGE, ChatView, MessageBox
 from edgechat.tui.widgets.prompt import PromptInput
 from edgechat.tui.widgets.sidebar import Sidebar
 from edgechat.tui.widgets.statusbar import StatusBar
-from edgechat.tui.welcome import welcome_markdown
 
 #: below this width the sidebar becomes a toggle (phones in portrait, split panes)
 NARROW = 70

@@ -14,7 +14,6 @@ from edgechat.engine.speculative import SpeculativeMode
 from edgechat.errors import UsageError
 from edgechat.tui.config import validate_settings
 
-
 #: the one-line settings: key, label, Input type
 FIELDS = (
     ("temperature", "Temperature", "number"),

@@ -28,9 +28,9 @@ from edgechat.engine.request import (
     RequestMetrics,
     TextDelta,
 )
+from edgechat.engine.tools import ToolCallParser
 from edgechat.errors import EdgechatError
 from edgechat.store import Message as StoredMessage
-from edgechat.engine.tools import ToolCallParser
 from edgechat.tui.client import ChatClient
 from edgechat.tui.toolrun import call_line
 
