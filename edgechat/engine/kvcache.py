@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edgechat.engine.llama import LlamaBackend
+from edgechat.engine.runner import ModelRunner
 from edgechat.engine.snapshots import SnapshotStore
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ class KVManager:
 
     def __init__(
         self,
-        backend: LlamaBackend,
+        backend: ModelRunner,
         n_slots: int,
         snapshots: Callable[[], SnapshotStore],
         session_state: Callable[[str], dict],
@@ -231,12 +231,15 @@ class KVManager:
         self.truncate(slot, 0)
 
     def share(self, dst: Slot, src: Slot, n: int) -> None:
-        """dst takes src's first n cells (unified cache: the same cells, no copy)."""
+        """dst takes src's first n cells (unified cache: the same cells, no copy; a runner whose
+        memory cannot share cells copies them, and nothing is shared after)."""
         self.clear(dst)
         self.backend.seq_cp(src.seq, dst.seq, 0, n)
         dst.tokens = src.tokens[:n]
         if src.next_logits is not None and src.next_logits.n <= n:
             dst.next_logits = src.next_logits
+        if not self.backend.shares_cells:
+            return
         for other in self.slots:
             if other is not dst:
                 s = n if other is src else min(self._shared[src.seq][other.seq], n)
@@ -431,7 +434,18 @@ class KVManager:
         self.clear(slot)
         slot.session = None
 
+    def occupy(self, slot: Slot) -> None:
+        """A request starts on this slot: its cells are not given up or moved under it."""
+        slot.busy = True
+
+    def keep_logits(self, slot: Slot, values: np.ndarray) -> None:
+        """The logits after the slot's cells as they are now (a prompt just read), kept for a
+        later prompt that ends there (read-only: slots and prompt cache entries share them)."""
+        slot.next_logits = NextLogits(len(slot.tokens), values)
+
     def release(self, slot: Slot) -> None:
-        """A request on this slot ended: the cells stay for reuse."""
+        """A request on this slot ended: the cells stay for reuse, and a conversation's
+        snapshot is out of date."""
         slot.busy = False
         slot.last_used = time.monotonic()
+        slot.dirty = slot.session is not None

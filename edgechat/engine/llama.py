@@ -208,7 +208,11 @@ class EmbeddingContext:
 
 
 class LlamaBackend:
-    """One model and one context with n_seq_max sequences sharing a unified KV cache."""
+    """One model and one context with n_seq_max sequences sharing a unified KV cache: the
+    llama.cpp `ModelRunner` (engine/runner.py)."""
+
+    #: seq_cp on a unified cache shares cells, it does not copy them
+    shares_cells = True
 
     def __init__(
         self,
@@ -338,13 +342,17 @@ class LlamaBackend:
         return bool(L.llama_vocab_is_control(self.vocab, token))
 
     # --- compute --------------------------------------------------------------------------------
+    def new_batch(self, capacity: int) -> Batch:
+        return Batch(capacity, self.n_seq_max)
+
     def decode(self, batch: Batch) -> None:
         rc = L.llama_decode(self.ctx, batch.native())
         if rc != 0:
             raise DecodeError(f"llama_decode failed ({rc}): " + (_log_lines[-1].strip() if _log_lines else ""))
 
     def sample(self, sampler, index: int) -> int:
-        return L.llama_sampler_sample(sampler, self.ctx, index)
+        """A token through a SamplerChain's native chain, which reads the logits in place."""
+        return L.llama_sampler_sample(sampler.chain, self.ctx, index)
 
     def logits(self, index: int) -> np.ndarray:
         """The logits at a batch index, a view valid until the next decode."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgechat.engine.draft import DraftModel
-from edgechat.engine.kvcache import KVManager, NextLogits, Slot
+from edgechat.engine.kvcache import KVManager, Slot
 from edgechat.engine.llama import Batch, LlamaBackend, token_logprobs
 from edgechat.engine.metrics import RequestClock
 from edgechat.engine.prompt import Prepared
@@ -174,7 +174,8 @@ class Scheduler:
 
     def _start(self, run: Running, slot: Slot) -> None:
         req, prompt = run.request, run.prep.tokens
-        run.slot, slot.busy = slot, True
+        run.slot = slot
+        self.kv.occupy(slot)
         run.clock.admitted = time.perf_counter()
         run.handle.status = RequestStatus.RUNNING
         self.active.append(run)
@@ -249,7 +250,7 @@ class Scheduler:
         self.decode_calls += 1
         for run in sampling:
             if run not in decoding:
-                run.slot.next_logits = NextLogits(len(run.slot.tokens), _frozen(be.logits(run.out_index)))
+                kv.keep_logits(run.slot, _frozen(be.logits(run.out_index)))
                 self._prompt_read(run)
             if run.draft:
                 self._verify(run)
@@ -267,7 +268,7 @@ class Scheduler:
         elif smp.plain_greedy:
             token = be.argmax(index)
         elif not smp.grammar_greedy or (token := smp.allowed_argmax(be.logits(index))) is None:
-            token = be.sample(smp.chain, index)
+            token = be.sample(smp, index)
         if run.request.logprobs is not None:
             self._record_logprob(run, be.logits(index) if kept is None else kept, token)
         return token
@@ -421,7 +422,6 @@ class Scheduler:
         slot = run.slot
         if slot is not None:
             self.kv.release(slot)
-            slot.dirty = slot.session is not None
         tail = ""
         if run.proc is not None and status is not RequestStatus.FINISHED_ERROR:
             tail = run.proc.finish()
