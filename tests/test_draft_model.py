@@ -75,7 +75,7 @@ def test_the_draft_reads_the_prompt_with_the_model(drafted):
     prompt = engine.prompt_tokens(ChatRequest(messages=messages))
     done = engine.submit(ChatRequest(messages=messages, sampling=GREEDY, max_tokens=1, speculative="auto")).result()
     assert done.metrics.drafted_tokens == 0  # one token: nothing was ever guessed
-    assert prompt in [held[: len(prompt)] for held in engine.scheduler.draft.tokens]
+    assert prompt in [slot.tokens[: len(prompt)] for slot in engine.scheduler.draft.kv.slots]
     assert engine.kv_problems() == []
 
 
