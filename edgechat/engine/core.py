@@ -209,7 +209,7 @@ class Engine(PromptQueries):
     def _open_onnx(self) -> None:
         """An ONNX folder through onnxruntime (engine/onnxrt.py): its own KV buffers, one row
         per sequence; no draft model, no embeddings (they need llama.cpp's context)."""
-        from edgechat.engine.onnxrt import OnnxRunner, OnnxPlacement
+        from edgechat.engine.onnxrt import OnnxPlacement, OnnxRunner
         from edgechat.models.onnxinfo import read_onnx_info
 
         cfg = self.config
