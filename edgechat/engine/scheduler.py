@@ -442,7 +442,8 @@ class Scheduler:
                 run.n_out += 1
                 run.tokens_out.append(closing)
                 self._emit_text(run, run.proc.feed(be.piece(closing), closing))
-            run.pending, run.phase = [token, *self.thinking.closing], Phase.PREFILLING
+            # a token sampled before this one in the same verification is in the cache already
+            run.pending, run.phase, run.next_token = [token, *self.thinking.closing], Phase.PREFILLING, None
             if run.drafter is not None:
                 run.drafter.extend(run.pending)
             return None
