@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 import click
@@ -159,14 +160,33 @@ def model_options(func=None, *, many: bool = False):
     return click.option("-m", "--model", default=None, help="Model: short name, path to a .gguf, or Hub reference.")(func)
 
 
+class _FiniteRange(click.FloatRange):
+    """click's FloatRange lets nan through (every comparison with it is false)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return number
+
+
+def _sampling_option(name: str):
+    """--NAME with the range of the engine's one table of sampling limits."""
+    from edgechat.engine.params import SAMPLING_LIMITS
+
+    limit = SAMPLING_LIMITS[name]
+    if limit.kind is int:
+        kind = click.IntRange(int(limit.lo), None if limit.hi is None else int(limit.hi), min_open=limit.lo_open)
+    else:
+        kind = _FiniteRange(limit.lo, limit.hi, min_open=limit.lo_open)
+    return click.option(f"--{name.replace('_', '-')}", type=kind, default=None,
+                        help=f"{limit.meaning[0].upper()}{limit.meaning[1:]} ({limit.off}).")
+
+
 def sampling_options(func):
     """The sampling knobs every generating command accepts."""
     opts = [
-        click.option("--temperature", type=click.FloatRange(min=0.0), default=None, help="0 = greedy."),
-        click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=None),
-        click.option("--top-k", type=click.IntRange(min=0), default=None),
-        click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=None),
-        click.option("--repeat-penalty", type=click.FloatRange(min=0.0), default=None),
+        *(_sampling_option(name) for name in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty")),
         click.option("--seed", type=int, default=None, help=SEED_HELP),
         click.option("--max-tokens", type=click.IntRange(min=1), default=None,
                      help=f"Most tokens in the answer (default: {DEFAULT_MAX_TOKENS}; an answer cut there ends with "
