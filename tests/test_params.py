@@ -126,3 +126,34 @@ def test_the_errors_name_the_field_and_its_range_in_each_front_ends_words():
     # a TOML true is not the number 1
     with pytest.raises(UsageError, match=r"^temperature must be a number, not bool$"):
         validate_settings({**CHAT_DEFAULTS, "temperature": True})
+
+
+def test_each_string_setting_is_one_enum_from_the_cli_and_the_server_to_the_engine():
+    from edgechat.cli.serve import serve_cmd
+    from edgechat.engine import ChatRequest, EngineConfig
+    from edgechat.engine.params import CHOICES, ContextPolicy, KVType, SpeculativeMode, values
+
+    for command in (run_cmd, serve_cmd):
+        options = {p.name: p for p in command.params}
+        for name, setting in CHOICES.items():
+            if name in options:  # serve has no --context-policy: a request's conversation sets it
+                assert list(options[name].type.choices) == values(setting), (command.name, name)
+    # the word and the member are one value, which prints as the word
+    config = EngineConfig(kv_type="q8_0", speculative=SpeculativeMode.LOOKUP)
+    assert config.kv_type is KVType.Q8_0 and config.speculative is SpeculativeMode.LOOKUP
+    assert f"{config.kv_type}" == "q8_0" and config.kv_type == "q8_0"
+    for name in ("kv_type", "flash_attn", "swa_cache", "speculative"):
+        words = values(CHOICES[name])
+        with pytest.raises(UsageError) as err:
+            EngineConfig(**{name: "nope"})
+        assert str(err.value) == f"{name} must be {', '.join(words[:-1])} or {words[-1]} (got 'nope')"
+    with pytest.raises(UsageError, match=r"^context_policy must be shift, truncate or summarize \(got 'drop'\)$"):
+        ChatRequest(messages=USER, context_policy="drop")
+    assert ChatRequest(messages=USER, speculative="off").speculative is SpeculativeMode.OFF
+    assert ChatRequest(messages=USER).context_policy is ContextPolicy.SHIFT
+    with pytest.raises(ApiError) as server:
+        parse_chat({"messages": USER, "speculative": "fast"})
+    assert server.value.param == "speculative" and "auto, off, lookup or draft" in server.value.message
+    assert parse_chat({"messages": USER, "speculative": "lookup"}).request.speculative is SpeculativeMode.LOOKUP
+    with pytest.raises(UsageError, match=r"^speculative decoding must be auto, off, lookup or draft \(got 'fast'\)$"):
+        validate_settings({**CHAT_DEFAULTS, "speculative": "fast"})

@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from edgechat.engine.params import FlashAttn, KVType, SpeculativeMode, SwaCache, values
 from edgechat.engine.request import DEFAULT_MAX_TOKENS
 from edgechat.errors import EdgechatError
 
@@ -20,14 +21,14 @@ data_dir_option = click.option(
 
 flash_attn_option = click.option(
     "--flash-attn",
-    type=click.Choice(["auto", "on", "off"]),
+    type=click.Choice(values(FlashAttn)),
     default="auto",
     help="llama.cpp flash attention (off can be faster deep into long chats on CPUs).",
 )
 
 swa_cache_option = click.option(
     "--swa-cache",
-    type=click.Choice(["auto", "full", "small"]),
+    type=click.Choice(values(SwaCache)),
     default="auto",
     help="Sliding-window models (Gemma 3): small keeps only the window of the sliding layers (3-5x less KV "
     "memory; conversations then truncate instead of shifting); auto uses it where the full cache does not fit.",
@@ -43,12 +44,16 @@ draft_model_option = click.option(
 )
 
 
+kv_type_option = click.option("--kv-type", type=click.Choice(values(KVType)), default=KVType.F16.value, show_default=True,
+                              help="KV cache element type (q8_0: half f16's memory).")
+
+
 def speculative_option(command):
     """--speculative and --draft-model: the two go together."""
     command = draft_model_option(command)
     return click.option(
         "--speculative",
-        type=click.Choice(["auto", "off", "lookup", "draft"]),
+        type=click.Choice(values(SpeculativeMode)),
         default="auto",
         help="Speculative decoding (same output, fewer model passes): auto guesses from the text so far and with "
         "the draft model, where that pays; lookup always guesses from the text; draft always asks the draft "

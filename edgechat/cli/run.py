@@ -20,6 +20,7 @@ from edgechat.cli.common import (
     deterministic_setting,
     flash_attn_option,
     gpu_layers_note,
+    kv_type_option,
     model_options,
     sampling_options,
     speculative_option,
@@ -27,6 +28,7 @@ from edgechat.cli.common import (
 )
 from edgechat.cli.sessions import find_session
 from edgechat.config import get_paths, read_chat_template
+from edgechat.engine.params import values
 from edgechat.engine.request import DEFAULT_MAX_TOKENS, ChatRequest, ContextPolicy, Evicted, SamplingParams, TextDelta
 from edgechat.errors import EdgechatError, UsageError
 from edgechat.store import open_store
@@ -69,11 +71,11 @@ def read_prompt(prompt: str | None) -> str | None:
               help="Continue PROMPT as plain text, no chat template (base models such as gemma3-270m).")
 @click.option(
     "--context-policy",
-    type=click.Choice([p.value for p in ContextPolicy]),
+    type=click.Choice(values(ContextPolicy)),
     default=None,
     help="When the context is full: shift (default), truncate or summarize.",
 )
-@click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", help="KV cache element type.")
+@kv_type_option
 @flash_attn_option
 @swa_cache_option
 @speculative_option

@@ -15,6 +15,7 @@ from edgechat.cli.common import (
     deterministic_setting,
     flash_attn_option,
     gpu_layers_note,
+    kv_type_option,
     model_options,
     speculative_option,
     swa_cache_option,
@@ -83,7 +84,7 @@ def _models_dir(ctx, param, value: str | None) -> list[str]:
               help="Address to listen on, or several separated by commas (127.0.0.1,::1); anything but loopback exposes the model to your network.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--parallel", type=click.IntRange(1, 256), default=4, show_default=True, help="Sequences generated at once (continuous batching).")
-@click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True, help="KV cache element type.")
+@kv_type_option
 @click.option(
     "--cache-ram",
     type=click.IntRange(min=0),

@@ -26,6 +26,7 @@ from edgechat.engine.embeddings import Embedder, EmbeddingJob
 from edgechat.engine.kvcache import KVManager, Slot
 from edgechat.engine.llama import LlamaBackend
 from edgechat.engine.metrics import RequestClock
+from edgechat.engine.params import CHOICES, FlashAttn, KVType, SpeculativeMode, SwaCache, choice
 from edgechat.engine.prompt import Prepared, PromptBuilder, PromptQueries
 from edgechat.engine.promptcache import PromptCache
 from edgechat.engine.request import ChatRequest, ContextPolicy, Grammar, RequestHandle, SamplingParams
@@ -33,7 +34,6 @@ from edgechat.engine.sampling import grammar_parses
 from edgechat.engine.scheduler import Running, Scheduler
 from edgechat.engine.sessions import ConversationStates
 from edgechat.engine.snapshots import SnapshotStore, model_fingerprint, state_version
-from edgechat.engine.speculative import SpeculativeMode
 from edgechat.engine.templates import choose_format
 from edgechat.errors import EdgechatError, EngineStoppedError, UsageError
 from edgechat.models import catalog_draft, display_name, read_model_info, resolve_model
@@ -55,16 +55,16 @@ class EngineConfig:
     n_threads: int | None = None
     n_parallel: int = 1  # requests decoded together
     hot_sessions: int = 0  # extra sequences that keep idle conversations in memory
-    kv_type: str = "f16"
+    kv_type: KVType = KVType.F16
     #: llama.cpp's flash attention: "auto" (on for CPU) is fastest for short contexts; on this
     #: 2-core CPU "off" answers sooner deep into long chats (see docs/ARCHITECTURE.md)
-    flash_attn: str = "auto"
+    flash_attn: FlashAttn = FlashAttn.AUTO
     #: sliding-window models (Gemma 3): "full" cache, "small" (the window only: less memory, no
     #: shifting, so conversations truncate), or "auto" (small only where full does not fit)
-    swa_cache: str = "auto"
+    swa_cache: SwaCache = SwaCache.AUTO
     max_queue: int | None = None
-    #: "auto" (as many layers as the GPUs' free memory holds), "all" or a count; None: the model's
-    #: gpu_layers in config.toml, else "auto". No effect on a CPU-only build.
+    #: "auto" (as many layers as the GPUs' free memory holds), "all" or a count; None: "auto"
+    #: (front ends put the model's gpu_layers from config.toml here). No effect on a CPU-only build.
     n_gpu_layers: int | str | None = None
     #: llama.cpp RPC servers ("host:port") whose devices take layers like local GPUs
     rpc_servers: list[str] = field(default_factory=list)
@@ -75,7 +75,7 @@ class EngineConfig:
     paths: Paths | None = None
     #: speculative decoding by default: "auto" (n-gram lookup, and the draft model if any,
     #: where they pay), "off", "lookup", "draft"
-    speculative: str = "auto"
+    speculative: SpeculativeMode = SpeculativeMode.AUTO
     #: a smaller model of the same vocabulary that guesses tokens for the model to verify
     draft_model: str | None = None
     #: a GGUF that computes embeddings (engine/embeddings.py) instead of the model itself
@@ -94,6 +94,11 @@ class EngineConfig:
     #: engine on this model starts with them in its prompt cache: a model the server unloads
     #: when idle (engine/pool.py) resumes its clients' conversations without prefilling them
     keep_prompts: bool = False
+
+    def __post_init__(self):
+        # the enums' words from any caller; a wrong one is one line naming the others
+        for name in ("kv_type", "flash_attn", "swa_cache", "speculative"):
+            setattr(self, name, choice(CHOICES[name], getattr(self, name), name))
 
 
 @dataclass
@@ -115,10 +120,8 @@ class Engine(PromptQueries):
         self.paths = cfg.paths or get_paths()
         if cfg.n_parallel < 1:
             raise UsageError("--parallel must be at least 1")
-        if cfg.flash_attn not in ("auto", "on", "off"):
-            raise UsageError(f"flash attention must be auto, on or off (got {cfg.flash_attn!r})")
         # a verification batch is another shape than one token's step
-        self.speculative_default = SpeculativeMode.OFF if cfg.deterministic else _speculative_mode(cfg.speculative)
+        self.speculative_default = SpeculativeMode.OFF if cfg.deterministic else cfg.speculative
         #: the draft model asked for, or the one the catalog names for this model if it is here
         self.draft_ref = None if cfg.deterministic else cfg.draft_model
         if self.draft_ref is None and self.speculative_default is not SpeculativeMode.OFF:
@@ -204,7 +207,7 @@ class Engine(PromptQueries):
         """Queue a request. `prepared` is what prepare() built for it (its max_tokens may have
         been lowered since): the prompt is then not built twice."""
         self._check_running()
-        self._check_draft(_speculative_mode(request.speculative))
+        self._check_draft(request.speculative)
         clock = RequestClock()
         if prepared is None:
             prep = self.prompts.prepare(request, self._policy(request))
@@ -558,11 +561,3 @@ class Engine(PromptQueries):
             self._snapshots = SnapshotStore(self.paths.snapshots, tags, self.config.snapshot_budget)
         return self._snapshots
 
-
-def _speculative_mode(value: str | None) -> SpeculativeMode | None:
-    if value is None:
-        return None
-    try:
-        return SpeculativeMode(value)
-    except ValueError:
-        raise UsageError(f"speculative decoding must be auto, off, lookup or draft (got {value!r})") from None

@@ -17,10 +17,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from edgechat.engine.request import ContextPolicy, SamplingParams
-from edgechat.engine.speculative import SpeculativeMode
 from edgechat.errors import InvalidFieldError
+
+if TYPE_CHECKING:
+    from edgechat.engine.request import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,32 @@ def check_sampling(params: SamplingParams) -> None:
         limit.check(getattr(params, limit.name))
 
 
-class KVType(str, enum.Enum):
+class Word(str, enum.Enum):
+    """A setting that is one of a few words: compares equal to its word and prints as it (in
+    messages, f-strings, JSON), so a caller may give either."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class SpeculativeMode(Word):
+    """Speculative decoding (engine/speculative.py)."""
+
+    AUTO = "auto"  # n-gram lookup, and the draft model when one is loaded, each where it pays
+    OFF = "off"
+    LOOKUP = "lookup"  # n-gram lookup only, even where the cost model would not draft
+    DRAFT = "draft"  # the draft model only, even where the cost model would not draft
+
+
+class ContextPolicy(Word):
+    """What to do when a conversation outgrows the context window (see engine.kvcache)."""
+
+    SHIFT = "shift"
+    TRUNCATE = "truncate"
+    SUMMARIZE = "summarize"
+
+
+class KVType(Word):
     """The KV cache's element type (llama.cpp's type_k and type_v)."""
 
     F16 = "f16"
@@ -116,7 +143,7 @@ class KVType(str, enum.Enum):
     Q4_0 = "q4_0"
 
 
-class SwaCache(str, enum.Enum):
+class SwaCache(Word):
     """Sliding-window models (Gemma 3): the cache of their sliding layers."""
 
     AUTO = "auto"  # small only where the full one does not fit
@@ -124,7 +151,7 @@ class SwaCache(str, enum.Enum):
     SMALL = "small"  # the window only: 3-5x less memory, no shifting, so conversations truncate
 
 
-class FlashAttn(str, enum.Enum):
+class FlashAttn(Word):
     """llama.cpp's flash attention."""
 
     AUTO = "auto"  # llama.cpp decides (on for the CPU)
@@ -154,5 +181,6 @@ def choice(setting: type[enum.Enum], value: object, name: str, param: str | None
         return setting(value)
     except ValueError:
         shown = repr(value) if isinstance(value, str) and len(value) <= 40 else f"a {type(value).__name__}"
-        raise InvalidFieldError(f"{name} must be one of {', '.join(values(setting))} (got {shown})", param=param or name,
+        *others, last = values(setting)
+        raise InvalidFieldError(f"{name} must be {', '.join(others)} or {last} (got {shown})", param=param or name,
                                 code="invalid_value") from None

@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from edgechat.engine.params import SAMPLING_LIMITS
+from edgechat.engine.params import SAMPLING_LIMITS, SpeculativeMode, choice
 from edgechat.engine.request import ChatRequest, Grammar, SamplingParams
 from edgechat.engine.schema_grammar import check_schema, schema_rules
 from edgechat.engine.tools import Tools, tool_grammar
@@ -177,14 +177,15 @@ def _opt_bool(body: dict, name: str) -> bool:
     return value
 
 
-def _speculative(body: dict) -> str | None:
+def _speculative(body: dict) -> SpeculativeMode | None:
     """edgechat's own field: speculative decoding for this request (the server's setting if absent)."""
     value = body.get("speculative")
     if value is None:
         return None
-    if value not in ("auto", "off", "lookup", "draft"):
-        raise bad_request("'speculative' must be one of auto, off, lookup, draft", param="speculative", code="invalid_value")
-    return value
+    try:
+        return choice(SpeculativeMode, value, "'speculative'", "speculative")
+    except InvalidFieldError as exc:
+        raise field_error(exc) from None
 
 
 def _stop(body: dict) -> list[str]:

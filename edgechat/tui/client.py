@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from edgechat.config import Paths
+from edgechat.engine.params import KVType
 from edgechat.engine.request import (
     ChatRequest,
     Event,
@@ -93,7 +94,7 @@ class LocalClient:
     """The in-process engine. Construction loads the model (or, from `models`, takes it already
     loaded): call it from a worker thread."""
 
-    def __init__(self, model: str | None, paths: Paths, n_ctx: int | None = None, kv_type: str = "f16",
+    def __init__(self, model: str | None, paths: Paths, n_ctx: int | None = None, kv_type: KVType = KVType.F16,
                  on_progress: Callable[[float], None] | None = None, engine_options: dict | None = None,
                  models: LocalModels | None = None):
         # Imported here: loading llama.cpp's shared library is not needed to draw the first frame.
@@ -319,7 +320,7 @@ class RemoteClient:
             body["stop"] = req.stop
         if req.speculative not in (None, "auto"):
             # edgechat serve's own field; other servers are sent it only when a conversation asks
-            body["speculative"] = req.speculative
+            body["speculative"] = req.speculative.value
         kwargs = dict(req.template_kwargs)
         if req.reasoning_budget is not None:
             # sent only when a conversation limits thinking (edgechat serve's field; off is also

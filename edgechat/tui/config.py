@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 import tomli_w
 
 from edgechat.config import Paths, load_settings
-from edgechat.engine.params import SAMPLING_LIMITS, choice
-from edgechat.engine.request import DEFAULT_MAX_TOKENS, ChatRequest, ContextPolicy, SamplingParams
-from edgechat.engine.speculative import SpeculativeMode
+from edgechat.engine.params import SAMPLING_LIMITS, ContextPolicy, SpeculativeMode, choice
+from edgechat.engine.request import DEFAULT_MAX_TOKENS, ChatRequest, SamplingParams
 from edgechat.errors import UsageError
 from edgechat.fsutil import atomic_write_text
 from edgechat.store.history import with_system_prompt
@@ -25,7 +24,7 @@ CHAT_DEFAULTS: dict = {
     **{name: getattr(SamplingParams(), name) for name in SAMPLING_SETTINGS},
     "max_tokens": DEFAULT_MAX_TOKENS,
     "seed": None,
-    "context_policy": "shift",
+    "context_policy": ContextPolicy.SHIFT.value,
     "speculative": SpeculativeMode.AUTO.value,
     "loop_guard": True,
     #: a reasoning model's thoughts: "on" (no limit), "off", or at most N tokens
@@ -138,7 +137,7 @@ def build_request(settings: dict, history: list[dict], session: str | None) -> C
         max_tokens=s["max_tokens"],
         session=session,
         context_policy=ContextPolicy(s["context_policy"]),
-        speculative=s["speculative"],
+        speculative=SpeculativeMode(s["speculative"]),
         loop_guard=s["loop_guard"],
         reasoning_budget=reasoning_budget(s["thinking"]),
     )
