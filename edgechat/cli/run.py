@@ -93,6 +93,7 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
             think, hide_thinking, chat_template, as_json, prompt, data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
     from edgechat.engine import EngineConfig, open_engine
+    from edgechat.models.settings import with_model_settings
 
     text = read_prompt(prompt)
     if text is not None and not text.strip():
@@ -115,6 +116,8 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
     cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers, rpc_servers=rpc, kv_type=kv_type,
                        flash_attn=flash_attn, swa_cache=swa_cache, speculative=speculative, draft_model=draft_model, ep=ep, paths=paths,
                        deterministic=deterministic_setting(deterministic, paths), chat_template=read_chat_template(chat_template))
+    # the model's own gpu_layers and chat_template from config.toml, where the options gave none
+    cfg = with_model_settings(cfg)
     if session is not None:
         finished = _session_turn(cfg, session, text, system, context_policy, params, sampling, as_json, not hide_thinking)
     else:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgechat.config import Paths, get_paths, make_data_dir, model_settings, read_chat_template
+from edgechat.config import Paths, get_paths, make_data_dir
 from edgechat.engine import devices, planner
 from edgechat.engine.draft import DraftModel, DraftVocabError
 from edgechat.engine.embeddings import Embedder, EmbeddingJob
@@ -64,7 +64,8 @@ class EngineConfig:
     swa_cache: SwaCache = SwaCache.AUTO
     max_queue: int | None = None
     #: "auto" (as many layers as the GPUs' free memory holds), "all" or a count; None: "auto"
-    #: (front ends put the model's gpu_layers from config.toml here). No effect on a CPU-only build.
+    #: (front ends put a model's gpu_layers from config.toml here, models/settings.py). No effect
+    #: on a CPU-only build.
     n_gpu_layers: int | str | None = None
     #: llama.cpp RPC servers ("host:port") whose devices take layers like local GPUs
     rpc_servers: list[str] = field(default_factory=list)
@@ -85,7 +86,8 @@ class EngineConfig:
     #: prompt cache, no speculative decoding (llama.cpp's kernels round differently in other
     #: batch shapes, which decides near-ties). Costs batching, prefix reuse and speculation
     deterministic: bool = False
-    #: a Jinja chat template used instead of the GGUF's own (as llama-server's --chat-template-file)
+    #: a Jinja chat template used instead of the GGUF's own (as llama-server's --chat-template-file;
+    #: front ends put a model's chat_template from config.toml here, models/settings.py)
     chat_template: str | None = None
     ep: str | None = None  # an ONNX folder's onnxruntime execution provider (engine/onnxrt.py)
     #: called from the loading thread with the fraction of the model read (0..1)
@@ -138,12 +140,9 @@ class Engine(PromptQueries):
         self.plan = plan
         self.n_ctx = plan.n_ctx
         self.n_threads = cfg.n_threads or planner.default_threads()
-        gpu_layers = cfg.n_gpu_layers
-        if gpu_layers is None:
-            gpu_layers = model_settings(self.paths, cfg.model, self.model_name).get("gpu_layers")
         if cfg.rpc_servers:
             devices.add_rpc_servers(cfg.rpc_servers)
-        self.gpu = planner.gpu_split(info, plan, gpu_layers, devices.gpu_devices())
+        self.gpu = planner.gpu_split(info, plan, cfg.n_gpu_layers, devices.gpu_devices())
         self.backend = LlamaBackend(
             self.model_path,
             n_ctx_total=self.n_ctx * self.n_slots,
@@ -156,9 +155,8 @@ class Engine(PromptQueries):
             on_progress=cfg.on_load_progress,
         )
         be = self.backend
-        template = cfg.chat_template or read_chat_template(model_settings(self.paths, cfg.model, self.model_name).get("chat_template"))
         self.format = choose_format(
-            template or be.meta("tokenizer.chat_template"),
+            cfg.chat_template or be.meta("tokenizer.chat_template"),
             info.architecture,
             be.token_text(be.bos) if be.bos >= 0 else "",
             be.token_text(be.eos) if be.eos >= 0 else "",

@@ -100,10 +100,12 @@ class LocalClient:
         # Imported here: loading llama.cpp's shared library is not needed to draw the first frame.
         from edgechat.engine import EngineConfig, open_engine
         from edgechat.models import DEFAULT_MODEL
+        from edgechat.models.settings import with_model_settings
 
-        # One extra sequence keeps the previous conversation hot, so switching back is instant.
-        config = EngineConfig(model=model or DEFAULT_MODEL, n_ctx=n_ctx, kv_type=kv_type, hot_sessions=1, paths=paths,
-                              on_load_progress=on_progress, **(engine_options or {}))
+        # One extra sequence keeps the previous conversation hot, so switching back is instant;
+        # the model's own settings in config.toml (gpu_layers, chat_template) where none is given
+        config = with_model_settings(EngineConfig(model=model or DEFAULT_MODEL, n_ctx=n_ctx, kv_type=kv_type, hot_sessions=1,
+                                                  paths=paths, on_load_progress=on_progress, **(engine_options or {})))
         self._models = models
         if models is None:
             self.engine = open_engine(config)
