@@ -110,7 +110,7 @@ def check_sampling(params: SamplingParams) -> None:
         limit.check(getattr(params, limit.name))
 
 
-class Word(str, enum.Enum):
+class Word(str, enum.Enum):  # noqa: UP042 (StrEnum is 3.11+; requires-python is 3.10)
     """A setting that is one of a few words: compares equal to its word and prints as it (in
     messages, f-strings, JSON), so a caller may give either."""
 

@@ -20,7 +20,7 @@ from edgechat.models.ggufinfo import ModelInfo
 DEFAULT_CTX_CAP = 4096
 MIN_CTX = 512
 #: bytes per KV element by cache type (q8_0: 34 bytes per 32 values, q4_0: 18 per 32)
-KV_BYTES = {KVType.F16: 2.0, KVType.Q8_0: 34 / 32, KVType.Q4_0: 18 / 32}
+KV_BYTES: dict[str, float] = {KVType.F16: 2.0, KVType.Q8_0: 34 / 32, KVType.Q4_0: 18 / 32}
 #: leave this share of available memory to the OS and other programs
 HEADROOM = 0.85
 #: on Android the low-memory killer ends apps well before MemAvailable reaches zero
