@@ -100,7 +100,7 @@ def _compute_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int = 512) -> int:
     return 4 * n_ubatch * (16 * info.n_embd + info.n_head * n_ctx) + 4 * n_vocab_guess * 8
 
 
-def plan_for(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: str = "f16", available: int | None = None,
+def plan_for(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: KVType | str = KVType.F16, available: int | None = None,
              swa_full: bool = True) -> Plan:
     avail = available_memory() if available is None else available
     swa_full = swa_full or not info.n_swa_layers
@@ -109,7 +109,7 @@ def plan_for(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: str = "f16", 
     return Plan(n_ctx, n_seq, weights, kv, _compute_bytes(info, n_ctx * n_seq), avail, swa_full)
 
 
-def kv_bytes(info: ModelInfo, kv_type: str = "f16") -> float:
+def kv_bytes(info: ModelInfo, kv_type: KVType | str = KVType.F16) -> float:
     """Bytes per KV element: the KV type's, or the runtime's where it fixes them (ONNX: float32)."""
     return info.kv_element_bytes or KV_BYTES[kv_type]
 
@@ -172,7 +172,7 @@ def weights_fit(size_bytes: int, available: int | None = None) -> bool:
     return size_bytes * (1 + _UNKNOWN_OVERHEAD) <= avail * headroom()
 
 
-def max_context_that_fits(info: ModelInfo, kv_type: str = "f16", available: int | None = None) -> int:
+def max_context_that_fits(info: ModelInfo, kv_type: KVType | str = KVType.F16, available: int | None = None) -> int:
     """For `edgechat doctor`: the largest power-of-two context (up to the trained one) that fits; 0 if none."""
     best, n = 0, MIN_CTX
     while n <= info.context_length:
