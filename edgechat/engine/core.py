@@ -558,4 +558,3 @@ class Engine(PromptQueries):
             }
             self._snapshots = SnapshotStore(self.paths.snapshots, tags, self.config.snapshot_budget)
         return self._snapshots
-
