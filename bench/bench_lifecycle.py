@@ -10,8 +10,14 @@ measure: /health polled every 10 ms); it pays for its process start, which a run
 does not, and that is the comparison a user of a multi-model server feels. Same threads and
 context. Rounds alternate which side goes first, after one unmeasured warm-up each (the file
 in the page cache for both). RSS is /proc/self/status VmRSS: as the server starts, before the
-first load (the server up and through one request, nothing loaded), after an answer, after the model is unloaded (keep_alive 0), and after each
-round's unload (what the first load leaves for good, against what a leak would add per cycle).
+first load, after an answer, after the model is unloaded (keep_alive 0), and after each round's
+unload (what the first load leaves for good, against what a leak would add per cycle). "Before
+the first load" is the server up and through the HTTP stack's first use, none of it the model's
+(this process is the client too): a model listing, a streamed POST (answered 404: no such
+model) and the server's thread pool (Ollama's empty generate with keep_alive 0, which unloads
+what is not loaded); those first uses took 3 MiB, which would otherwise count as the model's.
+The unload's figure is split into anonymous memory and file-backed pages (library code the load
+paged in, which the kernel may drop).
 
     python -m bench.bench_lifecycle [--rounds 5] [--threads 2] [--ctx 2048] [--json]
 
@@ -42,12 +48,23 @@ from bench.llamabench import find_llama_server
 MODEL = "smol"
 
 
-def rss() -> int:
+def rss(field: str = "VmRSS") -> int:
     with open("/proc/self/status") as fh:
         for line in fh:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
+    raise RuntimeError(f"no {field} in /proc/self/status (Linux only)")
+
+
+def warm_http(url: str) -> None:
+    """The HTTP stack's first use, on both sides, without loading anything (see the docstring)."""
+    httpx.get(f"{url}/v1/models", timeout=30).raise_for_status()
+    body = {"model": "no-such-model", "prompt": "hi", "max_tokens": 1, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 404, r.status_code
+        r.read()
+    r = httpx.post(f"{url}/api/generate", json={"model": MODEL, "prompt": "", "keep_alive": 0}, timeout=30)
+    assert r.json()["done_reason"] == "unload", r.text
 
 
 def first_token(url: str) -> float:
@@ -157,12 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with serving(create_app(ServerSettings(degrade_queue_wait=None), pool=pool)) as url:
                 started = rss()
-                httpx.get(f"{url}/v1/models", timeout=30).raise_for_status()  # the HTTP stack's first use is not the model's
-                before = rss()
+                warm_http(url)
+                before, before_file = rss(), rss("RssFile")
                 first_token(url)  # warm-up: the page cache, the model's hash for its snapshots
                 loaded = rss()
                 unload(url)
-                after = rss()
+                after, after_file = rss(), rss("RssFile")
                 later: list[int] = []  # after each round's unload: a leak would grow it
                 llama_server_first_answer(server_bin, model, args.threads, args.ctx, log)
                 sides = {
@@ -189,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": med["edgechat"] / med["llama-server"],
         "paired_ratio": statistics.median(a / b for a, b in zip(times["edgechat"], times["llama-server"])),
         "rss_bytes": {"server_started": started, "before_load": before, "loaded": loaded, "after_unload": after, "after_each_later_unload": later},
+        "rss_file_bytes": {"before_load": before_file, "after_unload": after_file},
         "rss_after_vs_before": after / before,
         "rss_last_vs_first_unload": later[-1] / after,
     }
@@ -201,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  llama-server: start to its first 1-token answer              {med['llama-server']:6.2f} s")
         print(f"  ratio edgechat / llama-server                                {result['ratio']:6.2f}x "
               f"(paired by round {result['paired_ratio']:.2f}x)")
-        print(f"  server RSS: {started / mib:.0f} MiB started, {before / mib:.0f} MiB after one request, before the load, {loaded / mib:.0f} MiB loaded, "
-              f"{after / mib:.0f} MiB after unloading ({result['rss_after_vs_before']:.2f}x of before)")
+        file_kept = after_file - before_file
+        print(f"  server RSS: {started / mib:.0f} MiB started, {before / mib:.0f} MiB through the HTTP stack's first use, before the load, "
+              f"{loaded / mib:.0f} MiB loaded, {after / mib:.0f} MiB after unloading ({result['rss_after_vs_before']:.3f}x of before: "
+              f"+{(after - before - file_kept) / mib:.1f} MiB anonymous, +{file_kept / mib:.1f} MiB file-backed)")
         print(f"  after each later load and unload: {', '.join(f'{r / mib:.0f}' for r in later)} MiB "
               f"({result['rss_last_vs_first_unload']:.2f}x of the first unload's)")
     return 0

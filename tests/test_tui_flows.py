@@ -386,6 +386,50 @@ async def test_switching_back_to_a_loaded_model_needs_no_load(paths, smollm2_pat
         assert sum("● loaded" in text for text in shown) == 2
 
 
+def _rss() -> int:
+    """This process's resident memory (bytes), as the kernel counts it."""
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
+
+
+async def test_a_model_switched_away_from_unloads_when_idle_never_the_one_in_use(paths, smollm2_path, gemma3_path):
+    """[tui] idle_unload: A -> B; A leaves memory after its seconds (RSS falls), B, in use, stays
+    loaded however long it sits idle; switching back to A loads it again."""
+    from edgechat.engine.pool import ModelState
+
+    idle = 3.0  # long enough that A is still loaded when the switch to B has been seen
+    with open(paths.config_file, "a") as fh:
+        fh.write(f"[tui]\nidle_unload = {idle}\n")
+    app = EdgechatApp(paths, model=str(smollm2_path))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        screen = app.chat_screen
+        await send(pilot, "The sea is")
+        pool = app.local_models.pool
+        small = pool.models[str(smollm2_path)]
+        assert small.idle_unload == idle and small.unload_at is None  # in use: on no clock
+        await send(pilot, f"/model {gemma3_path}")
+        await until(pilot, lambda: app.client.model_name.lower().startswith("gemma"), what="gemma3")
+        gemma, engine = pool.models[str(gemma3_path)], app.client.engine
+        both = _rss()
+        assert small.state is ModelState.LOADED and small.unload_at is not None
+        await until(pilot, lambda: small.state is ModelState.UNLOADED, timeout=60 + idle, what="smollm2 to unload")
+        # its weights (the mapped file) and cache are gone from this process
+        assert both - _rss() > smollm2_path.stat().st_size // 2, (both, _rss())
+
+        # the model in use sits idle for longer than the setting and stays
+        await pilot.pause(idle + 1)
+        assert gemma.state is ModelState.LOADED and gemma.unload_at is None and app.client.engine is engine
+        await send(pilot, "The sea is")
+        assert app.store.messages(screen.conv.id)[-1].status == "complete"
+
+        await send(pilot, f"/model {smollm2_path}")
+        await until(pilot, lambda: app.client.model_name.lower().startswith("smollm2"), what="smollm2 again")
+        assert small.loads == 2 and gemma.unload_at is not None
+        await until(pilot, lambda: gemma.state is ModelState.UNLOADED, timeout=60 + idle, what="gemma3 to unload")
+        assert [m.name for m in pool.resident()] == [str(smollm2_path)]
+
+
 @pytest.fixture(scope="module")
 def small_client(tmp_path_factory, smollm2_path):
     """A 512-token context: long conversations overflow it quickly."""

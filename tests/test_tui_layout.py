@@ -721,3 +721,18 @@ def test_a_bad_chat_setting_in_config_toml_is_one_line_naming_the_file(isolated_
     isolated_dirs.config_file.write_text(f"[chat]\n{line}\n")
     with pytest.raises(UsageError, match=r"config\.toml: \[chat\] .*fix or remove that line"):
         load_config(isolated_dirs)
+
+
+def test_idle_unload_in_config_toml(isolated_dirs):
+    """[tui] idle_unload: seconds, false for never, 600 unset; anything else one line naming the file."""
+    from edgechat.tui.config import load_config
+
+    isolated_dirs.config_file.parent.mkdir(parents=True, exist_ok=True)
+    assert load_config(isolated_dirs).idle_unload == 600
+    for value, seconds in (("30", 30.0), ("0.5", 0.5), ("false", None)):
+        isolated_dirs.config_file.write_text(f"[tui]\nidle_unload = {value}\n")
+        assert load_config(isolated_dirs).idle_unload == seconds
+    for value in ('"soon"', "-1", "true"):
+        isolated_dirs.config_file.write_text(f"[tui]\nidle_unload = {value}\n")
+        with pytest.raises(UsageError, match=r"config\.toml: \[tui\] idle_unload must be a number of seconds"):
+            load_config(isolated_dirs)

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import gc
 import logging
 import math
+import platform
 import threading
 import time
 from collections.abc import Callable
@@ -140,6 +142,7 @@ class ModelPool:
             raise UsageError(f"two models are named '{model.name}'; serve each model once")
         self.models[model.name] = model
         if model.config is not None and self._reaper.ident is None:
+            _prepare_process()
             self._reaper.start()  # only a pool that loads models has idle ones to unload
         return model
 
@@ -346,10 +349,48 @@ def _mib(n: int | None) -> str:
     return f"{(n or 0) / (1 << 20):.0f} MiB"
 
 
+#: mallopt's M_TRIM_THRESHOLD (glibc's malloc.h)
+_M_TRIM_THRESHOLD = -1
+#: free memory at the top of a heap beyond this goes back to the OS as it is freed (glibc's default)
+TRIM_THRESHOLD = 128 << 10
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """glibc, whose allocator needs telling to give memory back; None elsewhere (musl, Android's
+    bionic, macOS: their allocators return freed memory themselves, and have no malloc_trim)."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+@functools.cache
+def _prepare_process() -> None:
+    """Once per process, before a pool loads its first model.
+
+    glibc's trim threshold is fixed at its default: glibc raises it (up to 64 MiB) each time a
+    large block is freed, as llama.cpp's buffers are at an unload, and malloc_trim never trims
+    the top of a thread's own arena, so the heap the engine thread freed stayed resident (8 MiB
+    for SmolLM2 in bench_lifecycle, more after later loads).
+
+    llama.cpp's backend is initialised now, not at the first load: its process-wide tables
+    (ggml's fp16 and activation tables, 0.5 MiB) serve every model, llama.cpp's and the ONNX
+    engine's alike (whose tokenizer and sampler are llama.cpp's), and outlive them all.
+    """
+    from edgechat.engine.llama import _ensure_backend
+
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    _ensure_backend()
+
+
 def _trim_heap() -> None:
     """Give freed heap back to the OS: glibc keeps freed small blocks in its arenas, so the
     process's RSS would not fall after an unload without this."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc (macOS, Android's bionic): their allocators return memory themselves
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

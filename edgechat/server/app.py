@@ -205,14 +205,6 @@ class _Server:
 
     # ---- plain endpoints ---------------------------------------------------------------------
 
-    @property
-    def engine(self):
-        """The primary model's engine, for the endpoints that speak of one model only."""
-        if self.primary.engine is None:
-            raise ApiError(503, f"the model '{self.primary.id}' is not loaded now; a generation request loads it",
-                           type="server_error", code="model_not_loaded", headers={"Retry-After": "1"})
-        return self.primary.engine
-
     def defaults_for(self, name) -> SamplingParams:
         """The sampling defaults of the model a body names (the primary's for any other name:
         routing, and its 404, come after parsing)."""

@@ -16,7 +16,7 @@ from starlette.routing import Route
 from edgechat.engine.embeddings import EmbeddingInputError, EmbeddingJob
 from edgechat.errors import EdgechatError
 from edgechat.server.errors import ApiError, bad_request, from_engine_error
-from edgechat.server.schemas import _text, _type_error
+from edgechat.server.schemas import _text, _type_error, model_field
 
 #: how often a waiting request checks that its client is still there
 DISCONNECT_POLL_S = 0.5
@@ -111,10 +111,7 @@ class EmbeddingsApi:
 
     async def embeddings(self, request: Request) -> Response:
         body = await self.server.read_body(request)
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise _type_error("model", "a string", model)
-        served = self.server.find_model(model)
+        served = self.server.find_model(model_field(body))
         inputs = parse_input(body.get("input"))
         encoding = body.get("encoding_format", "float")
         if encoding not in ("float", "base64"):

@@ -2,10 +2,15 @@
 /tokenize, /detokenize, /apply-template and /props, translated onto the server's one internal
 request; errors in llama-server's shape, `{"error": {"code": status, "message", "type"}}`.
 (Its unprefixed OpenAI routes, /chat/completions and friends, are the OpenAI handlers: app.py.)
+
+As in llama-server's router mode, each names its model by the body's `model` (GET /props: the
+`model` query parameter), the first model when it names none; each holds a lease on that model
+while it reads the engine, so the pool never unloads it under them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import AsyncIterator
@@ -35,6 +40,7 @@ from edgechat.server.schemas import (
     _text,
     _type_error,
     extension_grammar,
+    model_field,
 )
 
 PATHS = frozenset({"/completion", "/tokenize", "/detokenize", "/apply-template", "/props"})
@@ -85,7 +91,7 @@ def parse_completion(body: dict, server) -> ParsedRequest:
     n_predict = _opt_int(body, "n_predict")
     request = ChatRequest(
         prompt=_text("prompt", prompt),
-        sampling=_sampling(body, server.engine.default_sampling),
+        sampling=_sampling(body, server.defaults_for(model_field(body))),
         # -1 (llama-server's default): until the end of text
         max_tokens=n_predict if n_predict is not None and n_predict >= 0 else None,
         stop=_stop(body),
@@ -95,7 +101,7 @@ def parse_completion(body: dict, server) -> ParsedRequest:
     )
     if request.max_tokens == 0:
         raise bad_request("'n_predict' must be -1 or at least 1", param="n_predict", code="invalid_value")
-    return ParsedRequest(request, body.get("model") if isinstance(body.get("model"), str) else None, _opt_bool(body, "stream"), False,
+    return ParsedRequest(request, model_field(body), _opt_bool(body, "stream"), False,
                          client_grammar=bool(body.get("grammar")))
 
 
@@ -149,36 +155,47 @@ class LlamaCppApi:
             Route("/props", self.props, methods=["GET"]),
         ]
 
+    @contextlib.asynccontextmanager
+    async def model(self, name: str | None):
+        """The model named (a 404 listing the models for an unknown name), loaded and leased
+        for the block: (its _Served, its engine)."""
+        served = self.server.find_model(name)
+        async with self.server.using(served) as engine:
+            yield served, engine
+
     @_llamacpp_errors
     async def props(self, request: Request) -> Response:
-        engine = self.server.engine
-        return JSONResponse({
-            "default_generation_settings": {
+        async with self.model(request.query_params.get("model")) as (served, engine):
+            return JSONResponse({
+                "default_generation_settings": {
+                    "n_ctx": engine.n_ctx,
+                    "params": {**sampling_settings(engine.default_sampling), "n_predict": -1},
+                },
+                "total_slots": engine.config.n_parallel,
+                "model_alias": served.id,
+                "model_path": str(engine.model_info.path),
+                "chat_template": engine.format.source or "",
                 "n_ctx": engine.n_ctx,
-                "params": {**sampling_settings(engine.default_sampling), "n_predict": -1},
-            },
-            "total_slots": engine.config.n_parallel,
-            "model_path": str(engine.model_info.path),
-            "chat_template": engine.format.source or "",
-            "n_ctx": engine.n_ctx,
-            "modalities": {"vision": False, "audio": False},
-            "build_info": f"edgechat {__version__}",
-        })
+                "modalities": {"vision": False, "audio": False},
+                "build_info": f"edgechat {__version__}",
+            })
 
     @_llamacpp_errors
     async def tokenize(self, request: Request) -> Response:
         body = await self.server.read_body(request)
         content = _text("content", body.get("content"))
-        engine = self.server.engine
         add_bos = _opt_bool(body, "add_special")
-        if body.get("parse_special") is None or _opt_bool(body, "parse_special"):
-            tokens = await run_in_threadpool(engine.prompt_text_tokens, content, add_bos)
-        else:
-            bos = engine.prompts.bos
-            tokens = ([bos] if add_bos and bos is not None else []) + await run_in_threadpool(engine.tokenize, content)
-        if not _opt_bool(body, "with_pieces"):
-            return JSONResponse({"tokens": tokens})
-        pieces = [{"id": t, "piece": engine.detokenize([t])} for t in tokens]
+        parse_special = body.get("parse_special") is None or _opt_bool(body, "parse_special")
+        with_pieces = _opt_bool(body, "with_pieces")
+        async with self.model(model_field(body)) as (_, engine):
+            if parse_special:
+                tokens = await run_in_threadpool(engine.prompt_text_tokens, content, add_bos)
+            else:
+                bos = engine.prompts.bos
+                tokens = ([bos] if add_bos and bos is not None else []) + await run_in_threadpool(engine.tokenize, content)
+            if not with_pieces:
+                return JSONResponse({"tokens": tokens})
+            pieces = [{"id": t, "piece": engine.detokenize([t])} for t in tokens]
         return JSONResponse({"tokens": pieces})
 
     @_llamacpp_errors
@@ -187,7 +204,8 @@ class LlamaCppApi:
         tokens = body.get("tokens", [])
         if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
             raise _type_error("tokens", "a list of token ids", tokens)
-        return JSONResponse({"content": await run_in_threadpool(self.server.engine.detokenize, tokens)})
+        async with self.model(model_field(body)) as (_, engine):
+            return JSONResponse({"content": await run_in_threadpool(engine.detokenize, tokens)})
 
     @_llamacpp_errors
     async def apply_template(self, request: Request) -> Response:
@@ -197,7 +215,8 @@ class LlamaCppApi:
         # as a chat request's prompt is rendered: the thinking switch, the client's template variables
         request = ChatRequest(messages=messages, template_kwargs=_template_kwargs(body),
                               reasoning_budget=_reasoning_budget(body, self.server.settings.reasoning_budget))
-        prompt = await run_in_threadpool(self.server.engine.prompts.text, request, generation_prompt)
+        async with self.model(model_field(body)) as (_, engine):
+            prompt = await run_in_threadpool(engine.prompts.text, request, generation_prompt)
         return JSONResponse({"prompt": prompt})
 
     @_llamacpp_errors

@@ -307,11 +307,17 @@ def _sampling(body: dict, base: SamplingParams | None) -> SamplingParams:
     return params
 
 
-def _common(body: dict) -> tuple[str | None, bool, bool, int]:
-    """model, stream, include_usage, n, and the features we refuse rather than silently ignore."""
+def model_field(body: dict) -> str | None:
+    """The model a body names (None: the server's first)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _type_error("model", "a string", model)
+    return model
+
+
+def _common(body: dict) -> tuple[str | None, bool, bool, int]:
+    """model, stream, include_usage, n, and the features we refuse rather than silently ignore."""
+    model = model_field(body)
     n = _opt_int(body, "n", lo=1, hi=MAX_N) or 1
     _refuse_unsupported(body)
     stream = _opt_bool(body, "stream")

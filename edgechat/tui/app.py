@@ -81,7 +81,7 @@ class EdgechatApp(App):
                 if self.local_models is None:
                     from edgechat.tui.client import LocalModels
 
-                    self.local_models = LocalModels(self.paths)
+                    self.local_models = LocalModels(self.paths, idle_unload=self.config.idle_unload)
             options = dict(self.engine_options)
             if ref != self.model_ref:
                 # --draft-model drafts for the model it was given with; others use their catalog's

@@ -61,14 +61,16 @@ class ChatClient(Protocol):
 
 class LocalModels:
     """The chat app's local models, held in one ModelPool: a model switched away from stays
-    loaded while memory allows (the least recently used idle one leaves when another needs the
-    room), so switching back to it needs no load."""
+    loaded for `idle_unload` seconds (None: for good) while memory allows (the least recently
+    used idle one leaves when another needs the room), so switching back to it needs no load.
+    The model in use holds a lease (its LocalClient), so neither clock nor room unloads it."""
 
-    def __init__(self, paths: Paths, budget: int | None = None):
+    def __init__(self, paths: Paths, budget: int | None = None, idle_unload: float | None = None):
         from edgechat.engine.pool import ModelPool
 
         self.paths = paths
         self.pool = ModelPool(budget)
+        self.idle_unload = idle_unload
         self._adding = threading.Lock()
 
     def entry(self, ref: str, config) -> str:
@@ -79,7 +81,7 @@ class LocalModels:
         name = str(resolve_model(ref, self.paths))
         with self._adding:  # two load workers may ask for one new model at once
             if name not in self.pool.models:
-                self.pool.add(name, config)
+                self.pool.add(name, config, self.idle_unload)
         return name
 
     def loaded(self) -> dict[str, tuple[str, int]]:

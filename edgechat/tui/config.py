@@ -1,5 +1,6 @@
-"""The app's part of config.toml: default conversation settings ([chat]), the theme ([tui]) and
-the MCP servers whose tools conversations may use ([mcp.servers.NAME])."""
+"""The app's part of config.toml: default conversation settings ([chat]), the app's own settings
+([tui]: theme, model, idle_unload) and the MCP servers whose tools conversations may use
+([mcp.servers.NAME])."""
 
 from __future__ import annotations
 
@@ -32,11 +33,17 @@ CHAT_DEFAULTS: dict = {
 }
 
 
+#: seconds a local model switched away from stays loaded ([tui] idle_unload; the model in use never leaves)
+DEFAULT_IDLE_UNLOAD = 600.0
+
+
 @dataclass
 class AppConfig:
     chat: dict = field(default_factory=lambda: dict(CHAT_DEFAULTS))
     theme: str | None = None
     model: str | None = None
+    #: None: models switched away from stay loaded until another needs the memory
+    idle_unload: float | None = DEFAULT_IDLE_UNLOAD
     mcp_servers: dict[str, ServerConfig] = field(default_factory=dict)
 
 
@@ -54,7 +61,17 @@ def load_config(paths: Paths) -> AppConfig:
         servers = parse_servers((raw.get("mcp") or {}).get("servers"))
     except UsageError as exc:
         raise UsageError(f"{paths.config_file}: {exc}") from None
-    return AppConfig(chat=chat, theme=tui.get("theme"), model=tui.get("model"), mcp_servers=servers)
+    idle = _idle_unload(tui.get("idle_unload", DEFAULT_IDLE_UNLOAD), paths)
+    return AppConfig(chat=chat, theme=tui.get("theme"), model=tui.get("model"), idle_unload=idle, mcp_servers=servers)
+
+
+def _idle_unload(value, paths: Paths) -> float | None:
+    """[tui] idle_unload: seconds (0: as soon as another model is in use), or false for never."""
+    if value is False:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise UsageError(f"{paths.config_file}: [tui] idle_unload must be a number of seconds (0 or more) or false, not {value!r}")
+    return float(value)
 
 
 def save_tui_setting(paths: Paths, key: str, value: str) -> None:
