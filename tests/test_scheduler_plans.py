@@ -11,6 +11,7 @@ from edgechat.engine.kvcache import KVManager
 from edgechat.engine.metrics import RequestClock
 from edgechat.engine.params import SpeculativeMode
 from edgechat.engine.prompt import Prepared
+from edgechat.engine.promptcache import PromptCache
 from edgechat.engine.request import ChatRequest, ContextPolicy, Finished, RequestHandle, SamplingParams, TextDelta
 from edgechat.engine.scheduler import PREFILL_CHUNK_BUSY, Phase, Running, Scheduler
 from edgechat.engine.sessions import ConversationStates
@@ -23,7 +24,7 @@ def make(n_parallel=1, speculative=SpeculativeMode.OFF, script=cycle, n_ctx=4096
     def no_snapshots():
         raise AssertionError("no conversation here is snapshotted")
 
-    kv = KVManager(runner, n_parallel, no_snapshots, lambda s: {}, lambda s, st: None)
+    kv = KVManager(runner, n_parallel, no_snapshots, lambda s: {}, lambda s, st: None, PromptCache(0, dict))
     sched = Scheduler(runner, kv, ConversationStates(), n_ctx, n_parallel,
                       lambda r: ContextPolicy(r.context_policy), lambda r: speculative)
     return sched, runner

@@ -456,10 +456,9 @@ class Engine(PromptQueries):
     def _run(self) -> None:
         reason = "closed"
         sched, embedder = self.scheduler, self.embedder
-        embedding = embedder is not None
         try:
             while True:
-                block = not sched.active and not sched.waiting and not (embedding and embedder.pending)
+                block = not sched.active and not sched.waiting and not (embedder is not None and embedder.pending)
                 try:
                     item = self._inbox.get(timeout=IDLE_SNAPSHOT_S) if block else self._inbox.get_nowait()
                 except queue.Empty:
@@ -470,6 +469,7 @@ class Engine(PromptQueries):
                         if block and sched.n_parallel > 1:
                             time.sleep(BATCH_WINDOW_S)
                     elif isinstance(item, EmbeddingJob):
+                        assert embedder is not None  # embed() refuses work without one
                         embedder.add(item)
                     elif isinstance(item, _Command):
                         if self._command(item):
@@ -483,7 +483,7 @@ class Engine(PromptQueries):
                             sched.step()
                         # one embedding chunk per chat step: a long batch holds the streams up
                         # for a chunk's decode at a time, never for the whole batch
-                        if embedding and embedder.pending:
+                        if embedder is not None and embedder.pending:
                             embedder.step()
                 except Exception as exc:  # a bug or a llama.cpp failure: fail the running requests, keep serving
                     log.exception("engine step failed")
@@ -507,7 +507,7 @@ class Engine(PromptQueries):
                 break
             if isinstance(item, Running):
                 unqueued.append(item)
-            elif isinstance(item, EmbeddingJob):
+            elif isinstance(item, EmbeddingJob) and self.embedder is not None:
                 self.embedder.end(item, EngineStoppedError(f"the engine stopped ({reason}); restart edgechat"))
             else:
                 item.error = EngineStoppedError(f"the engine stopped ({reason}); restart edgechat")
@@ -525,9 +525,9 @@ class Engine(PromptQueries):
                 if self.config.keep_prompts and self.prompt_cache.enabled:
                     self._save_prompts()
                 return True
-            slot = self.kv.slot_of(cmd.arg) if isinstance(cmd.arg, str) else None
+            found = self.kv.slot_of(cmd.arg) if isinstance(cmd.arg, str) else None
             if cmd.name == "positions":
-                cmd.result = self.kv.positions(slot) if slot is not None else None
+                cmd.result = self.kv.positions(found) if found is not None else None
             elif cmd.name == "check":
                 cmd.result = self.kv.check() + (self.draft.problems() if self.draft is not None else []) + (self.embedder.problems() if self.embedder is not None else [])
             elif cmd.name == "continue":
@@ -535,11 +535,11 @@ class Engine(PromptQueries):
             elif cmd.name == "top_logits":
                 cmd.result = self.scheduler.top_logits(*cmd.arg)
             elif cmd.name == "release":
-                if slot is not None and not slot.busy:
-                    self.kv.save_snapshot(slot)
+                if found is not None and not found.busy:
+                    self.kv.save_snapshot(found)
             elif cmd.name == "forget":
-                if slot is not None and not slot.busy:
-                    self.kv.forget(slot)
+                if found is not None and not found.busy:
+                    self.kv.forget(found)
                 self._snapshot_store().delete(cmd.arg)
                 self.states.forget(cmd.arg)
             else:

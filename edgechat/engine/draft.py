@@ -22,6 +22,7 @@ import numpy as np
 
 from edgechat.engine.kvcache import KVManager, Slot, common_prefix
 from edgechat.engine.llama import LlamaBackend
+from edgechat.engine.promptcache import PromptCache
 from edgechat.engine.speculative import StepCost
 from edgechat.errors import UsageError
 
@@ -88,7 +89,8 @@ class DraftModel:
         self.path = Path(path)
         #: the owner of the draft's cache: one slot per target slot, never shared, no snapshots
         self.kv = KVManager(
-            self.backend, target.n_seq_max, snapshots=_no_sessions, session_state=_no_sessions, restored=_no_sessions, prompt_cache=None
+            self.backend, target.n_seq_max, snapshots=_no_sessions, session_state=_no_sessions, restored=_no_sessions,
+            prompt_cache=PromptCache(0, dict),
         )
         #: what the draft's own decodes cost: a guess is a one-token step, catching up a batch
         self.cost = StepCost()

@@ -138,7 +138,7 @@ class KVManager:
         snapshots: Callable[[], SnapshotStore],
         session_state: Callable[[str], dict],
         restored: Callable[[str, dict], None],
-        prompt_cache: PromptCache | None = None,
+        prompt_cache: PromptCache,
     ):
         self.backend = backend
         self.prompt_cache = prompt_cache
@@ -331,7 +331,7 @@ class KVManager:
         if self._prompt_cache_usable():
             entry, n = self.prompt_cache.longest(prompt)
             slot.cache_restored = 0
-            if n >= max(mine, theirs) + MIN_RESTORE_GAIN and not short_prefix(n, len(prompt)) and self.restore_prompt(slot, entry):
+            if entry is not None and n >= max(mine, theirs) + MIN_RESTORE_GAIN and not short_prefix(n, len(prompt)) and self.restore_prompt(slot, entry):
                 slot.cache_restored = n
                 return
         if donor is not slot and theirs > mine:
@@ -398,7 +398,7 @@ class KVManager:
         # a restored state is cut back to the prefix a prompt shares with it: memory that cannot
         # drop part of a sequence, or a small SWA cache past its window, could only recompute
         pc = self.prompt_cache
-        return pc is not None and pc.enabled and self.can_rewind and not self.backend.small_swa
+        return pc.enabled and self.can_rewind and not self.backend.small_swa
 
     def stash(self, slot: Slot) -> None:
         """An idle slot is about to lose cells: keep its state in the prompt cache."""

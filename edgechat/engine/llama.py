@@ -19,6 +19,7 @@ from pathlib import Path
 import llama_cpp as L
 import numpy as np
 
+from edgechat.engine.runner import TokenBatch
 from edgechat.errors import ModelFormatError
 from quantize.llm import use_extra_buffers
 
@@ -140,7 +141,7 @@ def token_logprobs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[
     tokens with theirs, most likely first."""
     top = logits.max()
     log_z = float(top + np.log(np.exp(logits - top).sum(dtype=np.float64)))
-    best = np.argpartition(logits, -n)[-n:] if n else []
+    best: list[int] | np.ndarray = np.argpartition(logits, -n)[-n:] if n else []
     alts = sorted(((int(t), float(logits[t]) - log_z) for t in best), key=lambda x: -x[1])
     return float(logits[token]) - log_z, alts
 
@@ -359,7 +360,8 @@ class LlamaBackend:
     def new_batch(self, capacity: int) -> Batch:
         return Batch(capacity, self.n_seq_max)
 
-    def decode(self, batch: Batch) -> None:
+    def decode(self, batch: TokenBatch) -> None:
+        assert isinstance(batch, Batch), "a llama.cpp batch comes from new_batch"
         rc = L.llama_decode(self.ctx, batch.native())
         if rc != 0:
             raise DecodeError(f"llama_decode failed ({rc}): " + (_log_lines[-1].strip() if _log_lines else ""))
@@ -436,10 +438,11 @@ class LlamaBackend:
 
     def state_seq_set(self, seq: int, data: bytes | bytearray) -> bool:
         # llama.cpp only reads the state: it gets the buffer itself, not a copy
+        buf: ctypes.Array | ctypes._Pointer
         if isinstance(data, bytearray):
             buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
         else:
-            buf = ctypes.cast(data, ctypes.POINTER(ctypes.c_uint8))
+            buf = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
         return L.llama_state_seq_set_data(self.ctx, buf, len(data), seq) == len(data)
 
     def close(self) -> None:

@@ -76,7 +76,7 @@ class Running:
     sampler: SamplerChain | None = None
     proc: OutputProcessor | None = None
     pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill
-    next_token: int | None = None  # sampled, not yet in the KV cache
+    next_token: int = -1  # sampled, not yet in the KV cache (Phase.DECODING)
     out_index: int = -1  # batch index whose logits this request samples from
     n_out: int = 0
     cached: int = 0
@@ -233,6 +233,7 @@ class Scheduler:
             # the whole prompt is cached with the logits after it (KVManager.reuse): the first
             # token is chosen now, and the next step decodes it with the others
             self._prompt_read(run)
+            assert slot.next_logits is not None  # reuse counts the whole prompt only with its logits
             status = self._on_token(run, self._sample(run, kept=slot.next_logits.values))
             if status is not None:
                 self.finish(run, status)
@@ -263,17 +264,19 @@ class Scheduler:
                 continue
             if run.phase is not Phase.DECODING:
                 continue
+            assert run.slot is not None  # started: every phase after WAITING has its sequence
             if len(run.slot.tokens) >= self.n_ctx:
                 self._make_room(run)
             run.out_index = batch.add(run.next_token, len(run.slot.tokens), run.slot.seq, True)
             kv.extend(run.slot, [run.next_token])
-            run.next_token, run.phase = None, Phase.SAMPLING
+            run.next_token, run.phase = -1, Phase.SAMPLING
             plan.decoding.append(run)
         if plan.decoding:
             self._add_drafts(plan.decoding)
         for run in self.active:
             if run.phase is not Phase.PREFILLING or batch.free == 0:
                 continue
+            assert run.slot is not None
             room = min(batch.free, PREFILL_CHUNK_BUSY if plan.decoding else batch.free)
             chunk, run.pending = run.pending[:room], run.pending[room:]
             base = len(run.slot.tokens)
@@ -290,6 +293,7 @@ class Scheduler:
         """The runner ran the plan: keep the logits after each prompt just read, sample every
         sequence's next token (verifying drafts), and pass the tokens on."""
         for run in plan.prompted:
+            assert run.slot is not None
             self.kv.keep_logits(run.slot, _frozen(self.runner.logits(run.out_index)))
             self._prompt_read(run)
         for run in plan.decoding + plan.prompted:
@@ -300,24 +304,27 @@ class Scheduler:
             if status is not None:
                 self.finish(run, status)
 
-    def _sample(self, run: Running, index: int | None = None, kept: np.ndarray | None = None) -> int:
+    def _sample(self, run: Running, index: int = -1, kept: np.ndarray | None = None) -> int:
         """The next token from the logits at a batch index, or from logits kept from an earlier
         decode (`kept`)."""
         smp, be = run.sampler, self.runner
+        assert smp is not None
         if kept is not None:
             token = smp.choose(kept)
         elif smp.plain_greedy:
             token = be.argmax(index)
-        elif not smp.grammar_greedy or (token := smp.allowed_argmax(be.logits(index))) is None:
-            token = be.sample(smp, index)
+        else:
+            allowed = smp.allowed_argmax(be.logits(index)) if smp.grammar_greedy else None
+            token = be.sample(smp, index) if allowed is None else allowed
         if run.request.logprobs is not None:
             self._record_logprob(run, be.logits(index) if kept is None else kept, token)
         return token
 
     def _record_logprob(self, run: Running, logits: np.ndarray, token: int) -> None:
         """Only for requests that ask: the others never read their logits in Python."""
-        be = self.runner
-        logprob, top = token_logprobs(logits, token, run.request.logprobs)
+        be, n = self.runner, run.request.logprobs
+        assert n is not None
+        logprob, top = token_logprobs(logits, token, n)
         run.logprobs.append(TokenLogprob(be.piece(token), logprob, [(be.piece(t), lp) for t, lp in top], token, [t for t, _ in top]))
 
     def _emit_text(self, run: Running, text: str) -> None:
@@ -339,6 +346,7 @@ class Scheduler:
         for run in decoding:
             if (run.policy is None and run.model_policy is None) or not self.kv.can_rewind:
                 continue
+            assert run.slot is not None
             slot = run.slot
             room = min(self.n_ctx - len(slot.tokens), batch.free, MAX_DRAFT)
             if run.request.max_tokens is not None:
@@ -357,13 +365,15 @@ class Scheduler:
     def _guess(self, run: Running, room: int, width: int, sequences: int) -> list[int]:
         """This step's draft for one sequence: the n-gram lookup's when it has one worth
         trying (it costs nothing to make), else the draft model's when that pays."""
+        assert run.slot is not None
         if run.policy is not None:
+            assert run.drafter is not None  # made with its policy
             guess = run.drafter.propose(room)
             k = run.policy.length(self.cost, width, sequences, len(guess))
             if k > 0:
                 run.drafted_by = run.policy
                 return guess[:k]
-        if run.model_policy is not None:
+        if run.model_policy is not None and self.draft is not None:
             k = run.model_policy.length(self.cost, width, sequences, room, *self._draft_cost(run, width))
             if k > 0:
                 try:
@@ -379,7 +389,8 @@ class Scheduler:
         """The prompt is in the cache and its first token about to be chosen. The draft model
         reads the prompt now, with the model, so its first guess does not wait for it: the
         prompt's cost goes to the time to first token, as a prefill's does."""
-        if run.model_policy is None:
+        assert run.slot is not None
+        if run.model_policy is None or self.draft is None:
             return
         try:
             self.draft.follow(run.slot.seq, run.slot.tokens)
@@ -392,15 +403,17 @@ class Scheduler:
         have run, until then a guess that a token is a third of the model's step. The catch-up
         counts beyond the one token any guess decodes: after a pause it decodes every token of
         the pause, which cost a probe of 2 tokens 20 steps of SmolLM2."""
+        assert run.slot is not None and self.draft is not None
         step, guess = self.cost.seconds(width), self.draft.cost.seconds(1)
         behind = self.draft.behind(run.slot.seq, run.slot.tokens)
         if step is None or guess is None:
             return 1 / 3, (behind - 1) / 3
-        return guess / step, max(self.draft.cost.seconds(behind) - guess, 0.0) / step
+        return guess / step, max((self.draft.cost.seconds(behind) or guess) - guess, 0.0) / step
 
     def _verify(self, run: Running) -> None:
         """Sample at each drafted position, in order, with the sequence's own sampler: drafted
         tokens stay while they equal what was sampled; the cells after the first miss go."""
+        assert run.slot is not None and run.drafted_by is not None
         draft, slot = run.draft, run.slot
         keep = len(slot.tokens) - len(draft)  # the next token's cell and everything before it
         accepted, status = 0, None
@@ -425,6 +438,7 @@ class Scheduler:
     def _on_token(self, run: Running, token: int) -> RequestStatus | None:
         """One sampled token reaches the request: its text goes out; returns how the request
         ends if this token ends it, else None (the caller decides what goes into the cache)."""
+        assert run.proc is not None
         be, req = self.runner, run.request
         run.clock.token()
         if be.is_eog(token) and not req.ignore_eos:
@@ -444,7 +458,7 @@ class Scheduler:
                 run.tokens_out.append(closing)
                 self._emit_text(run, run.proc.feed(be.piece(closing), closing))
             # a token sampled before this one in the same verification is in the cache already
-            run.pending, run.phase, run.next_token = [token, *self.thinking.closing], Phase.PREFILLING, None
+            run.pending, run.phase, run.next_token = [token, *self.thinking.closing], Phase.PREFILLING, -1
             if run.drafter is not None:
                 run.drafter.extend(run.pending)
             return None
@@ -494,6 +508,8 @@ class Scheduler:
         for run in list(self.active):
             self.finish(run, RequestStatus.FINISHED_ERROR, error=str(exc) or type(exc).__name__)
             # what llama.cpp holds after a failed decode is unknown: start that sequence afresh
+            if run.slot is None:
+                continue
             try:
                 self.kv.clear(run.slot)
             except Exception:
@@ -512,6 +528,7 @@ class Scheduler:
     def _make_room(self, run: Running) -> None:
         """The sequence is full: drop the oldest whole message(s), or failing that the older half
         of what follows the pinned prefix, then keep going. The stored conversation is untouched."""
+        assert run.slot is not None
         slot, spans = run.slot, run.spans
         tokens = list(slot.tokens)
         need = max(self.n_ctx // 8, 1)
@@ -575,7 +592,7 @@ class Scheduler:
             prefix = slot.tokens[-1:]
             self.kv.truncate(slot, keep - 1)  # its logits are gone: decode the last token again
         else:
-            slot, keep, prefix = self._cold_slot(), 0, list(tokens)
+            slot, keep, prefix = self._cold_slot(), 0, list(tokens or [])
         out: list[int] = []
         try:
             while len(out) < n:
