@@ -129,7 +129,8 @@ def test_a_draft_that_does_not_load_leaves_the_model_serving(smollm2_path, tmp_p
             engine.submit(ChatRequest(messages=[{"role": "user", "content": "hi"}], speculative="draft"))
 
 
-def test_the_catalog_names_a_draft_used_when_it_is_here(hub_cache, isolated_dirs):
+@pytest.mark.usefixtures("hub_cache")
+def test_the_catalog_names_a_draft_used_when_it_is_here(isolated_dirs):
     # the catalog's SmolLM2 360M (faked by the 135M's file) names the embedded 135M as its draft
     with Engine(EngineConfig(model=CATALOG_NAME, n_ctx=256, paths=isolated_dirs)) as engine:
         assert engine.draft_ref == "smollm2-135m-instruct" and engine.draft is not None

@@ -211,7 +211,7 @@ def test_parallel_requests_are_batched_and_match_sequential_answers(smollm2_path
         # one llama_decode per step served all three: one sequence after another would take 3 x 24
         assert calls <= 24 + 2, calls
         # and batching computes the same greedy answers, whole, or parts from them at a near-tie
-        for p, a, b in zip(prompts, alone, together):
+        for p, a, b in zip(prompts, alone, together, strict=True):
             assert_same_or_near_tie(engine, [{"role": "user", "content": p}], a, b)
 
 

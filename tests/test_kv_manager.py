@@ -115,7 +115,7 @@ def test_snapshot_restore_and_cancellation_keep_the_invariant(smollm2_path, isol
         handle = engine.submit(ChatRequest(messages=msgs + [{"role": "assistant", "content": restored.text},
                                                             {"role": "user", "content": "Count to a thousand."}],
                                            sampling=GREEDY, max_tokens=500, ignore_eos=True, session="s"))
-        for event in handle.events():
+        for _ in handle.events():
             handle.cancel()
         assert handle.finished.reason == "cancelled"
         assert engine.kv_problems() == []

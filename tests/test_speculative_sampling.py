@@ -79,10 +79,10 @@ def test_a_seed_gives_the_same_tokens_with_lookup(smol):
     plain = [submit(smol, seed, "off").result() for seed in range(SAME_SEEDS)]
     fast = [submit(smol, seed, "lookup").result() for seed in range(SAME_SEEDS)]
     assert sum(f.metrics.drafted_tokens for f in fast) > SAME_SEEDS // 2
-    same = sum(p.token_ids == f.token_ids for p, f in zip(plain, fast))
+    same = sum(p.token_ids == f.token_ids for p, f in zip(plain, fast, strict=True))
     print(f"{same} of {SAME_SEEDS} seeds give the same tokens")
     # batched numerics can move a sampled token only where the draw falls at a boundary
-    assert same >= 0.95 * SAME_SEEDS, [(p.text, f.text) for p, f in zip(plain, fast) if p.token_ids != f.token_ids]
+    assert same >= 0.95 * SAME_SEEDS, [(p.text, f.text) for p, f in zip(plain, fast, strict=True) if p.token_ids != f.token_ids]
 
 
 @pytest.fixture(scope="module")

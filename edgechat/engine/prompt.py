@@ -152,7 +152,7 @@ class PromptBuilder:
         fmt = self.format.reasoning
         if fmt is not None:
             # earlier thoughts are not sent again: they would fill the context with old reasoning
-            msgs = [{**m, "content": fmt.strip(m["content"])} if m["role"] == "assistant" else m for m in msgs]
+            msgs = [{**m, "content": fmt.strip_thoughts(m["content"])} if m["role"] == "assistant" else m for m in msgs]
         variables = self._variables(request)
         if request.tools is not None or any(m["role"] == "tool" or "tool_calls" in m for m in msgs):
             # the tools, calls and results as the template takes them (or in the generic format),

@@ -18,7 +18,7 @@ the ids, so it works whether a marker renders as its text or as nothing.
 
 Each format answers the same questions: the template's switch, whether a prompt's tail leaves
 the model inside its thoughts (`opened_by`), what the engine writes to end them (`closing`) or to
-skip them (`skip`), an earlier answer without them (`strip`), and a splitter per request
+skip them (`skip`), an earlier answer without them (`strip_thoughts`), and a splitter per request
 (`splitters`).
 """
 
@@ -60,7 +60,7 @@ class ReasoningFormat:
         template has no switch: the block its generation prompt opened, closed at once."""
         return self.closing if self.opened_by(prompt_tail) else None
 
-    def strip(self, content: str) -> str:
+    def strip_thoughts(self, content: str) -> str:
         """An earlier answer without its thoughts (a client may send them back in the content, with
         or without the start marker an R1-style prompt wrote): what history gives the model again."""
         at = content.find(self.end)
@@ -105,7 +105,7 @@ class ChannelFormat:
             return self.closing
         return f"{self.channel}{self.answer}{self.message}" if tail.endswith(f"{self.start}assistant") else None
 
-    def strip(self, content: str) -> str:
+    def strip_thoughts(self, content: str) -> str:
         """What a client sent back with its markup (raw text, `--reasoning-format none`): the final
         message's text alone, as gpt-oss's template renders earlier turns (it refuses contents
         holding channel markup). Thoughts cut off before any answer leave nothing."""

@@ -379,7 +379,7 @@ class _Server:
             deadline = until if until is not None else arrival + self.settings.request_timeout
             try:
                 await asyncio.wait_for(asyncio.shield(ticket.admitted), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 self.gate.release_all(ticket)
                 if until is not None:
                     return None
@@ -587,7 +587,7 @@ class _Server:
                 remaining = gens[0].remaining()
                 try:
                     event = await asyncio.wait_for(events.get(), min(remaining, self.settings.keepalive_s))
-                except TimeoutError:
+                except asyncio.TimeoutError:
                     if remaining > self.settings.keepalive_s:
                         yield KEEPALIVE
                         continue
@@ -628,7 +628,7 @@ class _Server:
             yield sse("[DONE]")
         finally:
             # client disconnected (the task was cancelled), timed out or one choice failed: free the sequences now
-            _cancel([g for g, c in zip(gens, choices) if c.finished is None])
+            _cancel([g for g, c in zip(gens, choices, strict=True) if c.finished is None])
 
     def stream_text(self, kind: str, ids: ResponseIds, index: int, c: _StreamedChoice, deltas: list[TextDelta]):
         thought = "".join(d.text for d in deltas if d.reasoning)

@@ -145,7 +145,7 @@ class Generation:
         remaining = self.remaining()
         try:
             _, event = await asyncio.wait_for(self.events.get(), remaining if keepalive is None else min(remaining, keepalive))
-        except TimeoutError:
+        except asyncio.TimeoutError:
             if keepalive is not None and remaining > keepalive:
                 return Batch(idle=True)
             self.time_out()

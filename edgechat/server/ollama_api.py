@@ -62,7 +62,7 @@ def error_response(exc: ApiError) -> Response:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def _ns(seconds: float) -> int:
@@ -140,7 +140,7 @@ def _expires(unload_at: float | None) -> str:
     """When an idle model is unloaded, as Ollama writes the time (UTC)."""
     if unload_at is None:
         return LOADED_UNTIL
-    at = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=max(0.0, unload_at - time.monotonic()))
+    at = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=max(0.0, unload_at - time.monotonic()))
     return at.isoformat().replace("+00:00", "Z")
 
 
@@ -234,7 +234,7 @@ class OllamaApi:
         return {
             "name": name,
             "model": name,
-            "modified_at": datetime.datetime.fromtimestamp(stat.st_mtime, datetime.UTC).isoformat().replace("+00:00", "Z"),
+            "modified_at": datetime.datetime.fromtimestamp(stat.st_mtime, datetime.timezone.utc).isoformat().replace("+00:00", "Z"),
             "size": info.size_bytes,
             "digest": digest,
             "details": {
