@@ -40,15 +40,18 @@ class PlannedTensor:
         return self.shape[0] if len(self.shape) > 1 else 1
 
     def rows(self, start: int, stop: int) -> np.ndarray:
+        source = self.source
         if self.values is not None:
             data = self.values.reshape(self.n_rows, -1)[start:stop]
+        elif source is None:
+            raise ValueError(f"{self.name} has neither a source tensor nor values")
         elif len(self.shape) == 1:
-            data = self.source.rows_f32(slice(None)).reshape(1, -1)
+            data = source.rows_f32(slice(None)).reshape(1, -1)
         else:
             rows = self.row_index[start:stop] if self.row_index is not None else slice(start, stop)
-            data = self.source.rows_f32(rows)
+            data = source.rows_f32(rows)
             if self.row_index is None:
-                self.source.release(start, stop)
+                source.release(start, stop)
         data = data.astype(np.float32, copy=False)
         return data + np.float32(self.add) if self.add else data
 

@@ -135,6 +135,8 @@ class PromptBuilder:
         """A chat request's whole prompt as text, rendered as `prepare` renders it (before any
         eviction; without the assistant's opening if not `generation_prompt`): what
         llama-server's /apply-template gives."""
+        if request.messages is None:
+            raise UsageError("a raw prompt has no chat template to apply; send messages")
         return self.format.render(request.messages, generation_prompt, **self._variables(request))
 
     def _variables(self, request: ChatRequest) -> dict:
@@ -258,6 +260,7 @@ class PromptQueries:
     `prompts` (a PromptBuilder) and `_policy(request)`."""
 
     prompts: PromptBuilder
+    _policy: Callable[[ChatRequest], ContextPolicy]
 
     def prepare(self, request: ChatRequest) -> Prepared:
         """The prompt submit() would build for this request (template, tokens, eviction), without

@@ -87,7 +87,7 @@ class ChannelFormat:
     switch: str | None = None
 
     @property
-    def markers(self) -> tuple[str, ...]:
+    def markers(self) -> tuple[str, str, str, str, str]:
         return self.start, self.channel, self.message, self.end, self.constrain
 
     def opened_by(self, prompt_tail: str) -> bool:
@@ -123,7 +123,9 @@ class ChannelFormat:
             log.warning("the chat template writes harmony channels, but the model's vocabulary lacks their tokens; "
                         "its thoughts stay in the answer")
             return None
-        markers = ChannelMarkers(self, *(t[0] for t in ids), tokenize(f"{self.channel}{self.thoughts}{self.message}"),
+        start, channel, message, end, constrain = (t[0] for t in ids)
+        markers = ChannelMarkers(self, start, channel, message, end, constrain,
+                                 tokenize(f"{self.channel}{self.thoughts}{self.message}"),
                                  tokenize(f"{self.channel}{self.answer}{self.message}"))
         return lambda opened, prompt: ChannelSplitter(markers, prompt)
 
@@ -288,7 +290,7 @@ class ChannelSplitter:
         return self.route is Route.REASONING
 
     def feed(self, text: str, token: int | None = None) -> tuple[str, str]:
-        marker = self._marker_text.get(token)
+        marker = self._marker_text.get(token) if token is not None else None
         if marker is None:
             return self._add(text)
         # the marker's piece (its text, or nothing if it is a control token) is markup; text
@@ -325,8 +327,8 @@ class ChannelSplitter:
         """<|message|>: the header read so far says where the message's text goes."""
         fmt, header = self.m.fmt, self._header
         self._header, self._any_message = "", True
-        channel = _NAME.match(header.partition(fmt.channel)[2].lstrip())
-        channel = channel.group() if channel else ""
+        named = _NAME.match(header.partition(fmt.channel)[2].lstrip())
+        channel = named.group() if named else ""
         recipient = _RECIPIENT.search(header)
         if recipient is not None:
             self.route = Route.CONTENT

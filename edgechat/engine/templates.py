@@ -16,7 +16,7 @@ from itertools import pairwise
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from edgechat.engine.reasoning import ReasoningFormat, reasoning_format
+from edgechat.engine.reasoning import ChannelFormat, ReasoningFormat, reasoning_format
 from edgechat.engine.toolfamilies import ToolFamily, family_for
 from edgechat.errors import UsageError
 
@@ -77,7 +77,7 @@ def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=F
     return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
 
 
-def validate_messages(messages: list[dict]) -> list[dict]:
+def validate_messages(messages: list[dict] | None) -> list[dict]:
     if not messages:
         raise UsageError("no messages to send; write a message first")
     clean = []
@@ -113,7 +113,7 @@ class ChatFormat:
     source: str | None = None
 
     @functools.cached_property
-    def reasoning(self) -> ReasoningFormat | None:
+    def reasoning(self) -> ReasoningFormat | ChannelFormat | None:
         """The thinking markers of a reasoning model's template (None: the model does not think);
         read once, not on every prompt."""
         return reasoning_format(self.source)

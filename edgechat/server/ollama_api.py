@@ -178,6 +178,7 @@ def parse_generate(body: dict, server) -> ParsedRequest:
     _refuse(body, "context", "send the conversation as messages to /api/chat")
     _refuse(body, "logprobs", "log probabilities are served on /v1/completions")
     prompt = _text("prompt", body.get("prompt", ""))
+    fields: dict[str, str | list[dict[str, str]]]
     if _opt_bool(body, "raw"):
         fields = {"prompt": prompt}
     else:
@@ -457,7 +458,8 @@ class _Download:
     def __init__(self, paths, ref: hub.HubRef):
         self.paths, self.ref = paths, ref
         self.left = threading.Event()
-        self.done = self.total = None
+        self.done: int | None = None  # bytes so far, and of the whole file where the Hub says
+        self.total: int | None = None
         self.changed = asyncio.Event()
 
     def _progress(self, done: int, total: int | None) -> None:
