@@ -9,6 +9,7 @@ import json
 
 import httpx
 import pytest
+from conftest import GREEDY
 from neartie import assert_same_or_near_tie
 from serving import serving
 from test_hub import CATALOG_NAME, edgechat, hub_cache, one_line_error  # noqa: F401 (hub_cache is a fixture)
@@ -21,7 +22,6 @@ from edgechat.models import catalog
 from edgechat.server import ServerSettings, create_app
 from quantize.requantize import requantize
 
-GREEDY = SamplingParams(temperature=0)
 PASSAGE = (
     "The lighthouse keeper climbed the stairs every evening at six. He polished the great lens, "
     "trimmed the wick and wrote the weather in a blue notebook."

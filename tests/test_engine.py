@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from conftest import GREEDY
 from neartie import assert_same_or_near_tie
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams, TextDelta
@@ -12,19 +13,10 @@ from edgechat.engine.stream import OutputProcessor
 from edgechat.engine.templates import choose_format
 from edgechat.errors import PromptTooLongError, UsageError
 
-GREEDY = SamplingParams(temperature=0)
-
 
 @pytest.fixture(scope="module")
-def smol(smollm2_path, models_root):
-    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=2048, paths=models_root)) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def gemma(gemma3_path, models_root):
-    with Engine(EngineConfig(model=str(gemma3_path), n_ctx=1024, paths=models_root)) as engine:
-        yield engine
+def smol_config() -> dict:
+    return {"n_ctx": 2048}
 
 
 def ask(engine, text, **kw):

@@ -6,11 +6,11 @@ by greedy continuation of a cached sequence against a cold prefill of its mirror
 from __future__ import annotations
 
 import pytest
+from conftest import GREEDY
 from neartie import assert_same_tokens_or_near_tie
 
-from edgechat.engine import ChatRequest, Engine, EngineConfig, Evicted, SamplingParams
+from edgechat.engine import ChatRequest, Engine, EngineConfig, Evicted
 
-GREEDY = SamplingParams(temperature=0)
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. The capital of the country Zubrowka is Lutz."}
 FACTS = [
     "The river Vist runs through Lutz and freezes every winter.",

@@ -17,6 +17,7 @@ import gguf
 import httpx
 import openai
 import pytest
+from conftest import GREEDY
 from serving import serving
 
 from bench.bench_reasoning import TEMPLATE as THINK_TEMPLATE  # the template the benchmark measures
@@ -24,14 +25,13 @@ from edgechat.engine import ChatRequest, Engine, EngineConfig
 from edgechat.engine.kvcache import common_prefix
 from edgechat.engine.llama import LlamaBackend
 from edgechat.engine.reasoning import ChannelFormat, ReasoningSplitter, reasoning_format
-from edgechat.engine.request import SamplingParams, TextDelta
+from edgechat.engine.request import TextDelta
 from edgechat.engine.stream import OutputProcessor
 from edgechat.engine.tools import ToolCallParser
 from edgechat.server import ServerSettings, create_app
 from tests.test_cli import assert_one_line_error, edgechat
 
 MODEL = "smollm2-135m-instruct"
-GREEDY = SamplingParams(temperature=0)
 ASK = [{"role": "user", "content": "Explain in detail how photosynthesis works."}]
 
 

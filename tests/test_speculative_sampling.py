@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
+from edgechat.engine import ChatRequest, SamplingParams
 
 #: the answer starts like the quoted line, so lookup drafts from the second token on (the line
 #: follows a newline, as the answer follows the template's newline)
@@ -24,9 +24,8 @@ ALPHA = 0.01
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_path, models_root):
-    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=1024, n_parallel=4, paths=models_root)) as engine:
-        yield engine
+def smol_config() -> dict:
+    return {"n_ctx": 1024, "n_parallel": 4}
 
 
 def submit(engine, seed, mode, temperature=1.0):
