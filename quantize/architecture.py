@@ -63,6 +63,19 @@ class Family:
     hf_architectures: tuple[str, ...] = ()
     default_tied = False
 
+    # What the layers compute beyond the hyperparameters (read by the ONNX export, which writes
+    # the graph itself; llama.cpp knows each architecture's graph).
+    #: added to the stored RMS-norm weights (Gemma's norms multiply by 1 + w)
+    norm_add = 0.0
+    #: RMS norms after attention and the MLP as well as before them (Gemma 3)
+    sandwich_norms = False
+    #: per-head RMS norms of the queries and keys (Gemma 3, Qwen3)
+    qk_norm = False
+    #: biases on the q, k and v projections (Qwen2)
+    qkv_bias = False
+    #: q/k/v stored as one qkv_proj and gate/up as one gate_up_proj (Phi-3)
+    fused_projections = False
+
     def __init__(self, folder: Path, config: dict):
         self.folder = folder
         self.config = config
@@ -108,6 +121,24 @@ class Family:
             if "rope_theta" in self.config:
                 params["rope_theta"] = self.config["rope_theta"]
         return params.get("full_attention", params)
+
+    @property
+    def embed_scale(self) -> float | None:
+        """What the token embeddings are multiplied by before the first layer (None: nothing)."""
+        return None
+
+    @property
+    def attn_scale(self) -> float:
+        """The attention scores' scale."""
+        return self.head_dim ** -0.5
+
+    def layer_attention(self, layer: int) -> tuple[dict, int]:
+        """(RoPE settings, local window or -1) of one layer: every layer attends to the whole
+        context unless the config turns its sliding window on."""
+        window = self.config.get("sliding_window")
+        if window and self.config.get("use_sliding_window"):
+            return self.rope, int(window)
+        return self.rope, -1
 
     @property
     def tied(self) -> bool:
