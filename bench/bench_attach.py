@@ -99,7 +99,7 @@ async def run(model: str, file_tokens: int, threads: int | None, spec_rounds: in
                 spec[mode].append(await quote(client, file, mode))
     finally:
         client.close()
-    ratios = [a["tok_s"] / o["tok_s"] for a, o in zip(spec["auto"], spec["off"])]
+    ratios = [a["tok_s"] / o["tok_s"] for a, o in zip(spec["auto"], spec["off"], strict=True)]
     return {"model": client.model_name, "n_ctx": client.n_ctx, "threads": client.engine.n_threads,
             "file_tokens": counted, "rows": rows, "speculation": spec,
             "auto_over_off": round(statistics.median(ratios), 3) if ratios else None}

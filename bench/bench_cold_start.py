@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs_s": times,
         "ratio": med["edgechat"] / med["llama-server"],
         "fastest_s": {name: min(ts) for name, ts in times.items()},
-        "paired_ratio": statistics.median(a / b for a, b in zip(times["edgechat"], times["llama-server"])),
+        "paired_ratio": statistics.median(a / b for a, b in zip(times["edgechat"], times["llama-server"], strict=True)),
         "imports_share": med["imports"] / med["edgechat"],
     }
     if args.json:

@@ -93,7 +93,7 @@ def _engine_round_here(name: str, threads: int) -> None:
 def bench_model(name: str, threads: int, rounds: int) -> dict:
     path = resolve_model(name, get_paths())
     ours_pp, ours_tg, ref_pp, ref_tg = [], [], [], []
-    for r in range(rounds):
+    for _ in range(rounds):
         ref = run_llama_bench(path, threads=threads, repetitions=3)
         # best repetition, as for the engine below: on a noisy machine the best run is the
         # one least disturbed, for both sides alike

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import pairwise
 from pathlib import Path
 
 from edgechat.store import Store
@@ -63,7 +64,7 @@ def check(database: Path, integrity: bool) -> tuple[dict, bool | None]:
         last = store.messages(conv.id, limit=1)[0]
         history = model_messages(store, conv.id)
         # the next turn's prompt is this history plus its question: two questions in a row is poison
-        poisoned = any(a["role"] == b["role"] == "user" for a, b in zip(history, history[1:]))
+        poisoned = any(a["role"] == b["role"] == "user" for a, b in pairwise(history))
         ok = store.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok" if integrity else None
         return {"last_role": last.role, "last_status": last.status, "last_text": bool(last.content),
                 "poisoned": poisoned}, ok

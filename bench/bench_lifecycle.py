@@ -134,7 +134,7 @@ async def chat_app_switches(rounds: int, threads: int) -> dict:
                 loads = sum(m.loads for m in pool.models.values())
                 start = time.perf_counter()
                 app.load_model(target)
-                await until(lambda: app.client is not None and app.client.engine is not engine)
+                await until(lambda old=engine: app.client is not None and app.client.engine is not old)
                 ready = time.perf_counter() - start
                 ttft = await ask()
                 switches.append({"to": Path(target).name, "ready_s": ready, "first_token_s": ready + ttft,
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "median_s": med,
         "runs_s": times,
         "ratio": med["edgechat"] / med["llama-server"],
-        "paired_ratio": statistics.median(a / b for a, b in zip(times["edgechat"], times["llama-server"])),
+        "paired_ratio": statistics.median(a / b for a, b in zip(times["edgechat"], times["llama-server"], strict=True)),
         "rss_bytes": {"server_started": started, "before_load": before, "loaded": loaded, "after_unload": after, "after_each_later_unload": later},
         "rss_file_bytes": {"before_load": before_file, "after_unload": after_file},
         "rss_after_vs_before": after / before,

@@ -19,6 +19,7 @@ import json
 import statistics
 import tempfile
 import time
+from functools import partial
 
 from edgechat.config import get_paths
 from edgechat.engine import ChatRequest, ContextPolicy, Engine, EngineConfig
@@ -58,10 +59,10 @@ def main() -> None:
             for n in SIZES:
                 # messages never seen (nothing remembered), then the same again (an agent resending its history)
                 stateless = ChatRequest(messages=messages(n, "cold"))
-                whole = timed(lambda: build(stateless, ContextPolicy.SHIFT, check_limit=False), 1)
-                again = timed(lambda: build(stateless, ContextPolicy.SHIFT, check_limit=False), 3)
+                whole = timed(partial(build, stateless, ContextPolicy.SHIFT, check_limit=False), 1)
+                again = timed(partial(build, stateless, ContextPolicy.SHIFT, check_limit=False), 3)
                 session = ChatRequest(messages=messages(n, "session"), session="bench")
-                fitted = timed(lambda: build(session, ContextPolicy.SHIFT), 1)
+                fitted = timed(partial(build, session, ContextPolicy.SHIFT), 1)
                 n = len(stateless.messages)
                 rows.append({"messages": n, "stateless_s": whole, "repeat_s": again, "session_s": fitted,
                              "stateless_us_per_msg": whole / n * 1e6, "repeat_us_per_msg": again / n * 1e6,

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         # each warm pass against llama-server's pass run next to it: the machine's drift over a
         # run (here a pass of either server swung 15%) weighs on both sides of each pair alike
         "warm_vs_llama_server_warm_paired": statistics.median(
-            pass_tps(a) / pass_tps(b) for a, b in zip(runs["edgechat"]["warm"], runs["llama-server"]["warm"])
+            pass_tps(a) / pass_tps(b) for a, b in zip(runs["edgechat"]["warm"], runs["llama-server"]["warm"], strict=True)
         ),
         "cold_with_cache_vs_without": tps("edgechat", "cold") / tps("edgechat-off", "cold"),
         "edgechat_warm_vs_cold": tps("edgechat", "warm") / tps("edgechat", "cold"),

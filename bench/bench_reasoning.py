@@ -127,7 +127,7 @@ def ten_turns(engine: Engine, session: str, rounds: int) -> dict:
         cached.append(done.metrics.cached_tokens)
         history.append({"role": "assistant", "content": done.text})
     turns = [(prompts[1], cached[1]), (prompts[9], cached[9])]
-    return {"ttft": ttft, "cached": cached, "prefilled": [len(p) - c for p, c in zip(prompts, cached)],
+    return {"ttft": ttft, "cached": cached, "prefilled": [len(p) - c for p, c in zip(prompts, cached, strict=True)],
             "ratio": ttft[9] / ttft[1],
             "floor": {fa: decode_floor(engine, turns, fa, rounds) for fa in dict.fromkeys((engine.config.flash_attn, "off"))}}
 
@@ -164,6 +164,20 @@ def decode_floor(engine: Engine, turns: list[tuple[list[int], int]], flash_attn:
         be.close()
 
 
+def _cpu_seconds(be: LlamaBackend, batch: Batch, tokens: list[int], start: int, stop: int, one_by_one: bool) -> float:
+    """The thread's CPU time to decode tokens[start:stop] on sequence 0, in one batch or one token at a time."""
+    spent = 0.0
+    for lo in range(start, stop) if one_by_one else (start,):
+        hi = lo + 1 if one_by_one else stop
+        batch.clear()
+        for i in range(lo, hi):
+            batch.add(tokens[i], i, 0, i == hi - 1)
+        began = time.thread_time()
+        be.decode(batch)
+        spent += time.thread_time() - began
+    return spent
+
+
 def cpu_cost(model_path: Path, depth: int, n_prompt: int, rounds: int, n_gen: int = 64) -> dict:
     """Raw llama_decode in a scratch one-thread context, flash attention on and off in alternate
     rounds, timed by the thread's own CPU clock (one thread computes in the caller's): what each
@@ -176,32 +190,19 @@ def cpu_cost(model_path: Path, depth: int, n_prompt: int, rounds: int, n_gen: in
             be = LlamaBackend(model_path, n_ctx_total=4096, n_seq_max=1, n_threads=1, flash_attn=fa)
             batch = Batch(max(depth, n_prompt, 1), 1)
             tokens = [be.tokenize(" the")[0]] * (depth + n_prompt + n_gen)
-
-            def cpu(start: int, stop: int, one_by_one: bool) -> float:
-                spent = 0.0
-                for lo in range(start, stop) if one_by_one else (start,):
-                    hi = lo + 1 if one_by_one else stop
-                    batch.clear()
-                    for i in range(lo, hi):
-                        batch.add(tokens[i], i, 0, i == hi - 1)
-                    began = time.thread_time()
-                    be.decode(batch)
-                    spent += time.thread_time() - began
-                return spent
-
             try:
-                out["tg_tps"].append(n_gen / cpu(0, n_gen, True))
+                out["tg_tps"].append(n_gen / _cpu_seconds(be, batch, tokens, 0, n_gen, True))
                 be.seq_rm(0)
-                cpu(0, depth, False)
-                out["pp_tps"].append(n_prompt / cpu(depth, depth + n_prompt, False))
+                _cpu_seconds(be, batch, tokens, 0, depth, False)
+                out["pp_tps"].append(n_prompt / _cpu_seconds(be, batch, tokens, depth, depth + n_prompt, False))
                 be.seq_rm(0, depth)
-                out["tg_deep_tps"].append(n_gen / cpu(depth, depth + n_gen, True))
+                out["tg_deep_tps"].append(n_gen / _cpu_seconds(be, batch, tokens, depth, depth + n_gen, True))
             finally:
                 batch.close()
                 be.close()
     result = {fa: {k: statistics.median(v) for k, v in out.items()} for fa, out in got.items()}
     for k in ("pp_tps", "tg_tps", "tg_deep_tps"):
-        result[f"{k}_off_on"] = statistics.median(off / on for off, on in zip(got["off"][k], got["on"][k]))
+        result[f"{k}_off_on"] = statistics.median(off / on for off, on in zip(got["off"][k], got["on"][k], strict=True))
     return result
 
 
@@ -222,7 +223,7 @@ def reference(model_path: Path, threads: int, turns: dict, rounds: int) -> dict:
     out = {"depth": depth, "n_prompt": n_prompt, "n_gen": 192,
            **{fa: {k: statistics.median(v) for k, v in got.items()} for fa, got in runs.items()}}
     for k in ("pp_tps", "tg_tps"):
-        out[f"{k}_off_on"] = statistics.median(off / on for off, on in zip(runs["off"][k], runs["on"][k]))
+        out[f"{k}_off_on"] = statistics.median(off / on for off, on in zip(runs["off"][k], runs["on"][k], strict=True))
     return out
 
 

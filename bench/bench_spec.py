@@ -190,7 +190,7 @@ def against_llama_server(rows: list[dict], threads: int, rounds: int, max_tokens
                     for spec in best:
                         row[f"llama_{spec}_tps"], row[f"llama_{spec}_accept"], ids = best[spec][row["task"]]
                         # where llama.cpp's numerics part from ours at a near-tie, the texts differ from there
-                        row[f"llama_{spec}_same_prefix"] = next((i for i, (a, b) in enumerate(zip(ids, row["off_ids"])) if a != b),
+                        row[f"llama_{spec}_same_prefix"] = next((i for i, (a, b) in enumerate(zip(ids, row["off_ids"], strict=False)) if a != b),
                                                                 min(len(ids), len(row["off_ids"])))
                     row["auto_vs_best_llama_spec"] = row["auto_tps"] / max(best[s][row["task"]][0] for s in ("ngram-simple", "ngram-mod"))
 
@@ -240,7 +240,7 @@ def main() -> None:
         for _ in range(args.rounds):
             fresh = [row for name in MODELS for row in bench_model(name, args.threads, 1, args.max_tokens)]
             against_llama_server(fresh, args.threads, 1, args.max_tokens)
-            rows = fresh if not rows else [_best(a, b) for a, b in zip(rows, fresh)]
+            rows = fresh if not rows else [_best(a, b) for a, b in zip(rows, fresh, strict=True)]
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if not k.endswith("_ids")} for r in rows], indent=2))
         return

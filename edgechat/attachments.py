@@ -9,6 +9,7 @@ import re
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -250,7 +251,7 @@ def excerpts(files: list[Attachment], question: str, budget: int, count: Callabl
         if not parts:
             continue
         body = parts[0][1]
-        for (before, _), (n, text) in zip(parts, parts[1:]):
+        for (before, _), (n, text) in pairwise(parts):
             body += (GAP if n != before + 1 else "") + text
         out.append(Attachment(f"{a.name} (excerpts)", body, a.lang))
     return out

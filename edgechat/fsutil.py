@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 
-def atomic_write(path: str | os.PathLike, chunks: Iterable[bytes]) -> Path:
+def atomic_write(path: str | os.PathLike, chunks: Iterable[bytes | bytearray]) -> Path:
     """Readers see the old file or the whole new one, never a part, even after a crash.
     `chunks` may be a generator; if it raises, nothing is left behind."""
     path = Path(path)

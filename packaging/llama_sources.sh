@@ -1,7 +1,8 @@
 # shellcheck shell=bash
-# Sourced by the scripts that build llama.cpp from the sources vendored in the pinned
-# llama-cpp-python sdist (bench/build_llama_bench.sh, packaging/build_llama_rpc.sh), so that every
-# build is of exactly the code the engine runs.
+# Sourced where llama.cpp's sources vendored in the pinned llama-cpp-python sdist are needed, so
+# that every build is of exactly the code the engine runs: bench/build_llama_bench.sh (the one
+# cmake configuration; packaging/build_llama_rpc.sh runs it for ggml-rpc-server) and
+# bench/llamacpp_server_tests.py (llama.cpp's server tests).
 #   llama_pin REPO_ROOT     prints the pinned llama-cpp-python version (exits if there is none)
 #   llama_sources WORK VER  unpacks that sdist under WORK once; prints the vendored llama.cpp dir
 #   cmake_generator         an array: -G Ninja where ninja exists

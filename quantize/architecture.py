@@ -40,15 +40,18 @@ class PlannedTensor:
         return self.shape[0] if len(self.shape) > 1 else 1
 
     def rows(self, start: int, stop: int) -> np.ndarray:
+        source = self.source
         if self.values is not None:
             data = self.values.reshape(self.n_rows, -1)[start:stop]
+        elif source is None:
+            raise ValueError(f"{self.name} has neither a source tensor nor values")
         elif len(self.shape) == 1:
-            data = self.source.rows_f32(slice(None)).reshape(1, -1)
+            data = source.rows_f32(slice(None)).reshape(1, -1)
         else:
             rows = self.row_index[start:stop] if self.row_index is not None else slice(start, stop)
-            data = self.source.rows_f32(rows)
+            data = source.rows_f32(rows)
             if self.row_index is None:
-                self.source.release(start, stop)
+                source.release(start, stop)
         data = data.astype(np.float32, copy=False)
         return data + np.float32(self.add) if self.add else data
 
@@ -59,6 +62,19 @@ class Family:
     arch: MODEL_ARCH
     hf_architectures: tuple[str, ...] = ()
     default_tied = False
+
+    # What the layers compute beyond the hyperparameters (read by the ONNX export, which writes
+    # the graph itself; llama.cpp knows each architecture's graph).
+    #: added to the stored RMS-norm weights (Gemma's norms multiply by 1 + w)
+    norm_add = 0.0
+    #: RMS norms after attention and the MLP as well as before them (Gemma 3)
+    sandwich_norms = False
+    #: per-head RMS norms of the queries and keys (Gemma 3, Qwen3)
+    qk_norm = False
+    #: biases on the q, k and v projections (Qwen2)
+    qkv_bias = False
+    #: q/k/v stored as one qkv_proj and gate/up as one gate_up_proj (Phi-3)
+    fused_projections = False
 
     def __init__(self, folder: Path, config: dict):
         self.folder = folder
@@ -105,6 +121,24 @@ class Family:
             if "rope_theta" in self.config:
                 params["rope_theta"] = self.config["rope_theta"]
         return params.get("full_attention", params)
+
+    @property
+    def embed_scale(self) -> float | None:
+        """What the token embeddings are multiplied by before the first layer (None: nothing)."""
+        return None
+
+    @property
+    def attn_scale(self) -> float:
+        """The attention scores' scale."""
+        return self.head_dim ** -0.5
+
+    def layer_attention(self, layer: int) -> tuple[dict, int]:
+        """(RoPE settings, local window or -1) of one layer: every layer attends to the whole
+        context unless the config turns its sliding window on."""
+        window = self.config.get("sliding_window")
+        if window and self.config.get("use_sliding_window"):
+            return self.rope, int(window)
+        return self.rope, -1
 
     @property
     def tied(self) -> bool:

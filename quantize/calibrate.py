@@ -104,7 +104,7 @@ class _Collector:
 
     def _add(self, name: str, src0: _Tensor, src1: _Tensor) -> None:
         ne, nb = list(src1.ne), list(src1.nb)
-        extent = sum((n - 1) * s for n, s in zip(ne, nb)) + 4
+        extent = sum((n - 1) * s for n, s in zip(ne, nb, strict=True)) + 4
         if self.lib.ggml_backend_buffer_is_host(src1.buffer):
             raw = np.ctypeslib.as_array((ctypes.c_uint8 * extent).from_address(src1.data))
         else:

@@ -107,7 +107,7 @@ def compare_prompts(a: str | os.PathLike, b: str | os.PathLike, prompts: list[st
             pa, pb = _log_softmax(logits_a), _log_softmax(logits_b)
             kld = (np.exp(pa) * (pa - pb)).sum(axis=-1)
             top1 = logits_a.argmax(-1) == logits_b.argmax(-1)
-            diverges = next((i for i, (x, y) in enumerate(zip(answer_a, answer_b)) if x != y), None)
+            diverges = next((i for i, (x, y) in enumerate(zip(answer_a, answer_b, strict=False)) if x != y), None)
             if diverges is None and len(answer_a) != len(answer_b):
                 diverges = min(len(answer_a), len(answer_b))
             results.append(PromptResult(

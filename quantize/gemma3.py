@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from gguf import MODEL_ARCH
 
 from quantize.architecture import Family, PlannedTensor, register
@@ -13,6 +15,32 @@ class Gemma3(Family):
     arch = MODEL_ARCH.GEMMA3
     hf_architectures = ("Gemma3ForCausalLM",)
     default_tied = True
+    norm_add = 1.0  # Gemma3RMSNorm multiplies by (1 + w)
+    sandwich_norms = True
+    qk_norm = True
+
+    @property
+    def embed_scale(self) -> float:
+        return math.sqrt(int(self.need("hidden_size")))
+
+    @property
+    def attn_scale(self) -> float:
+        return float(self.config["query_pre_attn_scalar"]) ** -0.5
+
+    def layer_attention(self, layer: int) -> tuple[dict, int]:
+        """Local (sliding-window) layers, five to each global one unless the config lists them,
+        with RoPE settings of their own."""
+        c = self.config
+        types = c.get("layer_types")
+        pattern = int(c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or 6)
+        sliding = types[layer] == "sliding_attention" if types else (layer + 1) % pattern != 0
+        if sliding:
+            params = c.get("rope_parameters") or {}
+            rope = params.get("sliding_attention") or {"rope_theta": c.get("rope_local_base_freq", 10000.0)}
+            # GroupQueryAttention's window counts the tokens before the current one; measured
+            # against transformers past 512 tokens, Gemma 3's sliding_window maps to it unchanged
+            return rope, int(c["sliding_window"])
+        return self.rope, -1
 
     def write_hparams(self, w) -> None:
         c = self.config
@@ -44,8 +72,8 @@ class Gemma3(Family):
 
     def transform(self, planned: PlannedTensor, hf_name: str) -> PlannedTensor:
         if hf_name.endswith("norm.weight"):
-            # Gemma3RMSNorm multiplies by (1 + w); llama.cpp multiplies by the stored value
-            planned.add = 1.0
+            # llama.cpp multiplies by the stored value
+            planned.add = self.norm_add
         return planned
 
     def plan(self, checkpoint):

@@ -9,10 +9,14 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from quantize.errors import QuantizeError
+
+if TYPE_CHECKING:
+    import llama_cpp
 
 _backend_ready = False
 
@@ -36,7 +40,7 @@ def _silent(level, text, user_data):
 try:
     import llama_cpp as _lc
 
-    _SILENT = _lc.llama_log_callback(_silent)
+    _SILENT: object | None = _lc.llama_log_callback(_silent)
 except ImportError:  # the report says so when it runs; conversion does not need it
     _SILENT = None
 
@@ -66,7 +70,7 @@ class Model:
         self._lc = lc
         self.path = Path(path)
         self.ctx = None
-        self._batch = None
+        self._batch: llama_cpp.llama_batch | None = None
         mparams = lc.llama_model_default_params()
         mparams.vocab_only = vocab_only
         mparams.use_extra_bufts = use_extra_buffers()

@@ -97,11 +97,9 @@ class Shape:
 
 def _shape(family: Family) -> Shape:
     c = family.config
-    arch = family.arch_name
     act = str(c.get("hidden_activation") or c.get("hidden_act") or "silu")
     if act not in ("silu", "gelu_pytorch_tanh", "gelu_tanh"):
         raise QuantizeError(f"activation {act!r} is not supported by the ONNX export")
-    gemma = arch == "gemma3"
     hidden = int(family.need("hidden_size"))
     rotary = float(family.rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))
     if c.get("attn_logit_softcapping"):
@@ -110,13 +108,13 @@ def _shape(family: Family) -> Shape:
         hidden=hidden,
         intermediate=int(family.need("intermediate_size")),
         eps=float(family.need("rms_norm_eps")),
-        norm_add=1.0 if gemma else 0.0,
-        embed_scale=math.sqrt(hidden) if gemma else None,
+        norm_add=family.norm_add,
+        embed_scale=family.embed_scale,
         act="silu" if act == "silu" else "gelu_tanh",
-        sandwich=gemma,
-        qk_norm=arch in ("gemma3", "qwen3"),
-        qkv_bias=arch == "qwen2",
-        attn_scale=float(c["query_pre_attn_scalar"]) ** -0.5 if gemma else family.head_dim ** -0.5,
+        sandwich=family.sandwich_norms,
+        qk_norm=family.qk_norm,
+        qkv_bias=family.qkv_bias,
+        attn_scale=family.attn_scale,
         rotary_dim=int(family.head_dim * rotary),
         final_softcap=c.get("final_logit_softcapping") or None,
         max_len=int(c.get("max_position_embeddings") or 4096),
@@ -139,26 +137,6 @@ def _inv_freq(rope: dict, dim: int) -> np.ndarray:
     elif kind != "default":
         raise QuantizeError(f"RoPE scaling {kind!r} is not supported by the ONNX export")
     return inv
-
-
-def _layer_attention(family: Family, layer: int) -> tuple[dict, int]:
-    """(RoPE settings, local window or -1) of one layer."""
-    c = family.config
-    types = c.get("layer_types")
-    params = c.get("rope_parameters") or {}
-    if family.arch_name == "gemma3":
-        pattern = int(c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or 6)
-        sliding = types[layer] == "sliding_attention" if types else (layer + 1) % pattern != 0
-        if sliding:
-            rope = params.get("sliding_attention") or {"rope_theta": c.get("rope_local_base_freq", 10000.0)}
-            # GroupQueryAttention's window counts the tokens before the current one; measured
-            # against transformers past 512 tokens, Gemma 3's sliding_window maps to it unchanged
-            return rope, int(c["sliding_window"])
-        return family.rope, -1
-    window = c.get("sliding_window")
-    if window and (family.arch_name == "phi3" or c.get("use_sliding_window")):
-        return family.rope, int(window)
-    return family.rope, -1
 
 
 class _Graph:
@@ -397,7 +375,7 @@ def _build(family: Family, checkpoint: Checkpoint, g: _Graph, progress: Progress
             progress(f"layer {i}", i, n_layer)
         p = f"model.layers.{i}"
         a = f"{p}.self_attn"
-        if family.arch_name == "phi3":
+        if family.fused_projections:
             qkv_w = w(f"{a}.qkv_proj.weight")
         else:
             qkv_w = np.concatenate([w(f"{a}.q_proj.weight"), w(f"{a}.k_proj.weight"), w(f"{a}.v_proj.weight")])
@@ -406,7 +384,7 @@ def _build(family: Family, checkpoint: Checkpoint, g: _Graph, progress: Progress
         if s.qkv_bias:
             bias = np.concatenate([w(f"{a}.q_proj.bias"), w(f"{a}.k_proj.bias"), w(f"{a}.v_proj.bias")])
             qkv = g.op("Add", [qkv, g.init(f"{a}.qkv_proj.bias", bias)])[0]
-        rope, window = _layer_attention(family, i)
+        rope, window = family.layer_attention(i)
         cos, sin = rotary_cache(rope)
         if s.qk_norm:
             split = g.const(f"{a}/split", np.array([n_head * hd, n_kv * hd, n_kv * hd], np.int64))
@@ -435,7 +413,7 @@ def _build(family: Family, checkpoint: Checkpoint, g: _Graph, progress: Progress
         normed, _, _, residual = g.op("SkipSimplifiedLayerNormalization", [attn, residual, g.init(pre_mlp, norm_w(pre_mlp))],
                                       n_out=4, domain="com.microsoft", epsilon=s.eps)
         m = f"{p}.mlp"
-        if family.arch_name == "phi3":
+        if family.fused_projections:
             gate_up = w(f"{m}.gate_up_proj.weight")
             gate_w, up_w = gate_up[: s.intermediate], gate_up[s.intermediate :]
             del gate_up

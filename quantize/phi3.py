@@ -12,6 +12,12 @@ from quantize.errors import QuantizeError
 class Phi3(Family):
     arch = MODEL_ARCH.PHI3
     hf_architectures = ("Phi3ForCausalLM",)
+    fused_projections = True
+
+    def layer_attention(self, layer: int) -> tuple[dict, int]:
+        """Every layer slides when the config gives a window: Phi-3 has no use_sliding_window switch."""
+        window = self.config.get("sliding_window")
+        return self.rope, int(window) if window else -1
 
     def write_hparams(self, w) -> None:
         c = self.config

@@ -12,9 +12,11 @@ from quantize.architecture import Family, register
 class Qwen2(Family):
     arch = MODEL_ARCH.QWEN2
     hf_architectures = ("Qwen2ForCausalLM",)
+    qkv_bias = True
 
 
 @register
 class Qwen3(Family):
     arch = MODEL_ARCH.QWEN3
     hf_architectures = ("Qwen3ForCausalLM",)
+    qk_norm = True

@@ -77,7 +77,7 @@ class Quality:
         n = sum(q.n_tokens for q in parts)
 
         def mean(values) -> float:
-            return sum(v * q.n_tokens for v, q in zip(values, parts)) / n
+            return sum(v * q.n_tokens for v, q in zip(values, parts, strict=True)) / n
 
         return Quality(n, float(np.exp(mean(np.log([q.ppl_reference for q in parts])))),
                        float(np.exp(mean(np.log([q.ppl_quantized for q in parts])))),
@@ -128,7 +128,7 @@ def compare_logits(reference, quantized, tokens: list[int]) -> Quality:
     of (start, logits) batches (logits[i] predicts tokens[start + i + 1])."""
     nll_ref = nll_q = kld = 0.0
     agree = n = 0
-    for (start, lr), (_, lq) in zip(reference, quantized):
+    for (start, lr), (_, lq) in zip(reference, quantized, strict=True):
         targets = np.array(tokens[start + 1 : start + 1 + len(lr)])
         m = len(targets)  # the last position has nothing to predict
         pr, pq = _log_softmax(lr[:m]), _log_softmax(lq[:m])

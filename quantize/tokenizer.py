@@ -300,6 +300,7 @@ def _spm_vocab(folder: Path, tok: dict | None, n_vocab: int) -> Vocab:
         for i, (text, score, kind) in enumerate(pieces[:n_vocab]):
             tokens[i], scores[i], types[i] = text, score, kind
     else:
+        assert tok is not None, "convert_vocab passes no tokenizer.json only beside a tokenizer.model"
         model = tok["model"]
         if model["type"] == "Unigram":
             for i, (text, score) in enumerate(model["vocab"][:n_vocab]):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+from io import BufferedWriter
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,12 @@ class _Writer(GGUFWriter):
     """GGUFWriter with a vectorised key/value section: its per-element packing takes seconds on
     a 262k-token vocabulary (three arrays of that length)."""
 
+    @property
+    def output(self) -> BufferedWriter:
+        """The one output file (never split here), open from write_header_to_file on."""
+        assert self.fout is not None, "the header is not written yet"
+        return self.fout[0]
+
     def write_kv_data_to_file(self) -> None:
         if self.state is not WriterState.HEADER:
             raise ValueError(f"Expected output file to contain the header, got {self.state}")
@@ -64,7 +71,7 @@ class _Writer(GGUFWriter):
             parts.append(_string(key))
             parts.append(struct.pack("<I", int(val.type)))
             parts.append(_value(val.value, val.type, val.sub_type))
-        self.fout[0].write(b"".join(parts))
+        self.output.write(b"".join(parts))
         self.flush()
         self.state = WriterState.KV_DATA
 
@@ -89,7 +96,6 @@ class StreamingGGUF:
         os.close(fd)
         self.tmp = Path(tmp)
         self.writer = _Writer(self.tmp, arch)
-        self._fh = None
         self._pending: list[tuple[str, int]] = []
 
     def __enter__(self) -> StreamingGGUF:
@@ -111,8 +117,7 @@ class StreamingGGUF:
             w.write_header_to_file()
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()
-            self._fh = w.fout[0]
-            w.write_padding(self._fh, self._fh.tell())
+            w.write_padding(w.output, w.output.tell())
         except OSError as exc:
             raise QuantizeError(f"cannot write {self.out}: {exc.strerror}") from None
 
@@ -121,23 +126,24 @@ class StreamingGGUF:
         expected_name, nbytes = self._pending.pop(0)
         if name != expected_name:
             raise RuntimeError(f"tensor {name} written out of order (expected {expected_name})")
+        fh = self.writer.output
         written = 0
         try:
             for chunk in chunks:
-                self._fh.write(chunk)
+                fh.write(chunk)
                 written += memoryview(chunk).nbytes
         except OSError as exc:
             raise QuantizeError(f"cannot write {self.out}: {exc.strerror}") from None
         if written != nbytes:
             raise RuntimeError(f"tensor {name}: wrote {written} bytes, expected {nbytes}")
-        self._fh.write(b"\0" * (padded(nbytes) - nbytes))
+        fh.write(b"\0" * (padded(nbytes) - nbytes))
 
     def commit(self) -> None:
         if self._pending:
             raise RuntimeError(f"{len(self._pending)} tensors were never written")
         try:
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
+            self.writer.output.flush()
+            os.fsync(self.writer.output.fileno())
             self.writer.close()
             os.replace(self.tmp, self.out)
         except OSError as exc:

@@ -1,5 +1,6 @@
-"""Shared fixtures: every test gets its own data/config/cache dirs; real models are located once;
-llama.cpp's own tools are built once per machine, before the first test; the tests run in one
+"""Shared fixtures: every test gets its own data/config/cache dirs; real models are located once,
+and opened once per module that asks (`smol`, `gemma`); greedy sampling (GREEDY); llama.cpp's
+own tools are built once per machine, before the first test; the tests run in one
 worker process per CPU (pytest-xdist, a few at most), each file in one worker."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from edgechat.config import DATA_DIR_ENV, get_paths
+from edgechat.engine import SamplingParams
 from edgechat.engine.planner import THREADS_ENV
 from edgechat.models import resolve_model
 
@@ -63,6 +65,35 @@ def smollm2_path(models_root):
 @pytest.fixture(scope="session")
 def gemma3_path(models_root):
     return resolve_model("gemma3-270m", models_root)
+
+
+#: the model's own top token at every step: what tests comparing answers run with (`from conftest import GREEDY`)
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def smol_config() -> dict:
+    """The `smol` engine's settings beyond its model and paths; a module overrides this fixture
+    for other ones."""
+    return {"n_ctx": 1024}
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path, models_root, smol_config):
+    """The embedded SmolLM2 135M, one engine per test module."""
+    from edgechat.engine import Engine, EngineConfig  # llama.cpp loads on first use, not at collection
+
+    with Engine(EngineConfig(model=str(smollm2_path), paths=models_root, **smol_config)) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma3_path, models_root):
+    """The embedded Gemma 3 270M, one engine per test module."""
+    from edgechat.engine import Engine, EngineConfig
+
+    with Engine(EngineConfig(model=str(gemma3_path), n_ctx=1024, paths=models_root)) as engine:
+        yield engine
 
 
 def split_gguf(src: Path, dest_stem: Path, parts: int) -> list[Path]:

@@ -28,7 +28,7 @@ def assert_same_tokens_or_near_tie(engine, prompt: list[int], expected: list[int
     """The same, after a prompt given as tokens (the top logits are computed cold after it)."""
     if got == expected:
         return
-    i = next(i for i, (a, b) in enumerate(zip(expected + [-1], got + [-1])) if a != b)
+    i = next(i for i, (a, b) in enumerate(zip(expected + [-1], got + [-1], strict=False)) if a != b)
     top = dict(engine.top_logits(prompt + expected[:i], 10))
     best = max(top.values())
     chosen = [t for t in ((expected + [-1])[i], (got + [-1])[i]) if t != -1]

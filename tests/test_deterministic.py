@@ -111,7 +111,7 @@ def test_the_default_mode_parts_at_a_near_tie_on_the_same_prompts(isolated_dirs,
     for key in parted:
         # where they part, the token the other run chose was nearly tied with the alone run's, in
         # the alone run's own logits (neartie.py's margins: wider where the model is unsure)
-        i = next(i for i, (a, b) in enumerate(zip(alone, got[key].token_ids)) if a != b)
+        i = next(i for i, (a, b) in enumerate(zip(alone, got[key].token_ids, strict=False)) if a != b)
         mine, theirs = got["alone"].logprobs[i], got[key].logprobs[i]
         top = dict(mine.top)
         share = 1 / sum(math.exp(lp - mine.logprob) for lp in top.values())

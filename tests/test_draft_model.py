@@ -9,6 +9,7 @@ import json
 
 import httpx
 import pytest
+from conftest import GREEDY
 from neartie import assert_same_or_near_tie
 from serving import serving
 from test_hub import CATALOG_NAME, edgechat, hub_cache, one_line_error  # noqa: F401 (hub_cache is a fixture)
@@ -23,7 +24,6 @@ from edgechat.models import catalog
 from edgechat.server import ServerSettings, create_app
 from quantize.requantize import requantize
 
-GREEDY = SamplingParams(temperature=0)
 PASSAGE = (
     "The lighthouse keeper climbed the stairs every evening at six. He polished the great lens, "
     "trimmed the wick and wrote the weather in a blue notebook."
@@ -189,7 +189,8 @@ def test_a_draft_that_does_not_load_leaves_the_model_serving(smollm2_path, tmp_p
             engine.submit(ChatRequest(messages=[{"role": "user", "content": "hi"}], speculative="draft"))
 
 
-def test_the_catalog_names_a_draft_used_when_it_is_here(hub_cache, isolated_dirs):
+@pytest.mark.usefixtures("hub_cache")
+def test_the_catalog_names_a_draft_used_when_it_is_here(isolated_dirs):
     # the catalog's SmolLM2 360M (faked by the 135M's file) names the embedded 135M as its draft
     with Engine(EngineConfig(model=CATALOG_NAME, n_ctx=256, paths=isolated_dirs)) as engine:
         assert engine.draft_ref == "smollm2-135m-instruct" and engine.draft is not None

@@ -102,7 +102,7 @@ def test_inputs_split_across_batches_are_pooled_as_a_whole(small_batches, engine
     assert len(small_batches.tokenize(long)) > 2 * small_batches.embedder.n_batch
     split = small_batches.embed(SENTENCES + [long]).result(60)
     whole = engine.embed(SENTENCES + [long]).result(60)
-    assert all(float(a @ b) > 0.999 for a, b in zip(split, whole))
+    assert all(float(a @ b) > 0.999 for a, b in zip(split, whole, strict=True))
     assert small_batches.kv_problems() == [] and engine.kv_problems() == []
 
 
@@ -170,4 +170,4 @@ def test_an_embedding_model_of_its_own(models_root, smollm2_path, engine):
         assert eng.embedder.backend is not eng.backend
         ours = eng.embed(SENTENCES).result(60)
         assert eng.kv_problems() == []
-    assert all(float(a @ b) > 0.9999 for a, b in zip(ours, engine.embed(SENTENCES).result(60)))
+    assert all(float(a @ b) > 0.9999 for a, b in zip(ours, engine.embed(SENTENCES).result(60), strict=True))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from conftest import GREEDY
 from neartie import assert_same_or_near_tie
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams, TextDelta
@@ -12,19 +13,10 @@ from edgechat.engine.stream import OutputProcessor
 from edgechat.engine.templates import choose_format
 from edgechat.errors import InvalidFieldError, PromptTooLongError, UsageError
 
-GREEDY = SamplingParams(temperature=0)
-
 
 @pytest.fixture(scope="module")
-def smol(smollm2_path, models_root):
-    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=2048, paths=models_root)) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def gemma(gemma3_path, models_root):
-    with Engine(EngineConfig(model=str(gemma3_path), n_ctx=1024, paths=models_root)) as engine:
-        yield engine
+def smol_config() -> dict:
+    return {"n_ctx": 2048}
 
 
 def ask(engine, text, **kw):
@@ -224,7 +216,7 @@ def test_parallel_requests_are_batched_and_match_sequential_answers(smollm2_path
         # one llama_decode per step served all three: one sequence after another would take 3 x 24
         assert calls <= 24 + 2, calls
         # and batching computes the same greedy answers, whole, or parts from them at a near-tie
-        for p, a, b in zip(prompts, alone, together):
+        for p, a, b in zip(prompts, alone, together, strict=True):
             assert_same_or_near_tie(engine, [{"role": "user", "content": p}], a, b)
 
 

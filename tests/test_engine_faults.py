@@ -8,12 +8,12 @@ import errno
 import time
 
 import pytest
+from conftest import GREEDY
 
-from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams, TextDelta
+from edgechat.engine import ChatRequest, Engine, EngineConfig, TextDelta
 from edgechat.engine import snapshots as snapshots_module
 from edgechat.errors import EngineStoppedError
 
-GREEDY = SamplingParams(temperature=0)
 BOUND_S = 30
 
 

@@ -416,7 +416,7 @@ def test_a_split_model_is_pulled_whole_and_runs_offline(smollm2_split, isolated_
     """Every part is downloaded; from the cache, the reference resolves to the first part."""
     repo = "edgetest/split-GGUF"
     names = [f"Q4_1/SmolLM2-Q4_1-{i:05d}-of-00002.gguf" for i in (1, 2)]
-    server = FakeHub({(repo, name): part for name, part in zip(names, smollm2_split)})
+    server = FakeHub({(repo, name): part for name, part in zip(names, smollm2_split, strict=True)})
     try:
         env = online(server, tmp_path)
         proc = subprocess.run([sys.executable, "-m", "edgechat", "pull", f"{repo}:Q4_1"],

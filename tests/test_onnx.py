@@ -222,7 +222,7 @@ def test_engine_log_probabilities(exported):
     logits = logits[len(prompt) - 1 : -1].astype(np.float64)
     ref = logits - logits.max(-1, keepdims=True)
     ref -= np.log(np.exp(ref).sum(-1, keepdims=True))
-    for row, token, lp in zip(ref, done.token_ids, done.logprobs):
+    for row, token, lp in zip(ref, done.token_ids, done.logprobs, strict=True):
         assert lp.token == pieces[token] and row.argmax() == token and lp.top[0][0] == lp.token  # greedy
         best = np.argsort(-row)[:3]
         assert [t for t, _ in lp.top] == [pieces[t] for t in best]

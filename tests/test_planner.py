@@ -78,7 +78,7 @@ def test_a_small_swa_cache_answers_as_the_full_one_and_recomputes_a_rewind_past_
             # the second prompt shares ~150 tokens with the first: reusing them needs the window
             # before them, which the small cache has overwritten, so it recomputes
             answers[swa] = []
-            for p, spec in zip(prompts, ("off", "off", "lookup")):
+            for p, spec in zip(prompts, ("off", "off", "lookup"), strict=True):
                 request = ChatRequest(prompt=p, sampling=SamplingParams(temperature=0), max_tokens=12 if spec == "off" else 40,
                                       speculative=spec)
                 answers[swa].append(engine.submit(request).result())
@@ -87,7 +87,7 @@ def test_a_small_swa_cache_answers_as_the_full_one_and_recomputes_a_rewind_past_
             if swa == "small":
                 # the small cache's attention runs in other shapes (and drafts rolled back past the
                 # window): the full cache's answers, or parted where the top logits nearly tie
-                for p, full, small in zip(prompts, answers["full"], answers["small"]):
+                for p, full, small in zip(prompts, answers["full"], answers["small"], strict=True):
                     assert_same_tokens_or_near_tie(engine, engine.prompt_tokens(ChatRequest(prompt=p)), full.token_ids, small.token_ids)
     assert answers["full"][1].metrics.cached_tokens > 100 and answers["small"][1].metrics.cached_tokens == 0
     # that refused rewind does not turn speculation off: drafts are rolled back within the window

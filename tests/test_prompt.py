@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from itertools import pairwise
 
 import pytest
 
@@ -132,5 +133,5 @@ def test_spans_cover_each_evictable_message():
     segs = b.format.segments(msgs)
     assert prep.keep == len(b.tokens_for(segs[:1])[0])
     assert [length for _, length in prep.spans] == [len(t) for t in b.tokens_for(segs[1:-2])]
-    for (start, length), (nxt, _) in zip(prep.spans, prep.spans[1:]):
+    for (start, length), (nxt, _) in pairwise(prep.spans):
         assert start + length == nxt

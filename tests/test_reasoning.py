@@ -11,11 +11,13 @@ vocabulary gives seven of its special tokens harmony's names (see `harmony_path`
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import gguf
 import httpx
 import openai
 import pytest
+from conftest import GREEDY
 from serving import serving
 
 from bench.bench_reasoning import TEMPLATE as THINK_TEMPLATE  # the template the benchmark measures
@@ -23,14 +25,13 @@ from edgechat.engine import ChatRequest, Engine, EngineConfig
 from edgechat.engine.kvcache import common_prefix
 from edgechat.engine.llama import LlamaBackend
 from edgechat.engine.reasoning import ChannelFormat, ReasoningSplitter, reasoning_format
-from edgechat.engine.request import SamplingParams, TextDelta
+from edgechat.engine.request import TextDelta
 from edgechat.engine.stream import OutputProcessor
 from edgechat.engine.tools import ToolCallParser
 from edgechat.server import ServerSettings, create_app
 from tests.test_cli import assert_one_line_error, edgechat
 
 MODEL = "smollm2-135m-instruct"
-GREEDY = SamplingParams(temperature=0)
 ASK = [{"role": "user", "content": "Explain in detail how photosynthesis works."}]
 
 
@@ -44,7 +45,7 @@ def thinker(models_root):
 def split(text: str, cuts: list[int], opened: bool, stop: list[str] | None = None) -> tuple[str, str]:
     proc = OutputProcessor(stop, splitter=ReasoningSplitter(reasoning_format(THINK_TEMPLATE), opened))
     data, content, thoughts = text.encode(), "", ""
-    for a, b in zip([0, *cuts], [*cuts, len(text.encode())]):
+    for a, b in pairwise([0, *cuts, len(text.encode())]):
         content += proc.feed(data[a:b])
         thoughts += proc.take_reasoning()
     content += proc.finish()
@@ -83,17 +84,17 @@ def test_a_tool_call_inside_the_thoughts_is_not_a_call():
 
 def test_earlier_thoughts_are_stripped_from_history():
     fmt = reasoning_format(THINK_TEMPLATE)
-    assert fmt.strip("<think>long musing</think>\n\nThe answer.") == "The answer."
-    assert fmt.strip("musing the prompt opened</think>The answer.") == "The answer."
-    assert fmt.strip("No thoughts here.") == "No thoughts here."
+    assert fmt.strip_thoughts("<think>long musing</think>\n\nThe answer.") == "The answer."
+    assert fmt.strip_thoughts("musing the prompt opened</think>The answer.") == "The answer."
+    assert fmt.strip_thoughts("No thoughts here.") == "No thoughts here."
     assert reasoning_format("{{ messages }}") is None
     harmony = reasoning_format(HARMONY_TEMPLATE)
     assert isinstance(harmony, ChannelFormat)
     # what a raw client (--reasoning-format none) keeps of a turn: the final message alone
     raw = "<|channel|>analysis<|message|>musing<|end|><|start|>assistant<|channel|>final<|message|>The answer.<|end|>"
-    assert harmony.strip(raw) == "The answer."
-    assert harmony.strip("<|channel|>analysis<|message|>cut off while musing") == ""
-    assert harmony.strip("No thoughts here.") == "No thoughts here."
+    assert harmony.strip_thoughts(raw) == "The answer."
+    assert harmony.strip_thoughts("<|channel|>analysis<|message|>cut off while musing") == ""
+    assert harmony.strip_thoughts("No thoughts here.") == "No thoughts here."
 
 
 def answer(engine, budget=None, **kw):

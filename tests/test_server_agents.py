@@ -329,8 +329,8 @@ def test_logprobs_of_accepted_draft_tokens_match_plain_decoding(engine):
     assert spec.metrics.accepted_tokens > 0
     assert len(spec.logprobs) == len(spec.token_ids) and len(off.logprobs) == len(off.token_ids)
     assert_same_or_near_tie(engine, messages, off.token_ids, spec.token_ids)
-    same = next((i for i, (a, b) in enumerate(zip(off.token_ids, spec.token_ids)) if a != b), min(len(off.token_ids), len(spec.token_ids)))
-    for a, b in zip(off.logprobs[:same], spec.logprobs[:same]):
+    same = next((i for i, (a, b) in enumerate(zip(off.token_ids, spec.token_ids, strict=False)) if a != b), min(len(off.token_ids), len(spec.token_ids)))
+    for a, b in zip(off.logprobs[:same], spec.logprobs[:same], strict=True):
         assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=0.05)
 
 

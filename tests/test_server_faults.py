@@ -38,7 +38,7 @@ def test_a_request_that_breaks_the_engine_fails_alone(models_root, monkeypatch):
             texts = ["Say hello.", "POISON: say hi.", "Name a fruit.", "POISON again.", "Name a color."]
             with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
                 replies = list(pool.map(lambda t: ask(url, t), texts))
-            for text, reply in zip(texts, replies):
+            for text, reply in zip(texts, replies, strict=True):
                 if "POISON" in text:
                     assert reply.status_code == 500 and "a bug met" in reply.json()["error"]["message"]
                 else:

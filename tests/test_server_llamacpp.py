@@ -170,7 +170,7 @@ def test_completion_probabilities_agree_with_llama_server(http, llama_server):
     ours, theirs = http.post("/completion", json=body).json(), llama_server.post("/completion", json=body).json()
     pick = [[(p["id"], p["token"], p["bytes"]) for p in [t, *t["top_logprobs"]]] for t in ours["completion_probabilities"]]
     assert pick == [[(p["id"], p["token"], p["bytes"]) for p in [t, *t["top_logprobs"]]] for t in theirs["completion_probabilities"]]
-    for a, b in zip(ours["completion_probabilities"], theirs["completion_probabilities"]):
+    for a, b in zip(ours["completion_probabilities"], theirs["completion_probabilities"], strict=True):
         assert a["logprob"] == pytest.approx(b["logprob"], abs=0.05)
     assert set(ours) >= set(theirs) - {"timings"} | {"has_new_line", "index", "tokens"}
 

@@ -5,13 +5,13 @@ cache that stays consistent through rejected drafts, eviction mid-answer, sessio
 from __future__ import annotations
 
 import pytest
+from conftest import GREEDY
 from neartie import assert_same_or_near_tie
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
 from edgechat.engine.speculative import DraftPolicy, NgramDrafter, StepCost
 from edgechat.errors import UsageError
 
-GREEDY = SamplingParams(temperature=0)
 PASSAGE = (
     "The lighthouse keeper climbed the stairs every evening at six. He polished the great lens, "
     "trimmed the wick and wrote the weather in a blue notebook. Ships passed far out at sea, and "
@@ -152,18 +152,6 @@ def test_no_probe_where_even_the_probe_kept_whole_would_not_pay():
     assert DraftPolicy.PROBE in [wide.length(server, 1, 1, 16) for _ in range(8)]
 
 # ---------------------------------------------------------------- on the real models
-@pytest.fixture(scope="module")
-def smol(smollm2_path, models_root):
-    with Engine(EngineConfig(model=str(smollm2_path), n_ctx=1024, paths=models_root)) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def gemma(gemma3_path, models_root):
-    with Engine(EngineConfig(model=str(gemma3_path), n_ctx=1024, paths=models_root)) as engine:
-        yield engine
-
-
 def answer(engine, text, mode, **kw):
     kw.setdefault("sampling", GREEDY)
     kw.setdefault("max_tokens", 80)

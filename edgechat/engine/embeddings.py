@@ -165,6 +165,7 @@ class Embedder:
     def step(self) -> None:
         """Decode one chunk of the waiting inputs and collect the vectors it completes."""
         ctx, batch = self._ctx, self._batch
+        assert ctx is not None and batch is not None, "a job is queued only after _open"
         batch.clear()
         parts: list[tuple[EmbeddingJob, int, int, int]] = []  # job, input, sequence, its tokens here
         for job in list(self.queue):
@@ -191,7 +192,7 @@ class Embedder:
         try:
             ctx.decode(batch)
             for job, index, seq, take in parts:
-                self._collect(job, index, seq, take)
+                self._collect(ctx, job, index, seq, take)
         except Exception as exc:  # this batch's jobs fail; the chat requests go on
             log.exception("embedding decode failed")
             ctx.clear()
@@ -212,8 +213,8 @@ class Embedder:
                 self.queue.remove(job)
                 self.end(job, None)
 
-    def _collect(self, job: EmbeddingJob, index: int, seq: int, take: int) -> None:
-        vec = self._ctx.vector(seq)
+    def _collect(self, ctx: EmbeddingContext, job: EmbeddingJob, index: int, seq: int, take: int) -> None:
+        vec = ctx.vector(seq)
         key = (id(job), index)
         finished = job.next > index
         first = key not in self._sums

@@ -135,6 +135,8 @@ class PromptBuilder:
         """A chat request's whole prompt as text, rendered as `prepare` renders it (before any
         eviction; without the assistant's opening if not `generation_prompt`): what
         llama-server's /apply-template gives."""
+        if request.messages is None:
+            raise UsageError("a raw prompt has no chat template to apply; send messages")
         return self.format.render(request.messages, generation_prompt, **self._variables(request))
 
     def _variables(self, request: ChatRequest) -> dict:
@@ -152,7 +154,7 @@ class PromptBuilder:
         fmt = self.format.reasoning
         if fmt is not None:
             # earlier thoughts are not sent again: they would fill the context with old reasoning
-            msgs = [{**m, "content": fmt.strip(m["content"])} if m["role"] == "assistant" else m for m in msgs]
+            msgs = [{**m, "content": fmt.strip_thoughts(m["content"])} if m["role"] == "assistant" else m for m in msgs]
         variables = self._variables(request)
         if request.tools is not None or any(m["role"] == "tool" or "tool_calls" in m for m in msgs):
             # the tools, calls and results as the template takes them (or in the generic format),
@@ -258,6 +260,7 @@ class PromptQueries:
     `prompts` (a PromptBuilder) and `_policy(request)`."""
 
     prompts: PromptBuilder
+    _policy: Callable[[ChatRequest], ContextPolicy]
 
     def prepare(self, request: ChatRequest) -> Prepared:
         """The prompt submit() would build for this request (template, tokens, eviction), without

@@ -18,7 +18,7 @@ the ids, so it works whether a marker renders as its text or as nothing.
 
 Each format answers the same questions: the template's switch, whether a prompt's tail leaves
 the model inside its thoughts (`opened_by`), what the engine writes to end them (`closing`) or to
-skip them (`skip`), an earlier answer without them (`strip`), and a splitter per request
+skip them (`skip`), an earlier answer without them (`strip_thoughts`), and a splitter per request
 (`splitters`).
 """
 
@@ -60,7 +60,7 @@ class ReasoningFormat:
         template has no switch: the block its generation prompt opened, closed at once."""
         return self.closing if self.opened_by(prompt_tail) else None
 
-    def strip(self, content: str) -> str:
+    def strip_thoughts(self, content: str) -> str:
         """An earlier answer without its thoughts (a client may send them back in the content, with
         or without the start marker an R1-style prompt wrote): what history gives the model again."""
         at = content.find(self.end)
@@ -87,7 +87,7 @@ class ChannelFormat:
     switch: str | None = None
 
     @property
-    def markers(self) -> tuple[str, ...]:
+    def markers(self) -> tuple[str, str, str, str, str]:
         return self.start, self.channel, self.message, self.end, self.constrain
 
     def opened_by(self, prompt_tail: str) -> bool:
@@ -105,7 +105,7 @@ class ChannelFormat:
             return self.closing
         return f"{self.channel}{self.answer}{self.message}" if tail.endswith(f"{self.start}assistant") else None
 
-    def strip(self, content: str) -> str:
+    def strip_thoughts(self, content: str) -> str:
         """What a client sent back with its markup (raw text, `--reasoning-format none`): the final
         message's text alone, as gpt-oss's template renders earlier turns (it refuses contents
         holding channel markup). Thoughts cut off before any answer leave nothing."""
@@ -123,7 +123,9 @@ class ChannelFormat:
             log.warning("the chat template writes harmony channels, but the model's vocabulary lacks their tokens; "
                         "its thoughts stay in the answer")
             return None
-        markers = ChannelMarkers(self, *(t[0] for t in ids), tokenize(f"{self.channel}{self.thoughts}{self.message}"),
+        start, channel, message, end, constrain = (t[0] for t in ids)
+        markers = ChannelMarkers(self, start, channel, message, end, constrain,
+                                 tokenize(f"{self.channel}{self.thoughts}{self.message}"),
                                  tokenize(f"{self.channel}{self.answer}{self.message}"))
         return lambda opened, prompt: ChannelSplitter(markers, prompt)
 
@@ -288,7 +290,7 @@ class ChannelSplitter:
         return self.route is Route.REASONING
 
     def feed(self, text: str, token: int | None = None) -> tuple[str, str]:
-        marker = self._marker_text.get(token)
+        marker = self._marker_text.get(token) if token is not None else None
         if marker is None:
             return self._add(text)
         # the marker's piece (its text, or nothing if it is a control token) is markup; text
@@ -325,8 +327,8 @@ class ChannelSplitter:
         """<|message|>: the header read so far says where the message's text goes."""
         fmt, header = self.m.fmt, self._header
         self._header, self._any_message = "", True
-        channel = _NAME.match(header.partition(fmt.channel)[2].lstrip())
-        channel = channel.group() if channel else ""
+        named = _NAME.match(header.partition(fmt.channel)[2].lstrip())
+        channel = named.group() if named else ""
         recipient = _RECIPIENT.search(header)
         if recipient is not None:
             self.route = Route.CONTENT

@@ -11,11 +11,12 @@ import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from edgechat.engine.reasoning import ReasoningFormat, reasoning_format
+from edgechat.engine.reasoning import ChannelFormat, ReasoningFormat, reasoning_format
 from edgechat.engine.toolfamilies import ToolFamily, family_for
 from edgechat.errors import UsageError
 
@@ -76,7 +77,7 @@ def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=F
     return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
 
 
-def validate_messages(messages: list[dict]) -> list[dict]:
+def validate_messages(messages: list[dict] | None) -> list[dict]:
     if not messages:
         raise UsageError("no messages to send; write a message first")
     clean = []
@@ -112,7 +113,7 @@ class ChatFormat:
     source: str | None = None
 
     @functools.cached_property
-    def reasoning(self) -> ReasoningFormat | None:
+    def reasoning(self) -> ReasoningFormat | ChannelFormat | None:
         """The thinking markers of a reasoning model's template (None: the model does not think);
         read once, not on every prompt."""
         return reasoning_format(self.source)
@@ -150,7 +151,7 @@ class ChatFormat:
             cuts = None
         if cuts is None:
             return [full]
-        return [full[a:b] for a, b in zip([0] + cuts, cuts + [len(full)])]
+        return [full[a:b] for a, b in pairwise([0, *cuts, len(full)])]
 
     def _cuts(self, messages: list[dict], full: str, variables: dict) -> list[int] | None:
         """Where each message's rendering ends in `full`, or None if that cannot be told.
@@ -162,7 +163,7 @@ class ChatFormat:
         treats real text differently from markers is caught, not trusted.
         """
         marks = [f"{_MARK_OPEN}{i}{_MARK_CLOSE}" for i in range(len(messages))]
-        marked = [{**m, "content": mk} for m, mk in zip(messages, marks)]
+        marked = [{**m, "content": mk} for m, mk in zip(messages, marks, strict=True)]
         g = self._render(marked, True, **variables)
         starts: list[int] = []
         pos = 0
@@ -192,7 +193,7 @@ class ChatFormat:
             if tail is None or not g.startswith(tail, end):
                 return None
             cuts_g.append(end + len(tail))
-        if any(b < a for a, b in zip(cuts_g, cuts_g[1:])):
+        if any(b < a for a, b in pairwise(cuts_g)):
             return None
         # the real render is the marked one with each marker replaced by its (maybe trimmed) content
         shift: list[int] = []  # length change of the real render after marker i
@@ -214,7 +215,7 @@ class ChatFormat:
             shift.append(total)
         if full[fpos:] != g[gpos:]:
             return None
-        ends = [s + len(mk) for s, mk in zip(starts, marks)]
+        ends = [s + len(mk) for s, mk in zip(starts, marks, strict=True)]
         cuts: list[int] = []
         for c in cuts_g:
             # the markers wholly before a cut move it (a cut never falls inside a marker)

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from edgechat.engine.request import Event, Grammar, TextDelta
+from edgechat.engine.request import Event, Grammar, RequestHandle, TextDelta
 from edgechat.engine.schema_grammar import check_schema, schema_rules
 from edgechat.engine.stream import marker_tail
 from edgechat.engine.toolfamilies import GENERIC, CallSyntax, ToolFamily, call_objects, native_messages
@@ -232,10 +232,11 @@ class ToolCallParser:
         if self.ended:
             return "", []
         self._held += text
-        out, new = [], []
+        out: list[str] = []
+        new: list[ToolCall] = []
         while not self.ended:
             if self._syntax is not None:
-                if not self._read_call(new, out, final=False):
+                if not self._read_call(self._syntax, new, out, final=False):
                     break
                 continue
             at, syntax = self._next_opener()
@@ -263,7 +264,7 @@ class ToolCallParser:
         out: list[str] = []
         if self._syntax is not None and not self.ended:
             new: list[ToolCall] = []
-            self._read_call(new, out, final=True)
+            self._read_call(self._syntax, new, out, final=True)
             self.calls.extend(new)
         tail = "".join(out) + ("" if self._syntax is not None or self.calls else self._held)
         self._held, self._syntax = "", None
@@ -292,9 +293,8 @@ class ToolCallParser:
             return len(self._held)
         return max((marker_tail(self._held, s.opener) for s in self._openers), default=0)
 
-    def _read_call(self, new: list[ToolCall], out: list[str], final: bool) -> bool:
-        """Read the call after an opener from the held text; False if it is not all there yet."""
-        syntax = self._syntax
+    def _read_call(self, syntax: CallSyntax, new: list[ToolCall], out: list[str], final: bool) -> bool:
+        """Read the call after `syntax`'s opener from the held text; False if it is not all there yet."""
         if syntax.args_marker:
             # name [id marker, id] args marker {arguments}: one call per opener
             head, found, tail = self._held.partition(syntax.args_marker)
@@ -363,7 +363,7 @@ class RepeatStop:
     def __init__(self, family: ToolFamily, on_event: Callable[[Event], None]):
         self.parser = ToolCallParser(family)
         self.on_event = on_event
-        self.handle = None
+        self.handle: RequestHandle | None = None
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, TextDelta) and not event.reasoning and not self.parser.ended:

@@ -3,4 +3,4 @@
 from edgechat.models.ggufinfo import ModelInfo, read_model_info
 from edgechat.models.resolve import DEFAULT_MODEL, catalog_draft, display_name, known_model_names, resolve_model
 
-__all__ = ["DEFAULT_MODEL", "display_name", "ModelInfo", "known_model_names", "read_model_info", "resolve_model"]
+__all__ = ["DEFAULT_MODEL", "catalog_draft", "display_name", "ModelInfo", "known_model_names", "read_model_info", "resolve_model"]

@@ -164,7 +164,9 @@ def _matches_quant(file: str, quant: str) -> bool:
 
 def _pick(ref: HubRef, files: list[str]) -> str:
     """The file for ref's quant; for a model split in parts, its first part (the one llama.cpp is given)."""
-    matches = sorted(f for f in files if _matches_quant(f, ref.quant))
+    quant = ref.quant
+    assert quant is not None, "a reference that names no file names a quant (parse_hub_ref)"
+    matches = sorted(f for f in files if _matches_quant(f, quant))
     if not matches:
         have = sorted({q for f in files for q in _quants_in(f)})
         listing = f"it has {', '.join(have)}" if have else "it holds no GGUF files"
@@ -260,9 +262,10 @@ def download_size(ref: HubRef, paths: Paths) -> int | None:
         file = _pick(ref, _list_repo_files(ref))
     missing = [part for part in split_part_names(file) if cached_file(ref.repo, part, paths) is None]
     listed = [listed_file(ref.repo, part, ref.text) for part in missing]
-    if not missing or None in listed:
+    sizes = [entry.size for entry in listed if entry is not None]
+    if not missing or len(sizes) < len(listed):
         return None
-    return sum(entry.size for entry in listed)
+    return sum(sizes)
 
 
 def resolve_catalog(entry: CatalogEntry, cfile: CatalogFile, paths: Paths, progress: Progress | None = None) -> Path:
@@ -397,6 +400,7 @@ def _hub_errors(text: str, repo: str, file: str | None = None):
     )
 
     check_reachable(text)
+    unreachable: tuple[type[BaseException], ...] = (LocalEntryNotFoundError, OfflineModeIsEnabled, *_network_errors())
     try:
         yield
     except GatedRepoError:
@@ -407,7 +411,7 @@ def _hub_errors(text: str, repo: str, file: str | None = None):
         raise ModelNotFoundError(f"no Hub repository {repo} (or it is private); check the name: {text}") from None
     except RevisionNotFoundError:
         raise ModelNotFoundError(f"{repo} has no main revision; check the reference {text}") from None
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled, *_network_errors()):
+    except unreachable:
         raise _unreachable(text) from None
     except EntryNotFoundError:
         raise ModelNotFoundError(f"{repo} has no file {file}; see https://huggingface.co/{repo}/tree/main") from None

@@ -197,10 +197,11 @@ def _tools(body: dict) -> Tools | None:
     raw, choice = body.get("tools"), body.get("tool_choice")
     if choice is not None and not isinstance(choice, dict):
         raise _type_error("tool_choice", "an object", choice)
-    kind = (choice or {}).get("type", "auto")
+    choice = choice or {}
+    kind: str = choice.get("type", "auto")
     if kind not in ("auto", "any", "tool", "none"):
         raise bad_request("tool_choice.type must be one of auto, any, tool, none", param="tool_choice.type")
-    parallel = not _opt_bool(choice or {}, "disable_parallel_tool_use")
+    parallel = not _opt_bool(choice, "disable_parallel_tool_use")
     if raw is None or raw == []:
         if kind not in ("auto", "none"):
             raise bad_request(f"tool_choice.type {kind!r} needs 'tools'", param="tool_choice")
@@ -354,7 +355,7 @@ def error_event(exc: ApiError) -> str:
 class _Blocks:
     """The content blocks of a streamed message: one open at a time, numbered in order."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.index = -1
         self.open: str | None = None  # the type of the open block
 

@@ -32,8 +32,9 @@ from starlette.routing import Route
 
 from edgechat.config import get_paths
 from edgechat.engine.pool import ModelPool, ModelState, PoolModel
-from edgechat.engine.request import ChatRequest, Finished, RequestStatus, SamplingParams, TextDelta
-from edgechat.engine.tools import RepeatStop, ToolCallParser, tool_grammar
+from edgechat.engine.prompt import Prepared
+from edgechat.engine.request import ChatRequest, Event, Finished, RequestStatus, SamplingParams, TextDelta
+from edgechat.engine.tools import RepeatStop, ToolCall, ToolCallParser, tool_grammar
 from edgechat.errors import EdgechatError, InvalidFieldError, ModelLoadError, NoRoomError
 from edgechat.server import anthropic_api, embeddings_api, llamacpp_api, ollama_api, openai_responses_api, responses
 from edgechat.server.auth import BearerAuth
@@ -140,6 +141,7 @@ class _Server:
         self.pool = pool if pool is not None else ModelPool()
         if engine is not None:
             self.pool.add_loaded(settings.model_id or engine.model_info.path.stem, engine)
+        fallback_model: PoolModel | None
         if isinstance(fallback, str):  # a pool model: loaded when degraded requests first need it
             fallback_model = self.pool.models[fallback]
         else:
@@ -179,6 +181,7 @@ class _Server:
         if gen.lease is not None:
             gen.lease.drop()
         if gen.ticket is not None:
+            assert self.gate is not None, "tickets come from the gate"
             self.gate.release(gen.ticket)
         if finished.reason in ("stop", "length"):
             outcome = "ok"
@@ -272,7 +275,11 @@ class _Server:
             await asyncio.shield(waiting)
         except asyncio.CancelledError:
             # the client left while the model loaded: its lease goes back once it is had
-            waiting.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or pool.release(name))
+            def give_back(f: asyncio.Future) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    pool.release(name)
+
+            waiting.add_done_callback(give_back)
             raise
         except NoRoomError as exc:
             raise self.reject(ApiError(503, str(exc), type="server_error", code="model_memory_full",
@@ -367,19 +374,22 @@ class _Server:
                      until: float | None, lease: _Lease):
         """Wait for the class's share (if queued) and submit every choice: their Generations, or
         None if the share did not come free before `until` (the failover's time)."""
+        gate = self.gate
         if ticket is not None:
+            assert gate is not None, "tickets come from the gate"
             deadline = until if until is not None else arrival + self.settings.request_timeout
             try:
                 await asyncio.wait_for(asyncio.shield(ticket.admitted), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                self.gate.release_all(ticket)
+            except asyncio.TimeoutError:
+                gate.release_all(ticket)
                 if until is not None:
                     return None
                 raise ApiError(504, f"the request waited {self.settings.request_timeout:g} s for its class's share and was dropped", type="timeout", code="timeout") from None
             except asyncio.CancelledError:
-                self.gate.release_all(ticket)
+                gate.release_all(ticket)
                 raise
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         gens: list[Generation] = []
         try:
             for i in range(parsed.n):
@@ -399,7 +409,8 @@ class _Server:
             for gen in gens:  # the choices already queued go too: the answer is all n or none
                 gen.handle.cancel()
             if ticket is not None:
-                self.gate.release(ticket, parsed.n - len(gens))  # the submitted ones give theirs back as they end
+                assert gate is not None, "tickets come from the gate"
+                gate.release(ticket, parsed.n - len(gens))  # the submitted ones give theirs back as they end
             raise self.reject(from_engine_error(exc, self.retry_after())) from None
         return gens
 
@@ -420,13 +431,15 @@ class _Server:
         if first:
             return served, req, gens
         # no first token in time: the fallback answers instead of the client timing out
+        fallback = self.fallback
+        assert fallback is not None, "failover_at gives a time only with a fallback"
         _cancel(gens or [])
         self.metrics.failovers.inc()
-        log.warning("request failed over to %s after %.1f s without a first token", self.fallback.id, time.monotonic() - arrival)
-        fallback_lease = await self.lease(self.fallback, parsed.keep_alive, arrival + self.settings.request_timeout)
+        log.warning("request failed over to %s after %.1f s without a first token", fallback.id, time.monotonic() - arrival)
+        fallback_lease = await self.lease(fallback, parsed.keep_alive, arrival + self.settings.request_timeout)
         try:
-            req, prepared, _ = await self.prepare(self.fallback, parsed, priority)
-            return self.fallback, req, await self.submit(self.fallback, parsed, req, prepared, None, arrival, priority, None, fallback_lease)
+            req, prepared, _ = await self.prepare(fallback, parsed, priority)
+            return fallback, req, await self.submit(fallback, parsed, req, prepared, None, arrival, priority, None, fallback_lease)
         finally:
             fallback_lease.drop()
 
@@ -579,7 +592,7 @@ class _Server:
                 remaining = gens[0].remaining()
                 try:
                     event = await asyncio.wait_for(events.get(), min(remaining, self.settings.keepalive_s))
-                except TimeoutError:
+                except asyncio.TimeoutError:
                     if remaining > self.settings.keepalive_s:
                         yield KEEPALIVE
                         continue
@@ -613,14 +626,15 @@ class _Server:
                         message = c.finished.error or f"the generation ended: {c.finished.reason}"
                         yield sse(ApiError(500, message, type="server_error", code=c.finished.reason).body())
                         return
-                    for out in self.stream_end(kind, ids, i, c):
+                    for out in self.stream_end(kind, ids, i, c, c.finished):
                         yield out
             if parsed.include_usage:
-                yield sse(responses.usage_chunk(kind, ids, [c.finished for c in choices]))
+                # the loop above ends once every choice has finished
+                yield sse(responses.usage_chunk(kind, ids, [c.finished for c in choices if c.finished is not None]))
             yield sse("[DONE]")
         finally:
             # client disconnected (the task was cancelled), timed out or one choice failed: free the sequences now
-            _cancel([g for g, c in zip(gens, choices) if c.finished is None])
+            _cancel([g for g, c in zip(gens, choices, strict=True) if c.finished is None])
 
     def stream_text(self, kind: str, ids: ResponseIds, index: int, c: _StreamedChoice, deltas: list[TextDelta]):
         thought = "".join(d.text for d in deltas if d.reasoning)
@@ -634,7 +648,7 @@ class _Server:
         entries = [e for d in deltas for e in d.logprobs or ()] if deltas[0].logprobs is not None else None
         logprobs = responses.logprobs_body(kind, entries, c.offset)
         c.offset += len(text)
-        calls = []
+        calls: list[ToolCall] = []
         if c.parser is not None:
             text, calls = c.parser.feed(text)
         if text or logprobs is not None and entries:
@@ -645,12 +659,12 @@ class _Server:
                 yield sse(responses.chunk(kind, ids, None, None, index=index, tool_calls=part))
             c.calls.append(call)
 
-    def stream_end(self, kind: str, ids: ResponseIds, index: int, c: _StreamedChoice):
+    def stream_end(self, kind: str, ids: ResponseIds, index: int, c: _StreamedChoice, finished: Finished):
         if c.parser is not None:
             tail = c.parser.finish()
             if tail:
                 yield sse(responses.chunk(kind, ids, tail, None, index=index))
-        reason = responses.Choice(c.finished, "", c.calls).finish_reason
+        reason = responses.Choice(finished, "", c.calls).finish_reason
         yield sse(responses.chunk(kind, ids, None, reason, index=index))
 
 
@@ -674,7 +688,7 @@ async def _done_within(task: asyncio.Future, timeout: float) -> bool:
     return bool(done)
 
 
-def _build(served: _Served, parsed: ParsedRequest) -> tuple[ChatRequest, object]:
+def _build(served: _Served, parsed: ParsedRequest) -> tuple[ChatRequest, Prepared]:
     req = served.request(parsed)
     if parsed.client_grammar and not served.engine.grammar_parses(req.grammar):
         raise bad_request("'grammar' is not a GBNF grammar llama.cpp can parse (a 'root' rule, every rule it names defined); fix it",
@@ -771,7 +785,9 @@ def create_app(settings: ServerSettings, engine=None, fallback=None, pool: Model
     app = Starlette(
         routes=routes,
         middleware=[*cors, Middleware(BearerAuth, api_key=settings.api_key, key_classes=settings.key_classes, render=error_response)],
-        exception_handlers={ApiError: _api_error, InvalidFieldError: _field_error, HTTPException: _http_error, Exception: _server_error},
+        # starlette types every handler as taking Exception, though it calls each with the class it is keyed by
+        exception_handlers={ApiError: _api_error, InvalidFieldError: _field_error, HTTPException: _http_error,  # type: ignore[dict-item]
+                            Exception: _server_error},
     )
     app.state.server = server
     return app

@@ -13,8 +13,13 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from edgechat.engine.request import Event, Finished, TextDelta, TokenLogprob
+from edgechat.engine.request import Event, Finished, RequestHandle, TextDelta, TokenLogprob
+from edgechat.server.priority import Ticket
+
+if TYPE_CHECKING:
+    from edgechat.server.app import _Lease
 
 #: while streams run, the event loop takes their events this often, on its own timer: 20 updates
 #: a second read as smooth text, and on 2 cores every chunk the loop streams is CPU taken from
@@ -106,15 +111,16 @@ class Generation:
         #: done at the first event (a token or the end): the failover watches it
         self.first: asyncio.Future[None] = loop.create_future()
         self.timed_out = False
-        self.handle = None
-        #: the id of the model serving it (the fallback's while degraded), for the metrics
-        self.model: str | None = None
+        #: the engine's handle, set by the submit right after this is made (its on_event is the callback)
+        self.handle: RequestHandle
+        #: the id of the model serving it (the fallback's while degraded), for the metrics: set with the handle
+        self.model: str
         #: its priority class, and the units of that class's share it holds (None: no classes)
         self.priority = "default"
-        self.ticket = None
+        self.ticket: Ticket | None = None
         #: its request's hold on the model (app._Lease): dropped when it ends, so the model is
         #: never unloaded under it
-        self.lease = None
+        self.lease: _Lease | None = None
         #: the prompt's length in tokens, as built for that model (known before the first event)
         self.prompt_tokens = 0
         self.submitted = time.monotonic()
@@ -145,7 +151,7 @@ class Generation:
         remaining = self.remaining()
         try:
             _, event = await asyncio.wait_for(self.events.get(), remaining if keepalive is None else min(remaining, keepalive))
-        except TimeoutError:
+        except asyncio.TimeoutError:
             if keepalive is not None and remaining > keepalive:
                 return Batch(idle=True)
             self.time_out()

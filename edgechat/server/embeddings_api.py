@@ -34,8 +34,12 @@ async def _embed(server, request: Request, engine, inputs: list, field: str, tru
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
 
+    def settle() -> None:
+        if not done.done():
+            done.set_result(None)
+
     def finished(job: EmbeddingJob) -> None:  # on the engine thread
-        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+        loop.call_soon_threadsafe(settle)
 
     try:
         # tokenizing long inputs takes a while: off the event loop

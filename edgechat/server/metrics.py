@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from edgechat.engine.pool import PoolModel
 from edgechat.engine.request import RequestMetrics
 
 #: what happened to a request, as counted in edgechat_requests_total{outcome=...}
@@ -102,7 +105,7 @@ class ServerMetrics:
         elif event == "unload":
             self.model_unloads.labels(model.name).inc()
 
-    def render(self, stats: dict, degraded: bool, classes: dict[str, dict[str, int]], resident: list = ()) -> bytes:
+    def render(self, stats: dict, degraded: bool, classes: dict[str, dict[str, int]], resident: Sequence[PoolModel] = ()) -> bytes:
         """The text exposition, with the gauges read from the engines and the pool at scrape time."""
         self.resident_models.set(len(resident))
         self.resident_bytes.set(sum(m.need for m in resident))

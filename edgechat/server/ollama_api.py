@@ -62,7 +62,7 @@ def error_response(exc: ApiError) -> Response:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def _ns(seconds: float) -> int:
@@ -140,7 +140,7 @@ def _expires(unload_at: float | None) -> str:
     """When an idle model is unloaded, as Ollama writes the time (UTC)."""
     if unload_at is None:
         return LOADED_UNTIL
-    at = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=max(0.0, unload_at - time.monotonic()))
+    at = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=max(0.0, unload_at - time.monotonic()))
     return at.isoformat().replace("+00:00", "Z")
 
 
@@ -178,6 +178,7 @@ def parse_generate(body: dict, server) -> ParsedRequest:
     _refuse(body, "context", "send the conversation as messages to /api/chat")
     _refuse(body, "logprobs", "log probabilities are served on /v1/completions")
     prompt = _text("prompt", body.get("prompt", ""))
+    fields: dict[str, str | list[dict[str, str]]]
     if _opt_bool(body, "raw"):
         fields = {"prompt": prompt}
     else:
@@ -234,7 +235,7 @@ class OllamaApi:
         return {
             "name": name,
             "model": name,
-            "modified_at": datetime.datetime.fromtimestamp(stat.st_mtime, datetime.UTC).isoformat().replace("+00:00", "Z"),
+            "modified_at": datetime.datetime.fromtimestamp(stat.st_mtime, datetime.timezone.utc).isoformat().replace("+00:00", "Z"),
             "size": info.size_bytes,
             "digest": digest,
             "details": {
@@ -457,7 +458,8 @@ class _Download:
     def __init__(self, paths, ref: hub.HubRef):
         self.paths, self.ref = paths, ref
         self.left = threading.Event()
-        self.done = self.total = None
+        self.done: int | None = None  # bytes so far, and of the whole file where the Hub says
+        self.total: int | None = None
         self.changed = asyncio.Event()
 
     def _progress(self, done: int, total: int | None) -> None:

@@ -379,7 +379,7 @@ class _Events:
     """One response's SSE events: numbered from 0; output items streamed one at a time, in
     order, each text item with one content part (index 0)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.sequence = 0
         self.output: list[dict] = []  # the items done, as response.completed lists them
         self.open: dict | None = None  # the text item being streamed (reasoning or message)
@@ -391,6 +391,7 @@ class _Events:
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
     def _place(self) -> dict:
+        assert self.open is not None, "placed only inside an open item"
         return {"item_id": self.open["id"], "output_index": len(self.output), "content_index": 0}
 
     def start(self, kind: str) -> list[str]:

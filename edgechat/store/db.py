@@ -193,6 +193,13 @@ class Store:
             row = self.db.execute("SELECT * FROM conversations WHERE id = ?", (conv_id,)).fetchone()
         return _conversation(row) if row else None
 
+    def _existing(self, conv_id: str) -> Conversation:
+        """A conversation this store has just written or read a row of."""
+        conv = self.get_conversation(conv_id)
+        if conv is None:
+            raise StoreError(f"no conversation with id {conv_id}")
+        return conv
+
     def conversation_by_name(self, name: str, create: bool = True) -> Conversation | None:
         with self._lock:
             row = self.db.execute("SELECT * FROM conversations WHERE name = ?", (name,)).fetchone()
@@ -233,7 +240,8 @@ class Store:
         settings: dict | None = None,
         model: str | None = None,
     ) -> Conversation:
-        sets, args = ["updated_at = ?"], [time.time()]
+        sets = ["updated_at = ?"]
+        args: list[str | float] = [time.time()]
         if title is not None:
             sets.append("title = ?")
             args.append(title.strip() or DEFAULT_TITLE)
@@ -247,7 +255,7 @@ class Store:
             cur = db.execute(f"UPDATE conversations SET {', '.join(sets)} WHERE id = ?", (*args, conv_id))
             if cur.rowcount == 0:
                 raise StoreError(f"no conversation with id {conv_id}")
-        return self.get_conversation(conv_id)
+        return self._existing(conv_id)
 
     def delete_conversation(self, conv_id: str) -> None:
         with self._tx() as db:
@@ -257,7 +265,8 @@ class Store:
 
     def messages(self, conv_id: str, limit: int | None = None, before: int | None = None) -> list[Message]:
         """Oldest first; with `limit`, only the newest `limit` (of those with id < `before`, if given)."""
-        where, args = "conversation_id = ?", [conv_id]
+        where = "conversation_id = ?"
+        args: list[str | int] = [conv_id]
         if before is not None:
             where += " AND id < ?"
             args.append(before)
@@ -272,11 +281,12 @@ class Store:
         return [_message(r) for r in rows]
 
     def count_messages(self, conv_id: str, before: int | None = None) -> int:
+        sql = "SELECT count(*) FROM messages WHERE conversation_id = ?"
+        args: list[str | int] = [conv_id]
+        if before is not None:
+            sql += " AND id < ?"
+            args.append(before)
         with self._lock:
-            if before is None:
-                sql, args = "SELECT count(*) FROM messages WHERE conversation_id = ?", (conv_id,)
-            else:
-                sql, args = "SELECT count(*) FROM messages WHERE conversation_id = ? AND id < ?", (conv_id, before)
             return self.db.execute(sql, args).fetchone()[0]
 
     def get_message(self, msg_id: int) -> Message | None:
@@ -373,7 +383,7 @@ class Store:
             for row in rows:
                 cid = row["conversation_id"]
                 if cid not in convs:
-                    convs[cid] = self.get_conversation(cid)
+                    convs[cid] = self._existing(cid)
                 hits.append(SearchHit(convs[cid], _message(row), row["snip"]))
         return hits
 
@@ -468,7 +478,7 @@ class Store:
                     for m in data["messages"]
                 ],
             )
-        return self.get_conversation(data["id"])
+        return self._existing(data["id"])
 
 
 def _room_error(path: Path | None, exc: sqlite3.DatabaseError, needed: int) -> StoreError | None:

@@ -24,7 +24,7 @@ def model_messages(store, conv_id: str) -> list[dict]:
     ]
     # A question followed by another question got no answer that counts.
     out: list[dict] = []
-    for m, after in zip(kept, kept[1:] + [None]):
+    for m, after in zip(kept, kept[1:] + [None], strict=True):
         if m["role"] == "user" and after is not None and after["role"] == "user":
             continue
         calls = m.pop("tool_calls", None)

@@ -197,7 +197,7 @@ class ToolServers:
         task = loop.create_task(self._hold(self.configs[name], ready, stop))
         try:
             session, tools = await asyncio.wait_for(ready, self.start_timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             stop.set()
             task.cancel()
             raise ToolServerError(f"the MCP server {name!r} did not answer within {self.start_timeout:g} s") from None

@@ -257,7 +257,7 @@ class MessageBox(Vertical, can_focus=True):
         """The answer's calls as they stand (added, or each one's outcome)."""
         self.message.tool_calls = calls
         blocks = self.tool_blocks()
-        for block, call in zip(blocks, calls):
+        for block, call in zip(blocks, calls, strict=False):  # the calls beyond the blocks are mounted below
             block.update_call(call)
         if len(calls) > len(blocks):
             await self.query_one(".tool-calls", Vertical).mount_all([ToolCallBlock(c) for c in calls[len(blocks):]])

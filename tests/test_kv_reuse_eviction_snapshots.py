@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from conftest import GREEDY
 
-from edgechat.engine import ChatRequest, Engine, EngineConfig, Evicted, SamplingParams
+from edgechat.engine import ChatRequest, Engine, EngineConfig, Evicted
 from edgechat.engine.snapshots import snapshot_path
 
-GREEDY = SamplingParams(temperature=0)
 SYSTEM = {"role": "system", "content": "The capital of the country Zubrowka is Lutz."}
 QUESTION = "What is the capital of Zubrowka?"
 

@@ -6,11 +6,11 @@ by greedy continuation of a cached sequence against a cold prefill of its mirror
 from __future__ import annotations
 
 import pytest
+from conftest import GREEDY
 from neartie import assert_same_tokens_or_near_tie
 
-from edgechat.engine import ChatRequest, Engine, EngineConfig, Evicted, SamplingParams
+from edgechat.engine import ChatRequest, Engine, EngineConfig, Evicted
 
-GREEDY = SamplingParams(temperature=0)
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. The capital of the country Zubrowka is Lutz."}
 FACTS = [
     "The river Vist runs through Lutz and freezes every winter.",
@@ -115,7 +115,7 @@ def test_snapshot_restore_and_cancellation_keep_the_invariant(smollm2_path, isol
         handle = engine.submit(ChatRequest(messages=msgs + [{"role": "assistant", "content": restored.text},
                                                             {"role": "user", "content": "Count to a thousand."}],
                                            sampling=GREEDY, max_tokens=500, ignore_eos=True, session="s"))
-        for event in handle.events():
+        for _ in handle.events():
             handle.cancel()
         assert handle.finished.reason == "cancelled"
         assert engine.kv_problems() == []
