@@ -89,7 +89,7 @@ def _table(headers: list[str], rows: list[list[str]], drop: tuple[str, ...] = ()
         cells = [cells[i] for i in keep]
         if len(cells[-1]) > widths[-1]:
             cells[-1] = cells[-1][: widths[-1] - 1] + "…"
-        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=False)).rstrip()
 
     return "\n".join([line(headers), line(["-" * w for w in full])] + [line(r) for r in rows])
 

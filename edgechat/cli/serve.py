@@ -248,7 +248,7 @@ def serve_cmd(
             any_model_name=any_model_name,
             cors_origins=cors_origins,
         )
-        urls = ", ".join(f"http://{listen.url_host(h)}:{s.getsockname()[1]}/v1" for h, s in zip(hosts, sockets))
+        urls = ", ".join(f"http://{listen.url_host(h)}:{s.getsockname()[1]}/v1" for h, s in zip(hosts, sockets, strict=False))
         others = f" (and {', '.join(list(pool.models)[1:])}, loaded when asked)" if len(pool.models) > 1 else ""
         log.info("serving %s%s: %d sequences of %d tokens on %s", engine.model_name, others, engine.config.n_parallel, engine.n_ctx, urls)
         del engine  # the pool's to unload: nothing else may hold it

@@ -59,7 +59,7 @@ def sessions_group(ctx, data_dir):
     rows.insert(0, ("ID", "NAME", "MESSAGES", "UPDATED", "TITLE"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for row in rows:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[4])
 
 
 @sessions_group.command("rm")

@@ -31,9 +31,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from edgechat.engine import planner
 from edgechat.errors import EdgechatError, ModelLoadError, NoRoomError, UsageError
+
+if TYPE_CHECKING:
+    from edgechat.engine.core import Engine, EngineConfig
+    from edgechat.models.ggufinfo import ModelInfo
 
 log = logging.getLogger("edgechat.engine")
 
@@ -54,9 +59,9 @@ class PoolModel:
 
     name: str
     #: how to open it (engine.open_engine's config); None for an engine given already loaded
-    config: object | None
+    config: EngineConfig | None
     #: its file's header (ModelInfo: path, architecture, size...), read without loading
-    info: object
+    info: ModelInfo
     #: what the engine calls it (Engine.model_name)
     display_name: str
     #: the planner's estimate of what it holds once loaded (bytes)
@@ -66,7 +71,7 @@ class PoolModel:
     n_parallel: int
     #: seconds idle before it is unloaded (None: only when the room is needed)
     idle_unload: float | None = None
-    engine: object | None = None
+    engine: Engine | None = None
     state: ModelState = ModelState.UNLOADED
     #: leases held: requests submitted to it and not finished
     users: int = 0
@@ -296,7 +301,8 @@ class ModelPool:
         started = time.monotonic()
         engine, model.engine = model.engine, None
         try:
-            engine.close()
+            if engine is not None:
+                engine.close()
         except Exception:  # a failure to close still frees the entry: the memory is gone or lost
             log.exception("closing %s failed", model.name)
         del engine

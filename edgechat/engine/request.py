@@ -12,7 +12,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 from edgechat.engine.params import ContextPolicy, SpeculativeMode, choice
 
@@ -230,7 +230,7 @@ class Finished:
     stop_sequence: str | None = None
 
 
-Event = Union[TextDelta, Evicted, Metrics, Finished]
+Event = TextDelta | Evicted | Metrics | Finished
 
 
 class RequestHandle:

@@ -154,7 +154,8 @@ class _Server:
         self.others = [_Served(m) for m in models[1:]]
         #: the smaller model degraded requests go to, if any
         self.fallback = _Served(fallback_model) if fallback_model is not None else None
-        self.paths = engine.paths if engine is not None else models[0].config.paths or get_paths()
+        first = models[0].config
+        self.paths = engine.paths if engine is not None else (first.paths if first is not None else None) or get_paths()
         self.metrics = ServerMetrics()
         self.pool.on_event = self.metrics.observe_pool
         #: threads that wait for a model's load (one loads; the others wait for it)

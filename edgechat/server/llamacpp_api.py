@@ -131,7 +131,7 @@ def probabilities(entries: list[TokenLogprob]) -> list[dict]:
         # a token may hold part of a character: its bytes are exact, its text the whole characters
         return {"id": token_id, "token": token.decode("utf-8", errors="ignore"), "bytes": list(token), "logprob": logprob}
 
-    return [{**one(e.id, e.token, e.logprob), "top_logprobs": [one(i, t, lp) for i, (t, lp) in zip(e.top_ids, e.top)]} for e in entries]
+    return [{**one(e.id, e.token, e.logprob), "top_logprobs": [one(i, t, lp) for i, (t, lp) in zip(e.top_ids, e.top, strict=True)]} for e in entries]
 
 
 def _stop_type(finished: Finished) -> str:
@@ -213,10 +213,10 @@ class LlamaCppApi:
         messages = render_messages(_messages(body, self.server.settings.max_messages), None)
         generation_prompt = body.get("add_generation_prompt") is None or _opt_bool(body, "add_generation_prompt")
         # as a chat request's prompt is rendered: the thinking switch, the client's template variables
-        request = ChatRequest(messages=messages, template_kwargs=_template_kwargs(body),
-                              reasoning_budget=_reasoning_budget(body, self.server.settings.reasoning_budget))
+        chat = ChatRequest(messages=messages, template_kwargs=_template_kwargs(body),
+                           reasoning_budget=_reasoning_budget(body, self.server.settings.reasoning_budget))
         async with self.model(model_field(body)) as (_, engine):
-            prompt = await run_in_threadpool(engine.prompts.text, request, generation_prompt)
+            prompt = await run_in_threadpool(engine.prompts.text, chat, generation_prompt)
         return JSONResponse({"prompt": prompt})
 
     @_llamacpp_errors

@@ -244,7 +244,7 @@ def _messages(body: dict, max_messages: int) -> list[dict]:
             raise bad_request(
                 f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got {_describe(role)}", param=f"messages[{i}].role"
             )
-        parsed = {"role": "system" if role == "developer" else role, "content": _content(i, message.get("content"))}
+        parsed: dict[str, object] = {"role": "system" if role == "developer" else role, "content": _content(i, message.get("content"))}
         if role == "assistant" and message.get("tool_calls"):
             parsed["tool_calls"] = _tool_calls(i, message["tool_calls"])
             calls.update(c["id"] for c in parsed["tool_calls"])
