@@ -246,8 +246,9 @@ def _messages(body: dict, max_messages: int) -> list[dict]:
             )
         parsed: dict[str, object] = {"role": "system" if role == "developer" else role, "content": _content(i, message.get("content"))}
         if role == "assistant" and message.get("tool_calls"):
-            parsed["tool_calls"] = _tool_calls(i, message["tool_calls"])
-            calls.update(c["id"] for c in parsed["tool_calls"])
+            tool_calls = _tool_calls(i, message["tool_calls"])
+            parsed["tool_calls"] = tool_calls
+            calls.update(c["id"] for c in tool_calls)
         elif role == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str) or call_id not in calls:
