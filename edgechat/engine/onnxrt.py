@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import queue
+import struct
 import threading
 import time
 from pathlib import Path
@@ -49,6 +50,7 @@ from edgechat.engine.request import (
     TextDelta,
     TokenLogprob,
 )
+from edgechat.engine.runner import ListBatch
 from edgechat.engine.sampling import SamplerChain, grammar_parses
 from edgechat.engine.stream import OutputProcessor
 from edgechat.engine.templates import choose_format
@@ -120,62 +122,237 @@ def runtime_report() -> str:
     return f"onnxruntime: {ort.__version__}; execution providers (--ep): {provider_names(ort.get_available_providers())}"
 
 
-class OnnxRunner:
-    """One onnxruntime session and its KV buffers (one sequence of n_ctx tokens)."""
+class OnnxRunner(Vocabulary):
+    """An onnxruntime session over an ONNX folder with a KV cache of `n_seq_max` sequences of
+    `n_ctx` cells each: the onnxruntime `ModelRunner` (engine/runner.py), text through the
+    folder's vocabulary (the `Vocabulary` it is).
 
-    def __init__(self, folder: Path, n_ctx: int, n_threads: int, ep: str | None = None):
+    Each layer's keys and values are one numpy array (n_seq_max, n_kv, n_ctx + 1, head), a
+    sequence one row of it. A run binds a view of consecutive rows as both past and present
+    (GroupQueryAttention writes the new cells in place: no copy) with one token per row, each
+    row's own past length told by its attention mask (only the mask's sum per row is read:
+    seqlens_k); logits of the same token alone and in a batch are identical. So a decode step of
+    many sequences is one run over the rows from the lowest to the highest, any idle row between
+    them fed a token at its first free cell (whose logits nobody reads; the extra cell per row
+    leaves room for it in a full row). GroupQueryAttention takes several new tokens per row only
+    for one row at a time (a later chunk's positions are its past length plus 0..S-1), so a
+    sequence with several tokens (a prompt chunk, a token and its drafts) runs alone.
+
+    What the cells hold is each sequence's length: cells 0..n-1 of its row. Memory can drop a
+    sequence's tail, copy a prefix into another row (`seq_cp`: rows are separate, nothing is
+    shared), and save or restore a row; it cannot move cells (keys are rotated by position).
+    """
+
+    can_shift = False
+    shares_cells = False
+    swa_window = small_swa = 0
+
+    def __init__(self, folder: Path, n_ctx: int, n_seq_max: int, n_threads: int, ep: str | None = None,
+                 n_batch: int = PREFILL_CHUNK):
         try:
             import onnxruntime as ort
         except ImportError:
             raise ModelFormatError(MISSING) from None
+        self._ort = ort
         dec = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))["model"]["decoder"]
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = n_threads
         opts.inter_op_num_threads = 1
         opts.log_severity_level = 3  # onnxruntime warns about the overridable num_logits_to_keep default
+        super().__init__(folder / "tokenizer.gguf")
         try:
             self.session = ort.InferenceSession(str(folder / dec.get("filename", "model.onnx")), opts,
                                                 providers=providers(ep))
         except UsageError:
+            self.close()
             raise
         except Exception as exc:  # onnxruntime raises its own exception types for bad files
+            self.close()
             raise ModelFormatError(f"onnxruntime cannot load {folder}: {str(exc).splitlines()[0]}") from None
         inputs = {i.name: i for i in self.session.get_inputs()}
         names_in, names_out = dec["inputs"], dec["outputs"]
         n_layer, n_kv, head = int(dec["num_hidden_layers"]), int(dec["num_key_value_heads"]), int(dec["head_size"])
-        kv_dtype = np.float16 if inputs[names_in["past_key_names"] % 0].type == "tensor(float16)" else np.float32
-        self.n_ctx = n_ctx
-        self.io = io = self.session.io_binding()
+        self.kv_dtype = np.float16 if inputs[names_in["past_key_names"] % 0].type == "tensor(float16)" else np.float32
+        self.n_ctx, self.n_seq_max, self.n_batch = n_ctx, n_seq_max, n_batch
         self._ids_name, self._mask_name = names_in["input_ids"], names_in["attention_mask"]
         self._logits_name = names_out["logits"]
-        self._mask = np.ones((1, n_ctx), np.int64)
-        io.bind_output(self._logits_name)  # first: get_outputs() lists them in binding order
-        # one buffer per key and value, bound once as both past and present: written in place
-        self._kv = []
-        for i in range(n_layer):
-            for past, present in ((names_in["past_key_names"], names_out["present_key_names"]),
-                                  (names_in["past_value_names"], names_out["present_value_names"])):
-                buf = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, n_kv, n_ctx, head), kv_dtype))
-                io.bind_ortvalue_input(past % i, buf)
-                io.bind_ortvalue_output(present % i, buf)
-                self._kv.append(buf)
-        # IOBinding keeps pointers, not the arrays: they live as long as the runner
-        self._keep = np.array(1, np.int64)
-        if LOGITS_TO_KEEP in inputs:
-            io.bind_cpu_input(LOGITS_TO_KEEP, self._keep)
-        self._ids = np.zeros((1, 0), np.int64)
+        # an overridable initializer, not a graph input: bound as an OrtValue (bind_cpu_input refuses it)
+        self._has_keep = any(i.name == LOGITS_TO_KEEP for i in self.session.get_overridable_initializers())
+        #: (past name, present name, buffer) per key and value of every layer; zeros are not
+        #: resident until written, so rows cost memory as they fill
+        self._kv = [(past % i, present % i, np.zeros((n_seq_max, n_kv, n_ctx + 1, head), self.kv_dtype))
+                    for i in range(n_layer)
+                    for past, present in ((names_in["past_key_names"], names_out["present_key_names"]),
+                                          (names_in["past_value_names"], names_out["present_value_names"]))]
+        self._bindings: dict[tuple[int, int], object] = {}  # (first row, end row) -> IOBinding over those rows
+        #: how many cells of each sequence's row hold its tokens (positions 0..n-1)
+        self.lengths = [0] * n_seq_max
+        #: batch row -> (logits array of its run, index in it), for the rows of the last run that wanted them
+        self._out: dict[int, tuple[np.ndarray, tuple[int, int]]] = {}
+        self.runs = 0  # onnxruntime runs so far
 
-    def forward(self, tokens: list[int], start: int) -> np.ndarray:
-        """Run `tokens` at positions start.. (the cache holds 0..start-1); the last token's logits."""
-        total = start + len(tokens)
-        assert total <= self.n_ctx
-        self._ids = np.asarray([tokens], np.int64)
-        self.io.bind_cpu_input(self._ids_name, self._ids)
-        self.io.bind_cpu_input(self._mask_name, self._mask[:, :total])
-        # unallocated each time: onnxruntime sizes it for this run (its place in the binding stays first)
-        self.io.bind_output(self._logits_name)
-        self.session.run_with_iobinding(self.io)
-        return self.io.get_outputs()[0].numpy()[0, -1]
+    # --- compute --------------------------------------------------------------------------------
+    def new_batch(self, capacity: int) -> ListBatch:
+        return ListBatch(capacity)
+
+    def decode(self, batch: ListBatch) -> None:
+        """Run the batch's rows: every sequence's one-token rows together, each sequence with
+        several tokens alone. A sequence's rows must sit at consecutive positions from its length."""
+        rows: dict[int, list[int]] = {}
+        for i, seq in enumerate(batch.seq):
+            rows.setdefault(seq, []).append(i)
+        for seq, idx in rows.items():
+            n = self.lengths[seq]
+            assert [batch.pos[i] for i in idx] == list(range(n, n + len(idx))), \
+                f"sequence {seq} holds {n} cells; rows at positions {[batch.pos[i] for i in idx]}"
+            assert n + len(idx) <= self.n_ctx, f"sequence {seq}: {n + len(idx)} positions past its {self.n_ctx} cells"
+        self._out = {}
+        singles = sorted(seq for seq, idx in rows.items() if len(idx) == 1)
+        if singles:
+            lo, hi = singles[0], singles[-1] + 1
+            # an idle row inside the range gets a token at its first free cell, past what it holds
+            ids = [[batch.tokens[rows[s][0]] if s in rows and len(rows[s]) == 1 else 0] for s in range(lo, hi)]
+            past = self.lengths[lo:hi]
+            wanted = [(rows[s][0], s - lo) for s in singles if batch.logits[rows[s][0]]]
+            logits = self._run(lo, hi, ids, past, 1 if wanted else 0)
+            self._out.update((row, (logits, (b, 0))) for row, b in wanted)
+            for s in singles:
+                self.lengths[s] += 1
+        for seq, idx in rows.items():
+            if len(idx) > 1:
+                wanted = [j for j, i in enumerate(idx) if batch.logits[i]]
+                keep = len(idx) - wanted[0] if wanted else 0
+                logits = self._run(seq, seq + 1, [[batch.tokens[i] for i in idx]], [self.lengths[seq]], keep)
+                self._out.update((idx[j], (logits, (0, j - (len(idx) - keep)))) for j in wanted)
+                self.lengths[seq] += len(idx)
+
+    def _run(self, lo: int, hi: int, ids: list[list[int]], past: list[int], keep: int) -> np.ndarray:
+        """One onnxruntime run of rows lo..hi-1, `ids` after `past` cells in each; the logits of
+        the last `keep` positions of each row (none: one, unread, where the graph cannot skip them)."""
+        ort = self._ort
+        io = self._binding(lo, hi)
+        tokens = np.asarray(ids, np.int64)
+        n_rows, n_new = tokens.shape
+        width = max(past) + n_new
+        mask = (np.arange(width) < (np.asarray(past) + n_new)[:, None]).astype(np.int64)
+        io.bind_cpu_input(self._ids_name, tokens)
+        io.bind_cpu_input(self._mask_name, mask)
+        keep = max(keep, 1)
+        if self._has_keep:
+            io.bind_ortvalue_input(LOGITS_TO_KEEP, ort.OrtValue.ortvalue_from_numpy(np.array(keep, np.int64)))
+        # written by onnxruntime in place; a new array per run, so logits handed out stay valid
+        # (a graph without num_logits_to_keep computes every position)
+        logits = np.empty((n_rows, keep if self._has_keep else n_new, self.n_vocab), np.float32)
+        io.bind_ortvalue_output(self._logits_name, ort.OrtValue.ortvalue_from_numpy(logits))
+        self.session.run_with_iobinding(io)
+        self.runs += 1
+        return logits[:, -keep:]
+
+    def _binding(self, lo: int, hi: int):
+        """The IOBinding of rows lo..hi-1, made once: views of the buffers as past and present."""
+        io = self._bindings.get((lo, hi))
+        if io is None:
+            io = self.session.io_binding()
+            for past, present, buf in self._kv:
+                view = self._ort.OrtValue.ortvalue_from_numpy(buf[lo:hi])
+                io.bind_ortvalue_input(past, view)
+                io.bind_ortvalue_output(present, view)
+            self._bindings[lo, hi] = io
+        return io
+
+    def logits(self, row: int) -> np.ndarray:
+        """The logits of a row of the last run that asked for them."""
+        found = self._out.get(row)
+        if found is None:
+            raise IndexError(f"row {row} of the last run did not ask for logits")
+        logits, at = found
+        return logits[at]
+
+    def argmax(self, row: int) -> int:
+        return int(self.logits(row).argmax())
+
+    def sample(self, sampler, row: int) -> int:
+        return sampler.choose(self.logits(row))
+
+    def top_logits(self, row: int, n: int) -> list[tuple[int, float]]:
+        logits = self.logits(row)
+        best = np.argpartition(logits, -n)[-n:]
+        return sorted(((int(t), float(logits[t])) for t in best), key=lambda x: -x[1])
+
+    # --- KV memory ------------------------------------------------------------------------------
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        """Drop positions p0..p1-1 (-1: from 0, to the end). Only a tail can go: a range in the
+        middle would leave a hole the graph cannot skip, and is refused (False)."""
+        n = self.lengths[seq]
+        p0 = max(p0, 0)
+        if p1 < 0 or p1 >= n:
+            self.lengths[seq] = min(n, p0)
+            return True
+        return p0 >= p1  # nothing to remove
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        raise RuntimeError("ONNX KV cells cannot move: their keys are rotated for their position (can_shift is False)")
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Copy src's cells p0..p1-1 into dst's row (a copy: rows share nothing)."""
+        p0 = max(p0, 0)
+        p1 = self.lengths[src] if p1 < 0 else p1
+        assert p1 <= self.lengths[src] and p0 <= self.lengths[dst], \
+            f"copy of cells {p0}..{p1 - 1} from sequence {src} ({self.lengths[src]}) to {dst} ({self.lengths[dst]})"
+        if src == dst or p0 >= p1:
+            return
+        for _, _, buf in self._kv:
+            buf[dst, :, p0:p1] = buf[src, :, p0:p1]
+        self.lengths[dst] = max(self.lengths[dst], p1)
+
+    def seq_pos_range(self, seq: int) -> tuple[int, int]:
+        n = self.lengths[seq]
+        return (0, n - 1) if n else (-1, -1)
+
+    def seq_cell_positions(self, seq: int) -> list[int]:
+        return list(range(self.lengths[seq]))
+
+    def _state_header(self, n: int) -> bytes:
+        _, _, buf = self._kv[0]
+        return _STATE_HEADER.pack(_STATE_MAGIC, n, np.dtype(self.kv_dtype).itemsize, len(self._kv), buf.shape[1], buf.shape[3])
+
+    def state_seq_get(self, seq: int) -> bytearray:
+        """The sequence's cells, every layer's keys and values, after a header that says how many
+        and of what shape (state_seq_set refuses another model's or dtype's)."""
+        n = self.lengths[seq]
+        header = self._state_header(n)
+        parts = [buf[seq, :, :n] for _, _, buf in self._kv]
+        data = bytearray(len(header) + sum(p.nbytes for p in parts))
+        data[: len(header)] = header
+        off = len(header)
+        for part in parts:
+            np.frombuffer(data, self.kv_dtype, part.size, off).reshape(part.shape)[...] = part
+            off += part.nbytes
+        return data
+
+    def state_seq_set(self, seq: int, data: bytes | bytearray) -> bool:
+        if len(data) < _STATE_HEADER.size:
+            return False
+        magic, n, *_ = _STATE_HEADER.unpack_from(data, 0)
+        if magic != _STATE_MAGIC or not 0 <= n <= self.n_ctx or bytes(data[: _STATE_HEADER.size]) != self._state_header(n):
+            return False
+        off = _STATE_HEADER.size
+        for _, _, buf in self._kv:
+            cells = buf[seq, :, :n]
+            if off + cells.nbytes > len(data):
+                return False
+            cells[...] = np.frombuffer(data, self.kv_dtype, cells.size, off).reshape(cells.shape)
+            off += cells.nbytes
+        if off != len(data):
+            return False
+        self.lengths[seq] = n
+        return True
+
+
+#: a sequence state's header: magic, cells, bytes per value, buffers (keys and values of every
+#: layer), KV heads, head size
+_STATE_HEADER = struct.Struct("<4sIIIII")
+_STATE_MAGIC = b"EKV1"
 
 
 class _Cpu:
@@ -208,12 +385,9 @@ class OnnxEngine(PromptQueries):
         self.n_ctx = self.plan.n_ctx
         self.n_threads = cfg.n_threads or planner.default_threads()
         self.model_name = display_name(cfg.model, self.model_path)
-        self.vocab = voc = Vocabulary(self.model_path / "tokenizer.gguf")
-        try:
-            self.runner = OnnxRunner(self.model_path, self.n_ctx, self.n_threads, cfg.ep)
-        except BaseException:
-            voc.close()
-            raise
+        # one sequence: this engine serves its requests one after another
+        self.runner = self.vocab = voc = OnnxRunner(self.model_path, self.n_ctx, 1, self.n_threads, cfg.ep)
+        self._batch = voc.new_batch(PREFILL_CHUNK)
         self.gpu = _Cpu(self.runner.session.get_providers())
         self.format = choose_format(
             cfg.chat_template or voc.meta("tokenizer.chat_template"), voc.meta("general.architecture") or info.architecture,
@@ -344,6 +518,16 @@ class OnnxEngine(PromptQueries):
             if isinstance(item, _Run):
                 self._finish(item, RequestStatus.FINISHED_CANCELLED, None, [], 0)
 
+    def _forward(self, tokens: list[int], start: int) -> np.ndarray:
+        """Run `tokens` at positions start.. after the cache's first `start` cells; the last one's logits."""
+        runner, batch = self.runner, self._batch
+        runner.seq_rm(0, start, -1)
+        batch.clear()
+        for i, token in enumerate(tokens):
+            batch.add(token, start + i, 0, i == len(tokens) - 1)
+        runner.decode(batch)
+        return runner.logits(len(tokens) - 1)
+
     def _prefill(self, tokens: list[int], handle: RequestHandle | None = None) -> np.ndarray | None:
         """Extend the cache with `tokens` after the reused prefix; the last one's logits (None if
         cancelled first)."""
@@ -356,13 +540,13 @@ class OnnxEngine(PromptQueries):
             if handle is not None and handle.cancelled:
                 return None
             chunk = tokens[start : start + PREFILL_CHUNK]
-            logits = self.runner.forward(chunk, start)
+            logits = self._forward(chunk, start)
             self._decode_calls += 1
             self.cached = tokens[: start + len(chunk)]
         return logits
 
     def _step(self, token: int) -> np.ndarray:
-        logits = self.runner.forward([token], len(self.cached))
+        logits = self._forward([token], len(self.cached))
         self._decode_calls += 1
         self.cached.append(token)
         return logits
