@@ -1,7 +1,7 @@
 """ONNX export (quantize --format onnx) and the onnxruntime engine, on real checkpoints built from
 the embedded models: SmolLM2 (llama) and Gemma 3 270M (sliding window, QK-norm, scaled embeddings).
 
-Each folder is exported once per module; transformers' float32 forward pass is the reference.
+Each folder is exported once per test run (conftest's `exported`); transformers' float32 forward pass is the reference.
 """
 
 from __future__ import annotations
@@ -38,20 +38,6 @@ LONG_TEXT = ("The lighthouse keeper wrote in his log every evening, even when no
 # a tie that int8 activations (accuracy level 4) flip.
 QUESTION = "What is the capital of France? Answer in one sentence."
 FRANCE = [{"role": "user", "content": QUESTION}]
-
-
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """(model, bits) -> folder, exported lazily, once per module."""
-    out = tmp_path_factory.mktemp("onnx")
-    cache = {}
-
-    def get(model: str, bits: int):
-        if (model, bits) not in cache:
-            cache[model, bits] = export(hf_checkpoint(model), out / f"{model}-{bits}", bits=bits).path
-        return cache[model, bits]
-
-    return get
 
 
 def _transformers_logits(model: str, tokens: list[int]) -> np.ndarray:

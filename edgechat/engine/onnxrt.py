@@ -336,15 +336,13 @@ class OnnxRunner(Vocabulary):
         magic, n, *_ = _STATE_HEADER.unpack_from(data, 0)
         if magic != _STATE_MAGIC or not 0 <= n <= self.n_ctx or bytes(data[: _STATE_HEADER.size]) != self._state_header(n):
             return False
+        rows = [buf[seq, :, :n] for _, _, buf in self._kv]
+        if len(data) != _STATE_HEADER.size + sum(r.nbytes for r in rows):
+            return False  # checked first: a refused state leaves the row as it was
         off = _STATE_HEADER.size
-        for _, _, buf in self._kv:
-            cells = buf[seq, :, :n]
-            if off + cells.nbytes > len(data):
-                return False
+        for cells in rows:
             cells[...] = np.frombuffer(data, self.kv_dtype, cells.size, off).reshape(cells.shape)
             off += cells.nbytes
-        if off != len(data):
-            return False
         self.lengths[seq] = n
         return True
 
