@@ -280,7 +280,7 @@ def test_models_doctor_and_the_planner_know_onnx_folders(exported, isolated_dirs
     assert plan.kv_cache == 30 * 3 * 64 * 2 * 4 * 4096
     assert plan.weights == int(files * RESIDENT_PER_FILE_BYTE) and info.size_bytes == files
     with open_engine(EngineConfig(model="smol-onnx", n_ctx=4096, paths=isolated_dirs)) as engine:
-        assert engine.plan.kv_cache == sum(buf.numpy().nbytes for buf in engine.runner._kv)
+        assert engine.plan.kv_cache == engine.runner.kv_bytes
 
     # 1 GiB free: 8,192 tokens of float32 KV (377 MB) fit beside the weights; 640 MiB: 4,096
     # (counted as f16 cells, 8,192 would have)

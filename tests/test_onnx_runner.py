@@ -167,6 +167,47 @@ def test_sequences_decoded_together_match_each_alone(model, runners):
     assert diff < 1e-3
 
 
+def test_a_full_idle_row_splits_the_run(exported):
+    """An idle sequence whose row is full sits between two decoding ones: their steps go in two
+    runs (its dummy token would have no cell) and each continues as it does alone."""
+    runner = make_runner(exported("smollm2-135m-instruct", 4), n_ctx=32)
+    try:
+        prompt = prompt_tokens(runner, TEXTS[0])
+        want = greedy(runner, 0, prompt, 6, stop=False)
+        runner.seq_rm(0, -1, -1)
+        feed(runner, 1, list(range(100, 132)))
+        assert runner.seq_pos_range(1) == (0, 31)
+        nxt = {seq: feed(runner, seq, prompt) for seq in (0, 2)}
+        got = {0: [], 2: []}
+        batch = runner.new_batch(runner.n_batch)
+        for _ in range(6):
+            batch.clear()
+            for seq in (0, 2):
+                got[seq].append(nxt[seq])
+                batch.add(nxt[seq], runner.seq_pos_range(seq)[1] + 1, seq, True)
+            runs = runner.runs
+            runner.decode(batch)
+            assert runner.runs == runs + 2
+            nxt = {0: runner.argmax(0), 2: runner.argmax(1)}
+        assert got[0] == got[2] == want
+        assert runner.seq_pos_range(1) == (0, 31)
+        # a prompt between two steps: the steps share a run, the prompt runs alone in its row
+        runner.seq_rm(1, -1, -1)
+        batch.clear()
+        for seq in (0, 2):
+            batch.add(nxt[seq], runner.seq_pos_range(seq)[1] + 1, seq, True)
+        for i, token in enumerate(prompt):
+            last = batch.add(token, i, 1, i == len(prompt) - 1)
+        runs = runner.runs
+        runner.decode(batch)
+        assert runner.runs == runs + 2 and runner.argmax(0) == runner.argmax(1)
+        assert runner.seq_pos_range(1) == (0, len(prompt) - 1) and runner.seq_pos_range(0) == (0, len(prompt) + 6)
+        first = runner.argmax(last)
+        assert [first] + greedy(runner, 1, [first], 5, stop=False) == want
+    finally:
+        runner.close()
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_memory_copy_truncate_and_states(model, runners, exported):
     """seq_cp copies a prefix into another row (both then continue alike), a truncated sequence

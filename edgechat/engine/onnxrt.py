@@ -1,16 +1,18 @@
-"""The onnxruntime backend: an engine for ONNX model folders with the same public API as
-engine.core.Engine, so the TUI, `run` and `serve` take a folder wherever they take a GGUF.
+"""The onnxruntime backend for ONNX model folders: `OnnxRunner`, the onnxruntime `ModelRunner`
+(engine/runner.py), and `OnnxEngine`, an engine with the same public API as engine.core.Engine
+on one sequence of it, so the TUI, `run` and `serve` take a folder wherever they take a GGUF.
 
 Compute is one onnxruntime session (the graph `edgechat quantize --format onnx` writes, or
-onnxruntime-genai's). The KV cache is one buffer per layer of the whole context, bound as both
-the past input and the present output (GroupQueryAttention writes the new cells in place), so a
-token costs no copy; rewinding to a shared prefix is a shorter attention mask. Text goes through
-llama.cpp's tokenizer from the folder's vocabulary GGUF, and sampling through the same native
-sampler chain as the llama.cpp backend, applied to onnxruntime's logits: the same parameters
-give the same choices, and the same seed the same tokens for the same logits.
+onnxruntime-genai's). The KV cache is one buffer per layer's keys and values with a row per
+sequence, bound as both the past input and the present output (GroupQueryAttention writes the
+new cells in place), so a token costs no copy; rewinding to a shared prefix is a shorter
+attention mask. Text goes through llama.cpp's tokenizer from the folder's vocabulary GGUF, and
+sampling through the same native sampler chain as the llama.cpp backend, applied to
+onnxruntime's logits: the same parameters give the same choices, and the same seed the same
+tokens for the same logits.
 
-One sequence: requests are served one after another, each reusing the longest prefix it shares
-with what the cache holds. A full context drops the older half after the pinned prefix and
+`OnnxEngine` serves requests one after another, each reusing the longest prefix it shares with
+what the cache holds. A full context drops the older half after the pinned prefix and
 recomputes (the `truncate` policy; rotated keys cannot be shifted).
 """
 
@@ -127,14 +129,14 @@ class OnnxRunner(Vocabulary):
     `n_ctx` cells each: the onnxruntime `ModelRunner` (engine/runner.py), text through the
     folder's vocabulary (the `Vocabulary` it is).
 
-    Each layer's keys and values are one numpy array (n_seq_max, n_kv, n_ctx + 1, head), a
+    Each layer's keys and values are one numpy array (n_seq_max, n_kv, n_ctx, head), a
     sequence one row of it. A run binds a view of consecutive rows as both past and present
     (GroupQueryAttention writes the new cells in place: no copy) with one token per row, each
     row's own past length told by its attention mask (only the mask's sum per row is read:
     seqlens_k); logits of the same token alone and in a batch are identical. So a decode step of
     many sequences is one run over the rows from the lowest to the highest, any idle row between
-    them fed a token at its first free cell (whose logits nobody reads; the extra cell per row
-    leaves room for it in a full row). GroupQueryAttention takes several new tokens per row only
+    them fed a token at its first free cell (whose logits nobody reads), split where an idle row
+    between them has no free cell. GroupQueryAttention takes several new tokens per row only
     for one row at a time (a later chunk's positions are its past length plus 0..S-1), so a
     sequence with several tokens (a prompt chunk, a token and its drafts) runs alone.
 
@@ -176,11 +178,13 @@ class OnnxRunner(Vocabulary):
         self.n_ctx, self.n_seq_max, self.n_batch = n_ctx, n_seq_max, n_batch
         self._ids_name, self._mask_name = names_in["input_ids"], names_in["attention_mask"]
         self._logits_name = names_out["logits"]
+        out_type = next(o.type for o in self.session.get_outputs() if o.name == self._logits_name)
+        self._logits_dtype = np.float16 if out_type == "tensor(float16)" else np.float32
         # an overridable initializer, not a graph input: bound as an OrtValue (bind_cpu_input refuses it)
         self._has_keep = any(i.name == LOGITS_TO_KEEP for i in self.session.get_overridable_initializers())
         #: (past name, present name, buffer) per key and value of every layer; zeros are not
         #: resident until written, so rows cost memory as they fill
-        self._kv = [(past % i, present % i, np.zeros((n_seq_max, n_kv, n_ctx + 1, head), self.kv_dtype))
+        self._kv = [(past % i, present % i, np.zeros((n_seq_max, n_kv, n_ctx, head), self.kv_dtype))
                     for i in range(n_layer)
                     for past, present in ((names_in["past_key_names"], names_out["present_key_names"]),
                                           (names_in["past_value_names"], names_out["present_value_names"]))]
@@ -208,15 +212,15 @@ class OnnxRunner(Vocabulary):
             assert n + len(idx) <= self.n_ctx, f"sequence {seq}: {n + len(idx)} positions past its {self.n_ctx} cells"
         self._out = {}
         singles = sorted(seq for seq, idx in rows.items() if len(idx) == 1)
-        if singles:
-            lo, hi = singles[0], singles[-1] + 1
+        for lo, hi in self._spans(singles):
             # an idle row inside the range gets a token at its first free cell, past what it holds
             ids = [[batch.tokens[rows[s][0]] if s in rows and len(rows[s]) == 1 else 0] for s in range(lo, hi)]
             past = self.lengths[lo:hi]
-            wanted = [(rows[s][0], s - lo) for s in singles if batch.logits[rows[s][0]]]
+            steps = [s for s in range(lo, hi) if s in rows and len(rows[s]) == 1]
+            wanted = [(rows[s][0], s - lo) for s in steps if batch.logits[rows[s][0]]]
             logits = self._run(lo, hi, ids, past, 1 if wanted else 0)
             self._out.update((row, (logits, (b, 0))) for row, b in wanted)
-            for s in singles:
+            for s in steps:
                 self.lengths[s] += 1
         for seq, idx in rows.items():
             if len(idx) > 1:
@@ -225,6 +229,22 @@ class OnnxRunner(Vocabulary):
                 logits = self._run(seq, seq + 1, [[batch.tokens[i] for i in idx]], [self.lengths[seq]], keep)
                 self._out.update((idx[j], (logits, (0, j - (len(idx) - keep)))) for j in wanted)
                 self.lengths[seq] += len(idx)
+
+    def _spans(self, seqs: list[int]) -> list[tuple[int, int]]:
+        """Rows lo..hi-1 to run together for these sorted sequences' steps: one span, cut where a
+        row between two of them is full (its dummy token would have no cell to go to)."""
+        spans: list[tuple[int, int]] = []
+        for seq in seqs:
+            if spans and all(self.lengths[r] < self.n_ctx for r in range(spans[-1][1], seq)):
+                spans[-1] = (spans[-1][0], seq + 1)
+            else:
+                spans.append((seq, seq + 1))
+        return spans
+
+    @property
+    def kv_bytes(self) -> int:
+        """The KV buffers' size (the planner counts it before loading)."""
+        return sum(buf.nbytes for _, _, buf in self._kv)
 
     def _run(self, lo: int, hi: int, ids: list[list[int]], past: list[int], keep: int) -> np.ndarray:
         """One onnxruntime run of rows lo..hi-1, `ids` after `past` cells in each; the logits of
@@ -242,7 +262,7 @@ class OnnxRunner(Vocabulary):
             io.bind_ortvalue_input(LOGITS_TO_KEEP, ort.OrtValue.ortvalue_from_numpy(np.array(keep, np.int64)))
         # written by onnxruntime in place; a new array per run, so logits handed out stay valid
         # (a graph without num_logits_to_keep computes every position)
-        logits = np.empty((n_rows, keep if self._has_keep else n_new, self.n_vocab), np.float32)
+        logits = np.empty((n_rows, keep if self._has_keep else n_new, self.n_vocab), self._logits_dtype)
         io.bind_ortvalue_output(self._logits_name, ort.OrtValue.ortvalue_from_numpy(logits))
         self.session.run_with_iobinding(io)
         self.runs += 1
@@ -266,7 +286,7 @@ class OnnxRunner(Vocabulary):
         if found is None:
             raise IndexError(f"row {row} of the last run did not ask for logits")
         logits, at = found
-        return logits[at]
+        return logits[at] if logits.dtype == np.float32 else logits[at].astype(np.float32)
 
     def argmax(self, row: int) -> int:
         return int(self.logits(row).argmax())
