@@ -14,7 +14,9 @@ from serving import serving
 from test_hub import CATALOG_NAME, edgechat, hub_cache, one_line_error  # noqa: F401 (hub_cache is a fixture)
 from test_speculative import answer
 
-from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
+from edgechat.engine import ChatRequest, Engine, EngineConfig, Evicted, SamplingParams
+from edgechat.engine.draft import DraftModel
+from edgechat.engine.llama import LlamaBackend
 from edgechat.engine.planner import default_threads
 from edgechat.errors import UsageError
 from edgechat.models import catalog
@@ -75,7 +77,7 @@ def test_the_draft_reads_the_prompt_with_the_model(drafted):
     prompt = engine.prompt_tokens(ChatRequest(messages=messages))
     done = engine.submit(ChatRequest(messages=messages, sampling=GREEDY, max_tokens=1, speculative="auto")).result()
     assert done.metrics.drafted_tokens == 0  # one token: nothing was ever guessed
-    assert prompt in [held[: len(prompt)] for held in engine.scheduler.draft.tokens]
+    assert prompt in [slot.tokens[: len(prompt)] for slot in engine.scheduler.draft.kv.slots]
     assert engine.kv_problems() == []
 
 
@@ -109,6 +111,64 @@ def test_the_drafts_cache_follows_through_eviction_sessions_and_cancel(q8, smoll
         fast = engine.submit(ChatRequest(messages=first, sampling=GREEDY, max_tokens=40)).result()
         assert_same_or_near_tie(engine, first, plain.token_ids, fast.token_ids)
         assert engine.kv_problems() == []
+
+
+def test_the_drafts_own_kv_manager_sees_its_cells_after_rejections_and_a_shift(q8, smollm2_path, isolated_dirs, monkeypatch):
+    """The draft's cache has its own KV manager, and kv_problems runs its check: clean after
+    rejected guesses and an eviction shift mid-answer (applied to the draft by a shift, not a
+    recompute), and failing for a cell removed behind the manager's back."""
+    cfg = EngineConfig(model=str(q8["smol"]), draft_model=str(smollm2_path), n_ctx=256, paths=isolated_dirs, speculative="draft")
+    with Engine(cfg) as engine:
+        draft = engine.scheduler.draft
+        shifts = []
+        real_add = draft.backend.seq_add
+        monkeypatch.setattr(draft.backend, "seq_add", lambda *a: (shifts.append(a), real_add(*a))[1])
+        # sampled at temperature 1: the draft's greedy guesses are often rejected (greedy, this
+        # Q4 and its Q8 agree on every token the draft is sure of)
+        handle = engine.submit(ChatRequest(messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=400,
+                                           sampling=SamplingParams(temperature=1.0, seed=7), ignore_eos=True))
+        events = list(handle)
+        done = handle.finished
+        assert done.reason == "length" and any(isinstance(e, Evicted) for e in events)
+        assert done.metrics.drafted_tokens > done.metrics.accepted_tokens > 0  # some guesses were rejected
+        assert shifts  # the eviction moved the draft's cells too
+        assert draft.kv.check() == [] and engine.kv_problems() == []
+        slot = max(draft.kv.slots, key=lambda s: len(s.tokens))
+        held = engine.kv.slots[slot.seq].tokens
+        # it followed the answer past the shifts: what the model's sequence holds, but for the last few
+        assert len(slot.tokens) > len(held) - 8 and slot.tokens == held[: len(slot.tokens)]
+        draft.backend.seq_rm(slot.seq, 100, 101)  # a hole the mirror does not know of
+        problems = engine.kv_problems()
+        assert problems and all(p.startswith(f"draft seq {slot.seq}:") for p in problems), problems
+
+
+def test_the_draft_follows_rejections_and_shifts_through_its_kv_manager(smollm2_path):
+    """On the draft model alone: a rejected guess leaves no cell behind, a shift keeps what
+    follows the cut at its new positions, and the check reads llama.cpp's cells."""
+    target = LlamaBackend(smollm2_path, n_ctx_total=512, n_seq_max=2, n_threads=default_threads())
+    draft = DraftModel(smollm2_path, target, n_ctx=256, n_threads=default_threads())
+    try:
+        # a passage told three times and begun again: the draft is sure how it goes on
+        tokens = target.tokenize("\n".join([PASSAGE] * 3 + [PASSAGE[:62]]), add_bos=True)
+        guess = draft.propose(0, tokens, 4)
+        held = draft.kv.slots[0].tokens
+        assert len(held) > len(tokens) and held == tokens + guess[: len(held) - len(tokens)]  # guesses in its cells
+        other = next(t for t in range(100, 200) if t != guess[0])
+        taken = tokens + [other]  # the target rejected every guess
+        assert draft.behind(0, taken) == 1
+        draft.follow(0, taken)
+        assert draft.kv.slots[0].tokens == taken and draft.problems() == []
+        draft.drop(0, 5, 15)
+        assert draft.kv.slots[0].tokens == taken[:5] + taken[15:] and draft.problems() == []
+        # a cut past what it holds forgets from the cut on; the next guess decodes it again
+        draft.drop(0, 20, len(taken) + 3)
+        assert draft.kv.slots[0].tokens == (taken[:5] + taken[15:])[:20] and draft.problems() == []
+        assert draft.kv.slots[1].tokens == [] and draft.backend.seq_pos_range(1) == (-1, -1)
+        draft.backend.seq_add(0, 10, -1, 2)  # moved behind the manager's back
+        assert draft.problems() and draft.problems()[0].startswith("draft seq 0:")
+    finally:
+        draft.close()
+        target.close()
 
 
 def test_a_draft_of_another_vocabulary_is_refused_in_one_line(smollm2_path, gemma3_path, models_root):

@@ -1,11 +1,14 @@
 """A draft model: a smaller model of the same vocabulary that guesses the target's next tokens.
 
-It runs in its own llama.cpp context on the engine thread, one sequence per target slot. Each
+It runs in its own llama.cpp context on the engine thread, one sequence per target slot. Its
+cache has an owner of its own kind: a `KVManager` on the draft's backend, whose slots mirror
+what each sequence holds and whose `check` compares them with llama.cpp's cells; it never shares
+cells between sequences, holds no conversation and keeps no snapshot or prompt cache. Each
 sequence follows the target's lazily: before guessing, it keeps the longest prefix it shares
-with the target slot's tokens, removes the rest (`llama_memory_seq_rm`) and decodes what it
-lacks, so prefix reuse, truncation, rejected drafts, snapshot restores and a slot changing hands
-all come out right without being told; an eviction shift is applied to both, so a long chat
-does not recompute the draft's whole context after each one.
+with the target slot's tokens, truncates the rest and decodes what it lacks, so prefix reuse,
+truncation, rejected drafts, snapshot restores and a slot changing hands all come out right
+without being told; an eviction shift is applied to both, so a long chat does not recompute the
+draft's whole context after each one.
 """
 
 from __future__ import annotations
@@ -13,12 +16,12 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import NoReturn
 
-import llama_cpp as L
 import numpy as np
 
-from edgechat.engine.kvcache import common_prefix
-from edgechat.engine.llama import Batch, LlamaBackend
+from edgechat.engine.kvcache import KVManager, Slot, common_prefix
+from edgechat.engine.llama import LlamaBackend
 from edgechat.engine.speculative import StepCost
 from edgechat.errors import UsageError
 
@@ -39,24 +42,32 @@ def check_vocab(target: LlamaBackend, draft: LlamaBackend) -> None:
     """Refuse a draft whose token ids could not be fed to the target: the same tokenizer type,
     sizes within a margin, the same special tokens, and the same text for every shared id."""
     name = draft.path.name
-    t_type, d_type = L.llama_vocab_type(target.vocab), L.llama_vocab_type(draft.vocab)
-    if t_type != d_type:
-        raise DraftVocabError(f"draft model {name} uses another kind of tokenizer (type {d_type}, the model's is {t_type}); pick a draft of the same family")
+    if target.vocab_type != draft.vocab_type:
+        raise DraftVocabError(
+            f"draft model {name} uses another kind of tokenizer (type {draft.vocab_type}, the model's is {target.vocab_type}); "
+            "pick a draft of the same family"
+        )
     if abs(target.n_vocab - draft.n_vocab) > VOCAB_SIZE_MARGIN:
         raise DraftVocabError(
             f"draft model {name} has {draft.n_vocab} tokens, the model {target.n_vocab}; pick a draft of the same family"
         )
-    for what, fn in (("BOS", L.llama_vocab_bos), ("EOS", L.llama_vocab_eos), ("EOT", L.llama_vocab_eot)):
-        if fn(target.vocab) != fn(draft.vocab):
+    for what, attr in (("BOS", "bos"), ("EOS", "eos"), ("EOT", "eot")):
+        if getattr(target, attr) != getattr(draft, attr):
             raise DraftVocabError(f"draft model {name} has another {what} token; pick a draft of the same family")
     if target.add_bos != draft.add_bos:
         raise DraftVocabError(f"draft model {name} adds a BOS token differently; pick a draft of the same family")
     for token in range(min(target.n_vocab, draft.n_vocab)):
-        if L.llama_vocab_get_text(target.vocab, token) != L.llama_vocab_get_text(draft.vocab, token):
+        if target.token_bytes(token) != draft.token_bytes(token):
             raise DraftVocabError(
                 f"draft model {name}: token {token} is {draft.token_text(token)!r}, the model's is "
                 f"{target.token_text(token)!r}; pick a draft of the same family"
             )
+
+
+def _no_sessions(*_args) -> NoReturn:
+    # the draft's slots never hold a conversation (nothing assigns one), so its KV manager never
+    # saves, restores or describes a snapshot
+    raise AssertionError("the draft model's cache keeps no snapshots")
 
 
 class DraftModel:
@@ -75,17 +86,18 @@ class DraftModel:
             self.backend.close()
             raise
         self.path = Path(path)
-        #: per sequence, the tokens its cells hold, as for the target's slots
-        self.tokens: list[list[int]] = [[] for _ in range(target.n_seq_max)]
+        #: the owner of the draft's cache: one slot per target slot, never shared, no snapshots
+        self.kv = KVManager(
+            self.backend, target.n_seq_max, snapshots=_no_sessions, session_state=_no_sessions, restored=_no_sessions, prompt_cache=None
+        )
         #: what the draft's own decodes cost: a guess is a one-token step, catching up a batch
         self.cost = StepCost()
-        self._batch = Batch(512, target.n_seq_max)
+        self._batch = self.backend.new_batch(512)
 
     def propose(self, seq: int, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens the draft model expects after `tokens` (the target slot's whole
         sequence), stopping early at an unsure one."""
         index = self.follow(seq, tokens)
-        mirror = self.tokens[seq]
         out: list[int] = []
         while True:
             logits = self.backend.logits(index)
@@ -96,7 +108,7 @@ class DraftModel:
             out.append(best)
             if len(out) == k:
                 break
-            index = self._decode(seq, [best], len(mirror), logits_last=True)
+            index = self._decode(self.kv.slots[seq], [best])
         return out
 
     def behind(self, seq: int, tokens: list[int]) -> int:
@@ -106,30 +118,22 @@ class DraftModel:
     def follow(self, seq: int, tokens: list[int]) -> int:
         """Make the sequence hold `tokens`; returns the batch index of the last one's logits.
         The last token is always decoded again if need be: its logits are what guesses next."""
-        same = self._shared(seq, tokens)
-        self._truncate(seq, same)
-        return self._decode(seq, tokens[same:], same, logits_last=True)
+        slot = self.kv.slots[seq]
+        # memory that refuses partial removal (recurrent) is cleared whole: the rest is decoded
+        kept = self.kv.truncate(slot, self._shared(seq, tokens))
+        return self._decode(slot, tokens[kept:])
 
     def drop(self, seq: int, a: int, b: int) -> None:
         """The target dropped positions [a, b) of this sequence and shifted the rest back: do the
-        same, or forget what follows a where this memory cannot shift (it is recomputed lazily)."""
-        be, mirror = self.backend, self.tokens[seq]
-        if b > len(mirror):
-            self._truncate(seq, min(a, len(mirror)))
-            return
-        if be.can_shift and be.seq_rm(seq, a, b):
-            be.seq_add(seq, b, -1, -(b - a))
-            del mirror[a:b]
-        else:
-            self._truncate(seq, a)
+        same, or forget what follows a where this memory cannot shift or the sequence never held
+        b tokens (it is recomputed lazily)."""
+        slot = self.kv.slots[seq]
+        if not self.kv.drop(slot, a, b):
+            self.kv.truncate(slot, a)
 
     def problems(self) -> list[str]:
         """Every way the draft's mirrors disagree with its llama.cpp cells."""
-        out = []
-        for seq, mirror in enumerate(self.tokens):
-            if self.backend.seq_cell_positions(seq) != list(range(len(mirror))):
-                out.append(f"draft seq {seq}: cells do not sit at positions 0..{len(mirror) - 1}")
-        return out
+        return [f"draft {problem}" for problem in self.kv.check()]
 
     def close(self) -> None:
         self._batch.close()
@@ -138,34 +142,25 @@ class DraftModel:
     # ------------------------------------------------------------------ following the target
     def _shared(self, seq: int, tokens: list[int]) -> int:
         """The prefix of `tokens` the sequence holds, short of the last token."""
-        return common_prefix(self.tokens[seq], tokens[:-1])
+        return common_prefix(self.kv.slots[seq].tokens, tokens[:-1])
 
-    def _truncate(self, seq: int, n: int) -> None:
-        mirror = self.tokens[seq]
-        if n >= len(mirror):
-            return
-        if not self.backend.seq_rm(seq, n, -1):
-            # memory that refuses partial removal (recurrent): start the sequence afresh
-            self.backend.seq_rm(seq, -1, -1)
-            n = 0
-        del mirror[n:]
-
-    def _decode(self, seq: int, tokens: list[int], pos: int, logits_last: bool) -> int:
-        be, batch, mirror = self.backend, self._batch, self.tokens[seq]
+    def _decode(self, slot: Slot, tokens: list[int]) -> int:
+        """Decode tokens after the slot's cells, in batches; returns the last one's logits index."""
+        be, batch = self.backend, self._batch
         idx = -1
         for i in range(0, len(tokens), batch.capacity):
             batch.clear()
             chunk = tokens[i : i + batch.capacity]
+            pos = len(slot.tokens)
             for j, tok in enumerate(chunk):
-                idx = batch.add(tok, pos + i + j, seq, logits_last and i + j == len(tokens) - 1)
+                idx = batch.add(tok, pos + j, slot.seq, i + j == len(tokens) - 1)
             started = time.perf_counter()
             try:
                 be.decode(batch)
             except Exception:
                 # what the failed decode left is unknown: the sequence starts afresh next time
-                be.seq_rm(seq, -1, -1)
-                mirror.clear()
+                self.kv.clear(slot)
                 raise
             self.cost.observe(batch.n, time.perf_counter() - started)
-            mirror.extend(chunk)
+            self.kv.extend(slot, chunk)
         return idx

@@ -294,7 +294,21 @@ class LlamaBackend:
         return buf.value.decode("utf-8", errors="replace")
 
     def token_text(self, token: int) -> str:
-        return (L.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", errors="replace")
+        return self.token_bytes(token).decode("utf-8", errors="replace")
+
+    @property
+    def vocab_type(self) -> int:
+        """llama.cpp's tokenizer type (SPM, BPE, WPM, ...)."""
+        return L.llama_vocab_type(self.vocab)
+
+    @property
+    def eot(self) -> int:
+        """The end-of-turn token (-1: none)."""
+        return L.llama_vocab_eot(self.vocab)
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's text in the vocabulary, as stored (no decoding: compared across vocabularies)."""
+        return L.llama_vocab_get_text(self.vocab, token) or b""
 
     # --- text -----------------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool = False, special: bool = True) -> list[int]:

@@ -15,12 +15,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 
 from edgechat.engine.draft import DraftModel
 from edgechat.engine.kvcache import KVManager, Slot
-from edgechat.engine.llama import Batch, LlamaBackend, token_logprobs
+from edgechat.engine.llama import token_logprobs
 from edgechat.engine.metrics import RequestClock
 from edgechat.engine.prompt import Prepared
 from edgechat.engine.reasoning import ChannelFormat, ReasoningFormat, Thinking
@@ -36,6 +37,7 @@ from edgechat.engine.request import (
     TextDelta,
     TokenLogprob,
 )
+from edgechat.engine.runner import ModelRunner, TokenBatch
 from edgechat.engine.sampling import SamplerChain
 from edgechat.engine.sessions import ConversationStates
 from edgechat.engine.speculative import MAX_DRAFT, DraftPolicy, NgramDrafter, SpeculativeMode, StepCost
@@ -49,6 +51,16 @@ log = logging.getLogger("edgechat.engine")
 PREFILL_CHUNK_BUSY = 512
 
 
+class Phase(Enum):
+    """Where a request is in the step loop: what it puts in the next step's batch."""
+
+    WAITING = "waiting"  # queued: no sequence yet
+    PREFILLING = "prefilling"  # prompt tokens (or a budget's closing tokens) still to go in
+    SAMPLING = "sampling"  # its last tokens are in this step: the next token is chosen from their logits
+    DECODING = "decoding"  # a sampled token waits to go into the cache
+    FINISHED = "finished"
+
+
 @dataclass
 class Running:
     """A submitted request as the scheduler tracks it, from the queue to its end."""
@@ -57,6 +69,7 @@ class Running:
     request: ChatRequest
     prep: Prepared
     clock: RequestClock
+    phase: Phase = Phase.WAITING
     queued: bool = True  # counted in Scheduler.n_waiting
     slot: Slot | None = None
     sampler: SamplerChain | None = None
@@ -83,10 +96,24 @@ class Running:
         self.spans = [list(span) for span in self.prep.spans]  # the shared Prepared stays as built
 
 
+@dataclass
+class StepPlan:
+    """What one step runs (`batch`) and for whom: the sequences whose sampled token (and drafts)
+    are in it, and those whose prompt's last chunk is."""
+
+    batch: TokenBatch
+    decoding: list[Running] = field(default_factory=list)
+    prompted: list[Running] = field(default_factory=list)
+
+
 class Scheduler:
+    """Plans each step (`schedule`), has the model runner run it, applies the result
+    (`update`): admission, chunked prefill, drafts and their verification, the end of every
+    request. The KV manager alone changes the cache; the output processor alone makes text."""
+
     def __init__(
         self,
-        backend: LlamaBackend,
+        runner: ModelRunner,
         kv: KVManager,
         states: ConversationStates,
         n_ctx: int,
@@ -97,7 +124,7 @@ class Scheduler:
         deterministic: bool = False,
         reasoning: ReasoningFormat | ChannelFormat | None = None,
     ):
-        self.backend = backend
+        self.runner = runner
         self.kv = kv
         self.states = states
         self.n_ctx = n_ctx
@@ -108,7 +135,7 @@ class Scheduler:
         #: each request alone on an empty cache (EngineConfig.deterministic; n_parallel is then 1)
         self.deterministic = deterministic
         #: the model's thinking markers, its splitters and the tokens that close its thoughts at a budget
-        self.thinking = Thinking(reasoning, backend.tokenize)
+        self.thinking = Thinking(reasoning, runner.tokenize)
         #: what a wider batch costs on this machine, measured on every step
         self.cost = StepCost()
         self.waiting: deque[Running] = deque()
@@ -118,7 +145,7 @@ class Scheduler:
         self._count_lock = threading.Lock()
         #: llama_decode calls of the step loop: batching shows as fewer calls than tokens
         self.decode_calls = 0
-        self._batch = Batch(backend.n_batch, len(kv.slots))
+        self._batch = runner.new_batch(runner.n_batch)
 
     def close(self) -> None:
         self._batch.close()
@@ -170,7 +197,7 @@ class Scheduler:
         other = run.request.prompt_shared_with
         if other is None or other.status.finished:
             return False
-        return other.status is RequestStatus.WAITING or any(r.handle is other and r.pending for r in self.active)
+        return other.status is RequestStatus.WAITING or any(r.handle is other and r.phase is Phase.PREFILLING for r in self.active)
 
     def _start(self, run: Running, slot: Slot) -> None:
         req, prompt = run.request, run.prep.tokens
@@ -190,7 +217,8 @@ class Scheduler:
         run.cached = self.kv.reuse(slot, prompt, realign)
         run.restored = slot.cache_restored if slot.cache_restored is None else min(slot.cache_restored, run.cached)
         run.pending = prompt[run.cached :]
-        run.sampler = SamplerChain(req.sampling, self.backend.n_vocab, self.backend.vocab, req.grammar)
+        run.phase = Phase.PREFILLING if run.pending else Phase.SAMPLING
+        run.sampler = SamplerChain(req.sampling, self.runner.n_vocab, self.runner.vocab, req.grammar)
         run.sampler.accept_prompt(prompt)
         run.proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos,
                                    splitter=self.thinking.splitter(req, run.prep))
@@ -210,29 +238,42 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> None:
-        be, batch, kv = self.backend, self._batch, self.kv
+        """Plan a step, have the runner run it, apply what it computed."""
+        plan = self.schedule()
+        if plan is None:
+            return
+        started = time.perf_counter()
+        self.runner.decode(plan.batch)
+        self.cost.observe(plan.batch.n, time.perf_counter() - started)
+        self.decode_calls += 1
+        self.update(plan)
+
+    def schedule(self) -> StepPlan | None:
+        """This step's rows: every decoding sequence's sampled token (and drafts after it), then
+        prompt chunks while the batch has room (a chunk's size bounded while others decode).
+        Cancelled requests end here; a full sequence makes room first. Runs no model (the draft
+        model's guesses aside); None when there is nothing to run."""
+        batch, kv = self._batch, self.kv
         batch.clear()
-        decoding: list[Running] = []
+        plan = StepPlan(batch)
         for run in list(self.active):
             if run.handle.cancelled:
                 self.finish(run, run.handle.end_status)
                 continue
-            if run.next_token is None:
+            if run.phase is not Phase.DECODING:
                 continue
             if len(run.slot.tokens) >= self.n_ctx:
                 self._make_room(run)
             run.out_index = batch.add(run.next_token, len(run.slot.tokens), run.slot.seq, True)
             kv.extend(run.slot, [run.next_token])
-            run.next_token = None
-            decoding.append(run)
-        if decoding:
-            self._add_drafts(decoding)
-        sampling = list(decoding)
-        busy = bool(sampling)
+            run.next_token, run.phase = None, Phase.SAMPLING
+            plan.decoding.append(run)
+        if plan.decoding:
+            self._add_drafts(plan.decoding)
         for run in self.active:
-            if not run.pending or batch.free == 0:
+            if run.phase is not Phase.PREFILLING or batch.free == 0:
                 continue
-            room = min(batch.free, PREFILL_CHUNK_BUSY if busy else batch.free)
+            room = min(batch.free, PREFILL_CHUNK_BUSY if plan.decoding else batch.free)
             chunk, run.pending = run.pending[:room], run.pending[room:]
             base = len(run.slot.tokens)
             for i, tok in enumerate(chunk):
@@ -240,18 +281,17 @@ class Scheduler:
                 idx = batch.add(tok, base + i, run.slot.seq, last)
             kv.extend(run.slot, chunk)
             if not run.pending:
-                run.out_index = idx
-                sampling.append(run)
-        if batch.n == 0:
-            return
-        started = time.perf_counter()
-        be.decode(batch)
-        self.cost.observe(batch.n, time.perf_counter() - started)
-        self.decode_calls += 1
-        for run in sampling:
-            if run not in decoding:
-                kv.keep_logits(run.slot, _frozen(be.logits(run.out_index)))
-                self._prompt_read(run)
+                run.out_index, run.phase = idx, Phase.SAMPLING
+                plan.prompted.append(run)
+        return plan if batch.n else None
+
+    def update(self, plan: StepPlan) -> None:
+        """The runner ran the plan: keep the logits after each prompt just read, sample every
+        sequence's next token (verifying drafts), and pass the tokens on."""
+        for run in plan.prompted:
+            self.kv.keep_logits(run.slot, _frozen(self.runner.logits(run.out_index)))
+            self._prompt_read(run)
+        for run in plan.decoding + plan.prompted:
             if run.draft:
                 self._verify(run)
                 continue
@@ -262,7 +302,7 @@ class Scheduler:
     def _sample(self, run: Running, index: int | None = None, kept: np.ndarray | None = None) -> int:
         """The next token from the logits at a batch index, or from logits kept from an earlier
         decode (`kept`)."""
-        smp, be = run.sampler, self.backend
+        smp, be = run.sampler, self.runner
         if kept is not None:
             token = smp.choose(kept)
         elif smp.plain_greedy:
@@ -275,7 +315,7 @@ class Scheduler:
 
     def _record_logprob(self, run: Running, logits: np.ndarray, token: int) -> None:
         """Only for requests that ask: the others never read their logits in Python."""
-        be = self.backend
+        be = self.runner
         logprob, top = token_logprobs(logits, token, run.request.logprobs)
         run.logprobs.append(TokenLogprob(be.piece(token), logprob, [(be.piece(t), lp) for t, lp in top], token, [t for t, _ in top]))
 
@@ -294,7 +334,7 @@ class Scheduler:
     def _add_drafts(self, decoding: list[Running]) -> None:
         """Put drafted tokens after each decoding sequence's next token, with logits at each."""
         batch = self._batch
-        width = len(decoding) + sum(min(len(r.pending), PREFILL_CHUNK_BUSY) for r in self.active if r.pending)
+        width = len(decoding) + sum(min(len(r.pending), PREFILL_CHUNK_BUSY) for r in self.active if r.phase is Phase.PREFILLING)
         for run in decoding:
             if (run.policy is None and run.model_policy is None) or not self.kv.can_rewind:
                 continue
@@ -366,7 +406,7 @@ class Scheduler:
         for j, index in enumerate(run.draft_indices):
             token = self._sample(run, index)
             status = self._on_token(run, token)
-            if status is not None or run.pending:
+            if status is not None or run.phase is Phase.PREFILLING:
                 break  # ended, or a thinking budget closed the thoughts: the token is re-read with them
             if j < len(draft) and token == draft[j]:
                 accepted += 1  # already in the cache, and its logits are the next to sample
@@ -384,7 +424,7 @@ class Scheduler:
     def _on_token(self, run: Running, token: int) -> RequestStatus | None:
         """One sampled token reaches the request: its text goes out; returns how the request
         ends if this token ends it, else None (the caller decides what goes into the cache)."""
-        be, req = self.backend, run.request
+        be, req = self.runner, run.request
         run.clock.token()
         if be.is_eog(token) and not req.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
@@ -402,18 +442,19 @@ class Scheduler:
                 run.n_out += 1
                 run.tokens_out.append(closing)
                 self._emit_text(run, run.proc.feed(be.piece(closing), closing))
-            run.pending = [token, *self.thinking.closing]
+            run.pending, run.phase = [token, *self.thinking.closing], Phase.PREFILLING
             if run.drafter is not None:
                 run.drafter.extend(run.pending)
             return None
         if run.drafter is not None:
             run.drafter.extend([token])
-        run.next_token = token
+        run.next_token, run.phase = token, Phase.DECODING
         return None
 
     def finish(self, run: Running, status: RequestStatus, error: str | None = None) -> None:
         """End a request: free what it holds first, then tell its client (whose callback may fail)."""
         self._dequeue(run)
+        run.phase = Phase.FINISHED
         if run in self.active:
             self.active.remove(run)
         if run.sampler is not None:
@@ -506,17 +547,17 @@ class Scheduler:
     def prefill_now(self, slot: Slot, tokens: list[int], logits_last: bool = False) -> int:
         """Decode tokens into the slot at once (outside the step's batch); returns the batch
         index of the last token's logits in the final chunk."""
-        batch = Batch(self.backend.n_batch, len(self.kv.slots))
+        batch = self.runner.new_batch(self.runner.n_batch)
         idx = -1
         try:
-            for i in range(0, len(tokens), self.backend.n_batch):
+            for i in range(0, len(tokens), self.runner.n_batch):
                 batch.clear()
-                chunk = tokens[i : i + self.backend.n_batch]
+                chunk = tokens[i : i + self.runner.n_batch]
                 for j, tok in enumerate(chunk):
                     last = logits_last and i + j == len(tokens) - 1
                     idx = batch.add(tok, len(slot.tokens) + j, slot.seq, last)
                 self.kv.extend(slot, chunk)
-                self.backend.decode(batch)
+                self.runner.decode(batch)
         finally:
             batch.close()
         return idx
@@ -537,7 +578,7 @@ class Scheduler:
         try:
             while len(out) < n:
                 idx = self.prefill_now(slot, prefix, logits_last=True)
-                prefix = [self.backend.argmax(idx)]
+                prefix = [self.runner.argmax(idx)]
                 out.append(prefix[0])
         finally:
             self.kv.truncate(slot, keep)
@@ -547,7 +588,7 @@ class Scheduler:
         """For checking near-ties: the n highest logits after `tokens`, prefilled cold."""
         slot = self._cold_slot()
         try:
-            return self.backend.top_logits(self.prefill_now(slot, list(tokens), logits_last=True), n)
+            return self.runner.top_logits(self.prefill_now(slot, list(tokens), logits_last=True), n)
         finally:
             self.kv.clear(slot)
 
