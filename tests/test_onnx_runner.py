@@ -368,3 +368,56 @@ def test_four_sequences_together_outrun_one_at_a_time(runners):
     ratio = alone / together
     print(f"one at a time {4 * steps / alone:.1f} tok/s, four together {4 * steps / together:.1f} tok/s: {ratio:.2f}x")
     assert ratio > 1.5
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_scheduler_runs_on_the_onnx_runner(model, runners):
+    """The engine's own scheduler over the runner (no Engine yet takes one): three requests of
+    different prompts decode together (one run per step once their prompts are in) with each
+    one's greedy tokens alone, n-gram speculation verified against the model keeps the text of
+    an answer its prompt predicts (accepting drafts), and the KV manager's check is clean after."""
+    from edgechat.engine.request import ContextPolicy
+    from edgechat.engine.scheduler import Scheduler
+    from edgechat.engine.sessions import ConversationStates
+    from edgechat.engine.speculative import SpeculativeMode
+    from tests.test_scheduler_plans import drive, finished, submit
+
+    runner = runners(model)
+    prompts = [prompt_tokens(runner, t) for t in TEXTS[:3]]
+    alone = []
+    for prompt in prompts:
+        alone.append(greedy(runner, 0, prompt, 16))
+        runner.seq_rm(0, -1, -1)
+
+    def scheduler(mode: SpeculativeMode) -> Scheduler:
+        def no_snapshots():
+            raise AssertionError("no conversation here is snapshotted")
+
+        kv = KVManager(runner, 3, no_snapshots, lambda s: {}, lambda s, st: None)
+        return Scheduler(runner, kv, ConversationStates(), runner.n_ctx, 3, lambda r: ContextPolicy.TRUNCATE, lambda r: mode)
+
+    sched = scheduler(SpeculativeMode.OFF)
+    handles = [submit(sched, prompt, max_tokens=16)[0] for prompt in prompts]
+    runs = runner.runs
+    drive(sched)
+    assert [finished(h).token_ids for h in handles] == alone
+    # three prompt runs, then one run a step for all three (fewer than a step per token each)
+    assert runner.runs - runs <= 3 + max(len(t) for t in alone) + 1
+    assert sched.kv.check() == []
+
+    # an answer its prompt predicts (a list going round): drafts from the prompt, verified
+    for seq in range(3):
+        runner.seq_rm(seq, -1, -1)
+    repeat = prompt_tokens(runner, "Colours: " + ", ".join(["red", "green", "blue", "yellow", "white"] * 6))
+    plain = greedy(runner, 0, repeat, 40)
+    runner.seq_rm(0, -1, -1)
+    sched = scheduler(SpeculativeMode.LOOKUP)
+    handle, _ = submit(sched, repeat, max_tokens=40)
+    runs = runner.runs
+    drive(sched)
+    done = finished(handle)
+    print(f"{model}: {done.metrics.accepted_tokens} of {done.metrics.drafted_tokens} drafts accepted, "
+          f"{runner.runs - runs} runs for {len(done.token_ids)} tokens")
+    assert done.token_ids == plain
+    assert done.metrics.accepted_tokens > 0 and runner.runs - runs < len(plain)
+    assert sched.kv.check() == []
