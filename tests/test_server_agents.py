@@ -165,8 +165,8 @@ def test_greedy_under_a_grammar_tries_the_top_token_first_and_chooses_as_the_who
             tried += 1
             if token is None:
                 refused += 1
-                token = be.sample(fast.chain, index)
-            assert token == be.sample(whole.chain, index), (be.detokenize(out), token)
+                token = be.sample(fast, index)
+            assert token == be.sample(whole, index), (be.detokenize(out), token)
             if be.is_eog(token):
                 break
             out.append(token)

@@ -43,7 +43,8 @@ __all__ = [
 
 
 def open_engine(config):
-    """The engine for config.model: onnxruntime's for an ONNX folder, llama.cpp's otherwise."""
+    """The engine for config.model: one Engine, its runner onnxruntime's for an ONNX folder,
+    llama.cpp's otherwise (Engine picks it)."""
     from pathlib import Path
 
     from edgechat.config import get_paths
@@ -51,11 +52,7 @@ def open_engine(config):
 
     # a path, or a folder's name in the models folder (as resolve_model finds it)
     folders = (Path(config.model).expanduser(), (config.paths or get_paths()).models_cache / config.model) if config.model else ()
-    if any(is_onnx_folder(folder) for folder in folders):
-        from edgechat.engine.onnxrt import OnnxEngine
-
-        return OnnxEngine(config)
-    if getattr(config, "ep", None):
+    if getattr(config, "ep", None) and not any(is_onnx_folder(folder) for folder in folders):
         from edgechat.errors import UsageError
 
         raise UsageError("--ep is for ONNX model folders; llama.cpp places GGUF layers itself (--gpu-layers)")

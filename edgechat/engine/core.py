@@ -125,38 +125,22 @@ class Engine(PromptQueries):
             self.draft_ref = catalog_draft(cfg.model, self.paths)
         self._check_draft(self.speculative_default)
         self.model_path: Path = resolve_model(cfg.model, self.paths)
-        self.model_info = info = read_model_info(self.model_path)
+        self.model_name = display_name(cfg.model, self.model_path)
+        self.n_threads = cfg.n_threads or planner.default_threads()
+        self.n_slots = cfg.n_parallel + cfg.hot_sessions
+        self.onnx = self.model_path.is_dir()
+        template = cfg.chat_template or read_chat_template(model_settings(self.paths, cfg.model, self.model_name).get("chat_template"))
+        if self.onnx:
+            self._open_onnx()
+        else:
+            self._open_gguf()
+        info, be = self.model_info, self.backend
         #: what a request's sampling starts from: the model's recommended settings where its file
         #: has them, else SamplingParams' own defaults (front ends lay the user's choices on top)
         self.default_sampling = SamplingParams(**info.sampling)
-        self.n_slots = cfg.n_parallel + cfg.hot_sessions
-        self.model_name = display_name(cfg.model, self.model_path)
-        plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, cfg.kv_type, swa=cfg.swa_cache, label=self.model_name)
-        self.plan = plan
-        self.n_ctx = plan.n_ctx
-        self.n_threads = cfg.n_threads or planner.default_threads()
-        gpu_layers = cfg.n_gpu_layers
-        if gpu_layers is None:
-            gpu_layers = model_settings(self.paths, cfg.model, self.model_name).get("gpu_layers")
-        if cfg.rpc_servers:
-            devices.add_rpc_servers(cfg.rpc_servers)
-        self.gpu = planner.gpu_split(info, plan, gpu_layers, devices.gpu_devices())
-        self.backend = LlamaBackend(
-            self.model_path,
-            n_ctx_total=self.n_ctx * self.n_slots,
-            n_seq_max=self.n_slots,
-            n_threads=self.n_threads,
-            kv_type=cfg.kv_type,
-            n_gpu_layers=self.gpu.n_gpu_layers,
-            flash_attn=cfg.flash_attn,
-            swa_full=plan.swa_full,
-            on_progress=cfg.on_load_progress,
-        )
-        be = self.backend
-        template = cfg.chat_template or read_chat_template(model_settings(self.paths, cfg.model, self.model_name).get("chat_template"))
         self.format = choose_format(
             template or be.meta("tokenizer.chat_template"),
-            info.architecture,
+            be.meta("general.architecture") or info.architecture,
             be.token_text(be.bos) if be.bos >= 0 else "",
             be.token_text(be.eos) if be.eos >= 0 else "",
             self._is_special_token,
@@ -175,8 +159,11 @@ class Engine(PromptQueries):
         )
         if cfg.keep_prompts and self.prompt_cache.enabled:
             self._reload_prompts()
-        self.draft, self.draft_warning = self._load_draft()
-        self.embedder = self._load_embedder()
+        if self.onnx:
+            self.draft, self.draft_warning, self.embedder = None, None, None
+        else:
+            self.draft, self.draft_warning = self._load_draft()
+            self.embedder = self._load_embedder()
         self.scheduler = Scheduler(
             be, self.kv, self.states, self.n_ctx, 1 if cfg.deterministic else cfg.n_parallel, self._policy, self._speculative,
             self.draft, deterministic=cfg.deterministic, reasoning=self.format.reasoning,
@@ -194,6 +181,46 @@ class Engine(PromptQueries):
         self._stopped: str | None = None  # why the thread ended, once it has
         self._thread = threading.Thread(target=self._run, name="edgechat-engine", daemon=True)
         self._thread.start()
+
+    def _open_gguf(self) -> None:
+        """A GGUF file through llama.cpp: the memory plan, the GPU split and the context."""
+        cfg = self.config
+        self.model_info = info = read_model_info(self.model_path)
+        plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, cfg.kv_type, swa=cfg.swa_cache, label=self.model_name)
+        self.plan, self.n_ctx = plan, plan.n_ctx
+        gpu_layers = cfg.n_gpu_layers
+        if gpu_layers is None:
+            gpu_layers = model_settings(self.paths, cfg.model, self.model_name).get("gpu_layers")
+        if cfg.rpc_servers:
+            devices.add_rpc_servers(cfg.rpc_servers)
+        self.gpu = planner.gpu_split(info, plan, gpu_layers, devices.gpu_devices())
+        self.backend = LlamaBackend(
+            self.model_path,
+            n_ctx_total=self.n_ctx * self.n_slots,
+            n_seq_max=self.n_slots,
+            n_threads=self.n_threads,
+            kv_type=cfg.kv_type,
+            n_gpu_layers=self.gpu.n_gpu_layers,
+            flash_attn=cfg.flash_attn,
+            swa_full=plan.swa_full,
+            on_progress=cfg.on_load_progress,
+        )
+
+    def _open_onnx(self) -> None:
+        """An ONNX folder through onnxruntime (engine/onnxrt.py): its own KV buffers, one row
+        per sequence; no draft model, no embeddings (they need llama.cpp's context)."""
+        from edgechat.engine.onnxrt import OnnxPlacement, OnnxRunner
+        from edgechat.models.onnxinfo import read_onnx_info
+
+        cfg = self.config
+        if cfg.draft_model is not None:
+            raise UsageError("a draft model needs a GGUF model; ONNX folders use n-gram speculation only")
+        self.draft_ref = None
+        self.model_info = info = read_onnx_info(self.model_path)
+        self.plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, label=self.model_name)
+        self.n_ctx = self.plan.n_ctx
+        self.backend = OnnxRunner(self.model_path, self.n_ctx, self.n_slots, self.n_threads, cfg.ep)
+        self.gpu = OnnxPlacement(self.backend.session.get_providers())
 
     @property
     def slots(self) -> list[Slot]:
@@ -224,6 +251,8 @@ class Engine(PromptQueries):
         """Queue texts or token arrays for embedding (engine/embeddings.py); bad inputs raise
         EmbeddingInputError here. `on_done(job)` is called on the engine thread at its end."""
         self._check_running()
+        if self.embedder is None:
+            raise UsageError("embeddings need a GGUF model; ONNX folders do not compute them")
         job = EmbeddingJob(self.embedder.prepare(inputs, truncate), on_done)
         with self._lock:
             self._check_running()
@@ -297,9 +326,10 @@ class Engine(PromptQueries):
         self.scheduler.close()
         if self.draft is not None:
             self.draft.close()
-        self.embedder.close()
-        if self.embedder.backend is not self.backend:
-            self.embedder.backend.close()
+        if self.embedder is not None:
+            self.embedder.close()
+            if self.embedder.backend is not self.backend:
+                self.embedder.backend.close()
         self.backend.close()
 
     def __enter__(self):
@@ -424,10 +454,11 @@ class Engine(PromptQueries):
     # ---------------------------------------------------------------- the engine thread
     def _run(self) -> None:
         reason = "closed"
-        sched = self.scheduler
+        sched, embedder = self.scheduler, self.embedder
+        embedding = embedder is not None
         try:
             while True:
-                block = not sched.active and not sched.waiting and not self.embedder.pending
+                block = not sched.active and not sched.waiting and not (embedding and embedder.pending)
                 try:
                     item = self._inbox.get(timeout=IDLE_SNAPSHOT_S) if block else self._inbox.get_nowait()
                 except queue.Empty:
@@ -438,7 +469,7 @@ class Engine(PromptQueries):
                         if block and sched.n_parallel > 1:
                             time.sleep(BATCH_WINDOW_S)
                     elif isinstance(item, EmbeddingJob):
-                        self.embedder.add(item)
+                        embedder.add(item)
                     elif isinstance(item, _Command):
                         if self._command(item):
                             return
@@ -451,8 +482,8 @@ class Engine(PromptQueries):
                             sched.step()
                         # one embedding chunk per chat step: a long batch holds the streams up
                         # for a chunk's decode at a time, never for the whole batch
-                        if self.embedder.pending:
-                            self.embedder.step()
+                        if embedding and embedder.pending:
+                            embedder.step()
                 except Exception as exc:  # a bug or a llama.cpp failure: fail the running requests, keep serving
                     log.exception("engine step failed")
                     sched.fail_running(exc)
@@ -481,7 +512,8 @@ class Engine(PromptQueries):
                 item.error = EngineStoppedError(f"the engine stopped ({reason}); restart edgechat")
                 item.done.set()
         self.scheduler.end_all(unqueued, None if reason == "closed" else f"the engine stopped ({reason})")
-        self.embedder.fail_all(EngineStoppedError(f"the engine stopped ({reason}); restart edgechat"))
+        if self.embedder is not None:
+            self.embedder.fail_all(EngineStoppedError(f"the engine stopped ({reason}); restart edgechat"))
 
     def _command(self, cmd: _Command) -> bool:
         """Run one command; True when the engine is to stop. Its caller always gets an answer."""
@@ -496,7 +528,7 @@ class Engine(PromptQueries):
             if cmd.name == "positions":
                 cmd.result = self.kv.positions(slot) if slot is not None else None
             elif cmd.name == "check":
-                cmd.result = self.kv.check() + (self.draft.problems() if self.draft is not None else []) + self.embedder.problems()
+                cmd.result = self.kv.check() + (self.draft.problems() if self.draft is not None else []) + (self.embedder.problems() if self.embedder is not None else [])
             elif cmd.name == "continue":
                 cmd.result = self.scheduler.continuation(*cmd.arg)
             elif cmd.name == "top_logits":

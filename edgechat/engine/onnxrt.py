@@ -1,6 +1,6 @@
 """The onnxruntime backend for ONNX model folders: `OnnxRunner`, the onnxruntime `ModelRunner`
-(engine/runner.py), and `OnnxEngine`, an engine with the same public API as engine.core.Engine
-on one sequence of it, so the TUI, `run` and `serve` take a folder wherever they take a GGUF.
+(engine/runner.py) that `core.Engine` runs a folder on, so the TUI, `run` and `serve` take a
+folder wherever they take a GGUF, with the same scheduler, KV manager and output processor.
 
 Compute is one onnxruntime session (the graph `edgechat quantize --format onnx` writes, or
 onnxruntime-genai's). The KV cache is one buffer per layer's keys and values with a row per
@@ -10,64 +10,24 @@ attention mask. Text goes through llama.cpp's tokenizer from the folder's vocabu
 sampling through the same native sampler chain as the llama.cpp backend, applied to
 onnxruntime's logits: the same parameters give the same choices, and the same seed the same
 tokens for the same logits.
-
-`OnnxEngine` serves requests one after another, each reusing the longest prefix it shares with
-what the cache holds. A full context drops the older half after the pinned prefix and
-recomputes (the `truncate` policy; rotated keys cannot be shifted).
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import json
-import logging
 import os
-import queue
 import struct
-import threading
-import time
 from pathlib import Path
 
 import llama_cpp as L
 import numpy as np
 
-from edgechat.config import get_paths
-from edgechat.engine import planner
-from edgechat.engine.llama import LlamaBackend, _ensure_backend, token_logprobs
-from edgechat.engine.metrics import RequestClock
-from edgechat.engine.prompt import Prepared, PromptBuilder, PromptQueries
-from edgechat.engine.reasoning import Thinking
-from edgechat.engine.request import (
-    FINISH_REASONS,
-    ChatRequest,
-    ContextPolicy,
-    Evicted,
-    Finished,
-    Grammar,
-    Metrics,
-    RequestHandle,
-    RequestStatus,
-    SamplingParams,
-    TextDelta,
-    TokenLogprob,
-)
+from edgechat.engine.llama import LlamaBackend, _ensure_backend
 from edgechat.engine.runner import ListBatch
-from edgechat.engine.sampling import SamplerChain, grammar_parses
-from edgechat.engine.stream import OutputProcessor
-from edgechat.engine.templates import choose_format
-from edgechat.errors import (
-    EngineBusyError,
-    EngineStoppedError,
-    ModelFormatError,
-    UsageError,
-)
-from edgechat.models import display_name, resolve_model
-from edgechat.models.onnxinfo import read_onnx_info
+from edgechat.errors import ModelFormatError, UsageError
 
-log = logging.getLogger("edgechat.engine")
-
-#: prompt tokens per onnxruntime run: bounds attention's scratch memory; cancellation is checked between
+#: rows one onnxruntime run takes at most (n_batch): bounds attention's scratch memory
 PREFILL_CHUNK = 512
 #: one line for a missing onnxruntime (run -m FOLDER, doctor)
 MISSING = "ONNX models need onnxruntime (pip install onnxruntime; on Termux: pkg install python-onnxruntime)"
@@ -373,7 +333,7 @@ _STATE_HEADER = struct.Struct("<4sIIIII")
 _STATE_MAGIC = b"EKV1"
 
 
-class _Cpu:
+class OnnxPlacement:
     """Where the layers run, as the TUI's status line shows it (engine.gpu.describe())."""
 
     def __init__(self, providers: list[str]):
@@ -381,286 +341,3 @@ class _Cpu:
 
     def describe(self) -> str:
         return f"onnxruntime {self._providers[0].removesuffix('ExecutionProvider')}"
-
-
-class _Run:
-    def __init__(self, handle: RequestHandle, request: ChatRequest, prep: Prepared, clock: RequestClock):
-        self.handle, self.request, self.prep, self.clock = handle, request, prep, clock
-
-
-class OnnxEngine(PromptQueries):
-    """engine.core.Engine's public API over an ONNX folder (see the module docstring)."""
-
-    def __init__(self, config):
-        self.config = cfg = config
-        self.paths = cfg.paths or get_paths()
-        self.model_path: Path = resolve_model(cfg.model, self.paths)
-        self.model_info = info = read_onnx_info(self.model_path)
-        #: what a request's sampling starts from: the model's recommended settings where its file
-        #: has them, else SamplingParams' own defaults (front ends lay the user's choices on top)
-        self.default_sampling = SamplingParams(**info.sampling)
-        self.plan = planner.choose_context(info, cfg.n_ctx)  # float32 cells: info.kv_element_bytes
-        self.n_ctx = self.plan.n_ctx
-        self.n_threads = cfg.n_threads or planner.default_threads()
-        self.model_name = display_name(cfg.model, self.model_path)
-        # one sequence: this engine serves its requests one after another
-        self.runner = self.vocab = voc = OnnxRunner(self.model_path, self.n_ctx, 1, self.n_threads, cfg.ep)
-        self._batch = voc.new_batch(PREFILL_CHUNK)
-        self.gpu = _Cpu(self.runner.session.get_providers())
-        self.format = choose_format(
-            cfg.chat_template or voc.meta("tokenizer.chat_template"), voc.meta("general.architecture") or info.architecture,
-            voc.token_text(voc.bos) if voc.bos >= 0 else "", voc.token_text(voc.eos) if voc.eos >= 0 else "",
-            self._is_special_token,
-        )
-        self.template_mode, self.template_warning = self.format.mode, self.format.warning
-        self.draft, self.draft_warning = None, None  # no speculative decoding here
-        tokenize = functools.partial(voc.tokenize, add_bos=False, special=True)  # a template's text, its markers parsed
-        self.prompts = PromptBuilder(self.format, tokenize, voc.bos if voc.add_bos else None, self.n_ctx)
-        self.thinking = Thinking(self.format.reasoning, tokenize)
-        #: tokens whose keys and values the cache holds, at positions 0..n-1
-        self.cached: list[int] = []
-        self._inbox: queue.Queue = queue.Queue()
-        self._waiting = 0
-        self._running = 0
-        self._decode_calls = 0
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="edgechat-onnx", daemon=True)
-        self._thread.start()
-
-    # ---------------------------------------------------------------- public API (any thread)
-    def submit(self, request: ChatRequest, on_event=None, prepared: Prepared | None = None) -> RequestHandle:
-        self._check_running()
-        if request.speculative not in (None, "auto", "off"):
-            raise UsageError("speculative decoding is not available with ONNX models")
-        clock = RequestClock()
-        prep = prepared if prepared is not None else self.prompts.prepare(request, self._policy(request))
-        if prepared is not None:
-            self.prompts.check(request, prep)
-        clock.tokenize = time.perf_counter() - clock.submitted
-        handle = RequestHandle(request, on_event)
-        with self._lock:
-            self._check_running()
-            if self.config.max_queue is not None and self._waiting >= self.config.max_queue:
-                raise EngineBusyError("the engine's queue is full; try again shortly")
-            self._waiting += 1
-            self._inbox.put(_Run(handle, request, prep, clock))
-        return handle
-
-    def embed(self, inputs, truncate: bool = False, on_done=None):
-        raise UsageError("embeddings need a GGUF model; ONNX folders do not compute them")
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.vocab.tokenize(text, add_bos=False, special=False)
-
-    def grammar_parses(self, grammar: Grammar) -> bool:
-        return grammar_parses(self.vocab.vocab, grammar)
-
-    def detokenize(self, tokens: list[int]) -> str:
-        # llama.cpp aborts the process on an id outside the vocabulary
-        if any(not 0 <= t < self.vocab.n_vocab for t in tokens):
-            raise UsageError(f"token ids must be between 0 and {self.vocab.n_vocab - 1}")
-        return self.vocab.detokenize(tokens)
-
-    def stats(self) -> dict:
-        return {
-            "running": self._running,
-            "waiting": self._waiting,
-            "kv_used": len(self.cached) if self._running else 0,
-            "kv_cached": 0 if self._running else len(self.cached),
-            "kv_total": self.n_ctx,
-            "n_parallel": 1,
-            "decode_calls": self._decode_calls,
-        }
-
-    def release_session(self, session: str, wait: bool = True) -> None:
-        """Nothing to write: the one cache is reused by prefix, whoever's it was."""
-
-    def forget_session(self, session: str) -> None:
-        """Nothing is kept per conversation."""
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._inbox.put(None)
-        self._thread.join(timeout=60)
-        if self._thread.is_alive():
-            log.warning("the ONNX engine thread did not stop; leaving its model loaded")
-            return
-        self.vocab.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    # ---------------------------------------------------------------- helpers
-    def _check_running(self) -> None:
-        if self._closed or not self._thread.is_alive():
-            raise EngineStoppedError("the engine is closed; load the model again")
-
-    def _is_special_token(self, text: str) -> bool:
-        toks = self.vocab.tokenize(text, add_bos=False, special=True)
-        return len(toks) == 1 and self.vocab.is_control(toks[0])
-
-    def _policy(self, request: ChatRequest) -> ContextPolicy:
-        # rotated keys cannot move to new positions, and nothing here writes summaries
-        return ContextPolicy.TRUNCATE
-
-    # ---------------------------------------------------------------- the engine thread
-    def _loop(self) -> None:
-        while True:
-            item = self._inbox.get()
-            if item is None:
-                break
-            with self._lock:
-                self._waiting -= 1
-                self._running = 1
-            try:
-                self._serve(item)
-            except Exception as exc:  # a bug or an onnxruntime failure: this request fails, the next runs
-                log.exception("ONNX generation failed")
-                self.cached = []
-                if item.handle.finished is None:
-                    self._finish(item, RequestStatus.FINISHED_ERROR, None, [], 0, str(exc) or type(exc).__name__)
-            finally:
-                self._running = 0
-        # closing: whatever is still queued ends as cancelled
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, _Run):
-                self._finish(item, RequestStatus.FINISHED_CANCELLED, None, [], 0)
-
-    def _forward(self, tokens: list[int], start: int) -> np.ndarray:
-        """Run `tokens` at positions start.. after the cache's first `start` cells; the last one's logits."""
-        runner, batch = self.runner, self._batch
-        runner.seq_rm(0, start, -1)
-        batch.clear()
-        for i, token in enumerate(tokens):
-            batch.add(token, start + i, 0, i == len(tokens) - 1)
-        runner.decode(batch)
-        return runner.logits(len(tokens) - 1)
-
-    def _prefill(self, tokens: list[int], handle: RequestHandle | None = None) -> np.ndarray | None:
-        """Extend the cache with `tokens` after the reused prefix; the last one's logits (None if
-        cancelled first)."""
-        keep = _common_prefix(self.cached, tokens)
-        if keep == len(tokens):
-            keep -= 1  # its logits are not kept: run the last token again
-        self.cached = self.cached[:keep]
-        logits = None
-        for start in range(keep, len(tokens), PREFILL_CHUNK):
-            if handle is not None and handle.cancelled:
-                return None
-            chunk = tokens[start : start + PREFILL_CHUNK]
-            logits = self._forward(chunk, start)
-            self._decode_calls += 1
-            self.cached = tokens[: start + len(chunk)]
-        return logits
-
-    def _step(self, token: int) -> np.ndarray:
-        logits = self._forward([token], len(self.cached))
-        self._decode_calls += 1
-        self.cached.append(token)
-        return logits
-
-    def _make_room(self, run: _Run) -> None:
-        """Context full mid-answer: drop the older half after the pinned prefix, recompute the rest."""
-        keep = min(run.prep.keep, len(self.cached) - 2)
-        drop = max((len(self.cached) - keep) // 2, 1)
-        rest = self.cached[keep + drop :]
-        self.cached = self.cached[:keep]
-        self._prefill(self.cached + rest)
-        run.handle.emit(Evicted(0, drop, ContextPolicy.TRUNCATE.value, f"{drop} older tokens left the context"))
-
-    def _serve(self, run: _Run) -> None:
-        handle, req, prep, clock = run.handle, run.request, run.prep, run.clock
-        if handle.cancelled:
-            self._finish(run, RequestStatus.FINISHED_CANCELLED, None, [], 0)
-            return
-        clock.admitted = time.perf_counter()
-        handle.status = RequestStatus.RUNNING
-        if prep.evicted_now:
-            n = prep.evicted_now
-            handle.emit(Evicted(n, 0, ContextPolicy.TRUNCATE.value, f"{n} oldest message{'s' if n > 1 else ''} left the context"))
-        if self.config.deterministic:
-            self.cached = []  # prefilled from position 0 in the same chunks every time it is sent
-        cached = min(_common_prefix(self.cached, prep.tokens), len(prep.tokens) - 1)
-        sampler = SamplerChain(req.sampling, self.vocab.n_vocab, self.vocab.vocab, req.grammar)
-        proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos, splitter=self.thinking.splitter(req, prep))
-        out: list[int] = []
-        logprobs: list[TokenLogprob] | None = [] if req.logprobs is not None else None
-        sent = 0  # logprobs delivered with a TextDelta
-        try:
-            sampler.accept_prompt(prep.tokens)
-            logits = self._prefill(prep.tokens, handle)
-            status = RequestStatus.FINISHED_CANCELLED
-            while logits is not None and not handle.cancelled:
-                token = sampler.choose(logits)
-                clock.token()
-                if self.vocab.is_eog(token) and not req.ignore_eos:
-                    status = RequestStatus.FINISHED_STOPPED
-                    break
-                out.append(token)
-                if logprobs is not None:  # the model's own distribution, before the sampler's changes
-                    logprob, top = token_logprobs(logits, token, req.logprobs)
-                    piece = self.vocab.piece
-                    logprobs.append(TokenLogprob(piece(token), logprob, [(piece(t), lp) for t, lp in top], token, [t for t, _ in top]))
-                sent = self._emit(handle, proc, proc.feed(self.vocab.piece(token), token), logprobs, sent)
-                if proc.stopped:
-                    status = RequestStatus.FINISHED_REPEATING if proc.repeating else RequestStatus.FINISHED_STOPPED
-                    break
-                if req.max_tokens is not None and len(out) >= req.max_tokens:
-                    status = RequestStatus.FINISHED_LENGTH
-                    break
-                new = [token]
-                if self.thinking.spent(req, proc):
-                    # the budget is spent: the end of the thoughts goes into the sequence as if
-                    # the model had written it, and the answer follows (as in the llama.cpp engine)
-                    for closing in self.thinking.closing:
-                        out.append(closing)
-                        sent = self._emit(handle, proc, proc.feed(self.vocab.piece(closing), closing), logprobs, sent)
-                    new += self.thinking.closing
-                if len(self.cached) + len(new) > self.n_ctx:
-                    self._make_room(run)
-                logits = self._step(token) if len(new) == 1 else self._prefill(self.cached + new, handle)
-            else:  # stopped or cancelled by its client
-                status = handle.end_status
-        finally:
-            sampler.free()
-        self._finish(run, status, proc, out, cached, logprobs=logprobs, sent=sent)
-
-    @staticmethod
-    def _emit(handle: RequestHandle, proc: OutputProcessor, text: str, logprobs: list[TokenLogprob] | None, sent: int) -> int:
-        """The thoughts and text released now, with the log probabilities of the tokens sampled
-        since the last delivery (the engine's closing tokens have none); returns how many are delivered."""
-        for part, reasoning in proc.parts(text):
-            handle.emit(TextDelta(part, logprobs[sent:] if logprobs is not None else None, reasoning))
-            sent = len(logprobs) if logprobs is not None else 0
-        return sent
-
-    def _finish(self, run: _Run, status: RequestStatus, proc: OutputProcessor | None, out: list[int], cached: int,
-                error: str | None = None, logprobs: list[TokenLogprob] | None = None, sent: int = 0) -> None:
-        if proc is not None and status is not RequestStatus.FINISHED_ERROR:
-            self._emit(run.handle, proc, proc.finish(), logprobs, sent)
-        run.handle.status = status
-        metrics = run.clock.build(len(run.prep.tokens), cached, len(out), len(self.cached), self.n_ctx)
-        metrics.reasoning_tokens = proc.reasoning_tokens if proc is not None else 0
-        run.handle.emit(Metrics(metrics))
-        run.handle.emit(Finished(FINISH_REASONS[status], proc.text if proc else "", metrics, error, out, logprobs,
-                                 repeating=status is RequestStatus.FINISHED_REPEATING,
-                                 reasoning=proc.reasoning if proc is not None else "",
-                                 stop_sequence=proc.stop_found if proc else None))
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

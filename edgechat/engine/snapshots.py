@@ -23,9 +23,12 @@ PROMPT_PREFIX = "\x00prompt:"
 
 
 def model_fingerprint(path: Path, cache_dir: Path) -> str:
-    """sha256 of the model's files (every part of a split model), remembered per (path, size,
-    mtime) so it is computed once."""
-    parts = [path.parent / name for name in split_part_names(path.name)]
+    """sha256 of the model's files (every part of a split model, every file of an ONNX
+    folder), remembered per (path, size, mtime) so it is computed once."""
+    if path.is_dir():
+        parts = sorted(p for p in path.rglob("*") if p.is_file())
+    else:
+        parts = [path.parent / name for name in split_part_names(path.name)]
     stamp = "|".join(f"{p.resolve()}|{p.stat().st_size}|{p.stat().st_mtime_ns}" for p in parts)
     key = hashlib.sha256(stamp.encode()).hexdigest()[:32]
     memo = cache_dir / "model-hashes" / key
