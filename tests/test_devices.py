@@ -20,6 +20,7 @@ from edgechat.engine.devices import Device
 from edgechat.engine.request import ChatRequest, SamplingParams
 from edgechat.errors import UsageError
 from edgechat.models import read_model_info
+from edgechat.models.settings import with_model_settings
 
 
 def gpu(free: int) -> Device:
@@ -78,10 +79,12 @@ def test_a_cpu_only_build_says_in_one_line_that_gpu_layers_does_nothing(isolated
 def test_a_models_gpu_layers_setting_is_read_from_config(isolated_dirs, smollm2_path):
     isolated_dirs.config_file.parent.mkdir(parents=True, exist_ok=True)
     isolated_dirs.config_file.write_text('[models."smollm2-135m-instruct"]\ngpu_layers = "several"\n')
+    # read by the front ends (models/settings.py), which hand the engine the value; checked before anything loads
     with pytest.raises(UsageError, match=r"not 'several' \(--gpu-layers, or gpu_layers in config.toml\)"):
-        Engine(EngineConfig(model="smollm2-135m-instruct", n_ctx=512, paths=isolated_dirs))
+        with_model_settings(EngineConfig(model="smollm2-135m-instruct", n_ctx=512, paths=isolated_dirs))
     # an explicit value wins over the setting
-    with Engine(EngineConfig(model="smollm2-135m-instruct", n_ctx=512, n_gpu_layers=0, paths=isolated_dirs)) as engine:
+    given = EngineConfig(model="smollm2-135m-instruct", n_ctx=512, n_gpu_layers=0, paths=isolated_dirs)
+    with Engine(with_model_settings(given)) as engine:
         assert engine.gpu.describe() == "CPU"
 
 

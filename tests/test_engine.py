@@ -10,7 +10,7 @@ from neartie import assert_same_or_near_tie
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams, TextDelta
 from edgechat.engine.stream import OutputProcessor
 from edgechat.engine.templates import choose_format
-from edgechat.errors import PromptTooLongError, UsageError
+from edgechat.errors import InvalidFieldError, PromptTooLongError, UsageError
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -53,6 +53,19 @@ def test_same_seed_same_text_and_seeds_matter(smol):
     runs = [ask(smol, "Tell me a story about a cat.", max_tokens=32, sampling=SamplingParams(seed=s, **hot)).text for s in (7, 7, 8)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
+
+
+def test_top_p_zero_keeps_only_the_most_likely_token_and_a_zero_repeat_penalty_is_refused(smol):
+    """The ends of the one table of sampling limits (engine/params.py) on the real model: top_p 0
+    (which OpenAI takes) is greedy at any temperature; a repeat penalty of 0 would divide by zero."""
+    greedy = ask(smol, "Tell me a story about a cat.", max_tokens=24)
+    for seed in (7, 8):
+        nucleus = ask(smol, "Tell me a story about a cat.", max_tokens=24,
+                      sampling=SamplingParams(temperature=1.5, top_k=0, top_p=0.0, min_p=0.0, seed=seed))
+        assert nucleus.token_ids == greedy.token_ids
+    with pytest.raises(InvalidFieldError, match=r"repeat_penalty must be above 0") as err:
+        ask(smol, "hi", sampling=SamplingParams(repeat_penalty=0.0))
+    assert err.value.param == "repeat_penalty" and smol.stats()["running"] == 0
 
 
 def test_max_tokens_and_ignore_eos(smol):

@@ -140,10 +140,19 @@ def test_ten_turns_send_no_old_thoughts_and_reuse_the_cache(thinker):
     history, cached, answers, prompts = [], [], [], []
     for turn in range(10):
         history.append({"role": "user", "content": f"Question {turn}: name a fruit and its colour."})
-        request = ChatRequest(messages=list(history), sampling=GREEDY, max_tokens=24, reasoning_budget=8, session="ten")
+        # ignore_eos: SmolLM2 under this template may end a turn before thinking, and every turn
+        # here must have thoughts that the next prompt leaves out
+        request = ChatRequest(messages=list(history), sampling=GREEDY, max_tokens=24, reasoning_budget=8,
+                              session="ten", ignore_eos=True)
         prompts.append(thinker.prompt_tokens(request))
         done = thinker.submit(request).result()
         assert done.reasoning
+        # the cache holds the prompt and then exactly what was written, the budget's closing
+        # tokens included (a budget spent inside a draft's verification once put a token in twice)
+        held = next(s for s in thinker.slots if s.session == "ten").tokens
+        assert held[: len(prompts[-1])] == prompts[-1]
+        assert held[len(prompts[-1]) :] == done.token_ids[: len(held) - len(prompts[-1])]
+        assert len(held) - len(prompts[-1]) >= len(done.token_ids) - 1
         cached.append(done.metrics.cached_tokens)
         # what the client keeps of the turn, thoughts included, as llama-server's raw clients do
         history.append({"role": "assistant", "content": f"<think>{done.reasoning}</think>{done.text}"})

@@ -9,11 +9,11 @@ import pytest
 
 from edgechat.engine.kvcache import KVManager
 from edgechat.engine.metrics import RequestClock
+from edgechat.engine.params import SpeculativeMode
 from edgechat.engine.prompt import Prepared
 from edgechat.engine.request import ChatRequest, ContextPolicy, Finished, RequestHandle, SamplingParams, TextDelta
 from edgechat.engine.scheduler import PREFILL_CHUNK_BUSY, Phase, Running, Scheduler
 from edgechat.engine.sessions import ConversationStates
-from edgechat.engine.speculative import SpeculativeMode
 from tests.fake_runner import EOS, FakeRunner, cycle, text_of, tokens_of
 
 

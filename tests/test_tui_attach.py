@@ -328,7 +328,7 @@ async def test_shipped_and_configured_presets_load(paths):
     with pytest.raises(UsageError, match=r"\[presets\.hot\]: unknown temperture; a preset takes description, model, "):
         load_presets(paths)
     paths.config_file.write_text('[presets.hot]\ntop_p = 7\n')
-    with pytest.raises(UsageError, match=r"\[presets\.hot\]: top-p must be above 0 and at most 1$"):
+    with pytest.raises(UsageError, match=r"\[presets\.hot\]: top-p must be between 0 and 1 \(got 7\); 1 = off$"):
         load_presets(paths)
 
 

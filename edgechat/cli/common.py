@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 import click
 
+from edgechat.engine.params import FlashAttn, KVType, SpeculativeMode, SwaCache, values
 from edgechat.engine.request import DEFAULT_MAX_TOKENS
 from edgechat.errors import EdgechatError
 
@@ -19,14 +21,14 @@ data_dir_option = click.option(
 
 flash_attn_option = click.option(
     "--flash-attn",
-    type=click.Choice(["auto", "on", "off"]),
+    type=click.Choice(values(FlashAttn)),
     default="auto",
     help="llama.cpp flash attention (off can be faster deep into long chats on CPUs).",
 )
 
 swa_cache_option = click.option(
     "--swa-cache",
-    type=click.Choice(["auto", "full", "small"]),
+    type=click.Choice(values(SwaCache)),
     default="auto",
     help="Sliding-window models (Gemma 3): small keeps only the window of the sliding layers (3-5x less KV "
     "memory; conversations then truncate instead of shifting); auto uses it where the full cache does not fit.",
@@ -42,12 +44,16 @@ draft_model_option = click.option(
 )
 
 
+kv_type_option = click.option("--kv-type", type=click.Choice(values(KVType)), default=KVType.F16.value, show_default=True,
+                              help="KV cache element type (q8_0: half f16's memory).")
+
+
 def speculative_option(command):
     """--speculative and --draft-model: the two go together."""
     command = draft_model_option(command)
     return click.option(
         "--speculative",
-        type=click.Choice(["auto", "off", "lookup", "draft"]),
+        type=click.Choice(values(SpeculativeMode)),
         default="auto",
         help="Speculative decoding (same output, fewer model passes): auto guesses from the text so far and with "
         "the draft model, where that pays; lookup always guesses from the text; draft always asks the draft "
@@ -159,14 +165,33 @@ def model_options(func=None, *, many: bool = False):
     return click.option("-m", "--model", default=None, help="Model: short name, path to a .gguf, or Hub reference.")(func)
 
 
+class _FiniteRange(click.FloatRange):
+    """click's FloatRange lets nan through (every comparison with it is false)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return number
+
+
+def _sampling_option(name: str):
+    """--NAME with the range of the engine's one table of sampling limits."""
+    from edgechat.engine.params import SAMPLING_LIMITS
+
+    limit = SAMPLING_LIMITS[name]
+    if limit.kind is int:
+        kind = click.IntRange(int(limit.lo), None if limit.hi is None else int(limit.hi), min_open=limit.lo_open)
+    else:
+        kind = _FiniteRange(limit.lo, limit.hi, min_open=limit.lo_open)
+    return click.option(f"--{name.replace('_', '-')}", type=kind, default=None,
+                        help=f"{limit.meaning[0].upper()}{limit.meaning[1:]} ({limit.off}).")
+
+
 def sampling_options(func):
     """The sampling knobs every generating command accepts."""
     opts = [
-        click.option("--temperature", type=click.FloatRange(min=0.0), default=None, help="0 = greedy."),
-        click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=None),
-        click.option("--top-k", type=click.IntRange(min=0), default=None),
-        click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=None),
-        click.option("--repeat-penalty", type=click.FloatRange(min=0.0), default=None),
+        *(_sampling_option(name) for name in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty")),
         click.option("--seed", type=int, default=None, help=SEED_HELP),
         click.option("--max-tokens", type=click.IntRange(min=1), default=None,
                      help=f"Most tokens in the answer (default: {DEFAULT_MAX_TOKENS}; an answer cut there ends with "

@@ -13,6 +13,7 @@ import click
 from edgechat.cli.common import data_dir_option, rpc_option
 from edgechat.config import get_paths
 from edgechat.engine import planner
+from edgechat.engine.params import KVType
 from edgechat.engine.reasoning import reasoning_format
 from edgechat.errors import EdgechatError, UsageError
 from edgechat.models import known_model_names, resolve_model
@@ -21,9 +22,9 @@ from edgechat.models.hub import is_downloaded
 from edgechat.models.onnxinfo import is_onnx_folder, read_info
 
 
-def _model_rows(paths, kv_type: str = "f16", names: list[str] | None = None) -> list[dict]:
-    from edgechat.config import model_settings
+def _model_rows(paths, kv_type: KVType = KVType.F16, names: list[str] | None = None) -> list[dict]:
     from edgechat.engine import devices
+    from edgechat.models.settings import own_settings
 
     gpus = devices.gpu_devices()
     rows = []
@@ -41,7 +42,7 @@ def _model_rows(paths, kv_type: str = "f16", names: list[str] | None = None) -> 
             # the split `edgechat run -m NAME` would use: the model's gpu_layers setting (else
             # auto) at the default context
             plan = planner.plan_for(info, min(max(info.context_length, planner.MIN_CTX), planner.DEFAULT_CTX_CAP), 1, kv_type)
-            device = planner.gpu_split(info, plan, model_settings(paths, name).get("gpu_layers"), gpus).describe()
+            device = planner.gpu_split(info, plan, own_settings(paths, name).get("gpu_layers"), gpus).describe()
         rows.append(
             {
                 "name": name,
@@ -52,7 +53,7 @@ def _model_rows(paths, kv_type: str = "f16", names: list[str] | None = None) -> 
                 "trained_ctx": info.context_length,
                 # as the planner counts it: every layer, sliding ones included (full SWA cache)
                 "kv_per_token": info.kv_cache_bytes(1, planner.kv_bytes(info, kv_type), swa_full=True),
-                "kv_per_token_q8": info.kv_cache_bytes(1, planner.kv_bytes(info, "q8_0"), swa_full=True),
+                "kv_per_token_q8": info.kv_cache_bytes(1, planner.kv_bytes(info, KVType.Q8_0), swa_full=True),
                 "fits_ctx": fits,
                 "device": device,
             }

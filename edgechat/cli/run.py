@@ -20,6 +20,7 @@ from edgechat.cli.common import (
     deterministic_setting,
     flash_attn_option,
     gpu_layers_note,
+    kv_type_option,
     model_options,
     sampling_options,
     speculative_option,
@@ -27,6 +28,7 @@ from edgechat.cli.common import (
 )
 from edgechat.cli.sessions import find_session
 from edgechat.config import get_paths, read_chat_template
+from edgechat.engine.params import values
 from edgechat.engine.request import DEFAULT_MAX_TOKENS, ChatRequest, ContextPolicy, Evicted, SamplingParams, TextDelta
 from edgechat.errors import EdgechatError, UsageError
 from edgechat.store import open_store
@@ -69,11 +71,11 @@ def read_prompt(prompt: str | None) -> str | None:
               help="Continue PROMPT as plain text, no chat template (base models such as gemma3-270m).")
 @click.option(
     "--context-policy",
-    type=click.Choice([p.value for p in ContextPolicy]),
+    type=click.Choice(values(ContextPolicy)),
     default=None,
     help="When the context is full: shift (default), truncate or summarize.",
 )
-@click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", help="KV cache element type.")
+@kv_type_option
 @flash_attn_option
 @swa_cache_option
 @speculative_option
@@ -91,6 +93,7 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
             think, hide_thinking, chat_template, as_json, prompt, data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
     from edgechat.engine import EngineConfig, open_engine
+    from edgechat.models.settings import with_model_settings
 
     text = read_prompt(prompt)
     if text is not None and not text.strip():
@@ -113,6 +116,8 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
     cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers, rpc_servers=rpc, kv_type=kv_type,
                        flash_attn=flash_attn, swa_cache=swa_cache, speculative=speculative, draft_model=draft_model, ep=ep, paths=paths,
                        deterministic=deterministic_setting(deterministic, paths), chat_template=read_chat_template(chat_template))
+    # the model's own gpu_layers and chat_template from config.toml, where the options gave none
+    cfg = with_model_settings(cfg)
     if session is not None:
         finished = _session_turn(cfg, session, text, system, context_policy, params, sampling, as_json, not hide_thinking)
     else:

@@ -15,6 +15,7 @@ from edgechat.cli.common import (
     deterministic_setting,
     flash_attn_option,
     gpu_layers_note,
+    kv_type_option,
     model_options,
     speculative_option,
     swa_cache_option,
@@ -83,7 +84,7 @@ def _models_dir(ctx, param, value: str | None) -> list[str]:
               help="Address to listen on, or several separated by commas (127.0.0.1,::1); anything but loopback exposes the model to your network.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--parallel", type=click.IntRange(1, 256), default=4, show_default=True, help="Sequences generated at once (continuous batching).")
-@click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True, help="KV cache element type.")
+@kv_type_option
 @click.option(
     "--cache-ram",
     type=click.IntRange(min=0),
@@ -160,10 +161,11 @@ def serve_cmd(
 ) -> None:
     """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /metrics),
     Anthropic's, Ollama's and llama-server's. With several -m, each loads when a request names it."""
-    from edgechat.config import get_paths, model_settings, read_chat_template
+    from edgechat.config import get_paths, read_chat_template
     from edgechat.engine import EngineConfig
     from edgechat.engine.pool import ModelPool
     from edgechat.models import DEFAULT_MODEL
+    from edgechat.models.settings import own_settings, with_model_settings
     from edgechat.server import create_app, listen
     from edgechat.server.priority import parse_class
 
@@ -187,13 +189,13 @@ def serve_cmd(
 
     def own(name: str, key: str, default, kind=int, least=1):
         """A model's own setting from config.toml's [models."NAME"] table, checked."""
-        value = model_settings(paths, name).get(key, default)
+        value = own_settings(paths, name).get(key, default)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (kind, int)) or value < least):
             raise UsageError(f"{key} for {name} in {paths.config_file} must be a number of at least {least}, not {value!r}")
         return value
 
     def config(name: str, first: bool = False) -> EngineConfig:
-        return EngineConfig(
+        return with_model_settings(EngineConfig(
             model=name,
             n_ctx=own(name, "ctx", ctx, least=64),
             n_threads=threads,
@@ -212,7 +214,7 @@ def serve_cmd(
             paths=paths,
             deterministic=deterministic,
             chat_template=template if first else None,
-        )
+        ))
 
     refs = list(models or ([] if models_dir else [DEFAULT_MODEL])) + models_dir
     pool = ModelPool(memory_budget << 20 if memory_budget is not None else None)

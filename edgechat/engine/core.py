@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgechat.config import Paths, get_paths, make_data_dir, model_settings, read_chat_template
+from edgechat.config import Paths, get_paths, make_data_dir
 from edgechat.engine import devices, planner
 from edgechat.engine.draft import DraftModel, DraftVocabError
 from edgechat.engine.embeddings import Embedder, EmbeddingJob
 from edgechat.engine.kvcache import KVManager, Slot
 from edgechat.engine.llama import LlamaBackend
 from edgechat.engine.metrics import RequestClock
+from edgechat.engine.params import CHOICES, FlashAttn, KVType, SpeculativeMode, SwaCache, choice
 from edgechat.engine.prompt import Prepared, PromptBuilder, PromptQueries
 from edgechat.engine.promptcache import PromptCache
 from edgechat.engine.request import ChatRequest, ContextPolicy, Grammar, RequestHandle, SamplingParams
@@ -33,7 +34,6 @@ from edgechat.engine.sampling import grammar_parses
 from edgechat.engine.scheduler import Running, Scheduler
 from edgechat.engine.sessions import ConversationStates
 from edgechat.engine.snapshots import SnapshotStore, model_fingerprint, state_version
-from edgechat.engine.speculative import SpeculativeMode
 from edgechat.engine.templates import choose_format
 from edgechat.errors import EdgechatError, EngineStoppedError, UsageError
 from edgechat.models import catalog_draft, display_name, read_model_info, resolve_model
@@ -55,16 +55,17 @@ class EngineConfig:
     n_threads: int | None = None
     n_parallel: int = 1  # requests decoded together
     hot_sessions: int = 0  # extra sequences that keep idle conversations in memory
-    kv_type: str = "f16"
+    kv_type: KVType = KVType.F16
     #: llama.cpp's flash attention: "auto" (on for CPU) is fastest for short contexts; on this
     #: 2-core CPU "off" answers sooner deep into long chats (see docs/ARCHITECTURE.md)
-    flash_attn: str = "auto"
+    flash_attn: FlashAttn = FlashAttn.AUTO
     #: sliding-window models (Gemma 3): "full" cache, "small" (the window only: less memory, no
     #: shifting, so conversations truncate), or "auto" (small only where full does not fit)
-    swa_cache: str = "auto"
+    swa_cache: SwaCache = SwaCache.AUTO
     max_queue: int | None = None
-    #: "auto" (as many layers as the GPUs' free memory holds), "all" or a count; None: the model's
-    #: gpu_layers in config.toml, else "auto". No effect on a CPU-only build.
+    #: "auto" (as many layers as the GPUs' free memory holds), "all" or a count; None: "auto"
+    #: (front ends put a model's gpu_layers from config.toml here, models/settings.py). No effect
+    #: on a CPU-only build.
     n_gpu_layers: int | str | None = None
     #: llama.cpp RPC servers ("host:port") whose devices take layers like local GPUs
     rpc_servers: list[str] = field(default_factory=list)
@@ -75,7 +76,7 @@ class EngineConfig:
     paths: Paths | None = None
     #: speculative decoding by default: "auto" (n-gram lookup, and the draft model if any,
     #: where they pay), "off", "lookup", "draft"
-    speculative: str = "auto"
+    speculative: SpeculativeMode = SpeculativeMode.AUTO
     #: a smaller model of the same vocabulary that guesses tokens for the model to verify
     draft_model: str | None = None
     #: a GGUF that computes embeddings (engine/embeddings.py) instead of the model itself
@@ -85,7 +86,8 @@ class EngineConfig:
     #: prompt cache, no speculative decoding (llama.cpp's kernels round differently in other
     #: batch shapes, which decides near-ties). Costs batching, prefix reuse and speculation
     deterministic: bool = False
-    #: a Jinja chat template used instead of the GGUF's own (as llama-server's --chat-template-file)
+    #: a Jinja chat template used instead of the GGUF's own (as llama-server's --chat-template-file;
+    #: front ends put a model's chat_template from config.toml here, models/settings.py)
     chat_template: str | None = None
     ep: str | None = None  # an ONNX folder's onnxruntime execution provider (engine/onnxrt.py)
     #: called from the loading thread with the fraction of the model read (0..1)
@@ -94,6 +96,11 @@ class EngineConfig:
     #: engine on this model starts with them in its prompt cache: a model the server unloads
     #: when idle (engine/pool.py) resumes its clients' conversations without prefilling them
     keep_prompts: bool = False
+
+    def __post_init__(self):
+        # the enums' words from any caller; a wrong one is one line naming the others
+        for name in ("kv_type", "flash_attn", "swa_cache", "speculative"):
+            setattr(self, name, choice(CHOICES[name], getattr(self, name), name))
 
 
 @dataclass
@@ -115,10 +122,8 @@ class Engine(PromptQueries):
         self.paths = cfg.paths or get_paths()
         if cfg.n_parallel < 1:
             raise UsageError("--parallel must be at least 1")
-        if cfg.flash_attn not in ("auto", "on", "off"):
-            raise UsageError(f"flash attention must be auto, on or off (got {cfg.flash_attn!r})")
         # a verification batch is another shape than one token's step
-        self.speculative_default = SpeculativeMode.OFF if cfg.deterministic else _speculative_mode(cfg.speculative)
+        self.speculative_default = SpeculativeMode.OFF if cfg.deterministic else cfg.speculative
         #: the draft model asked for, or the one the catalog names for this model if it is here
         self.draft_ref = None if cfg.deterministic else cfg.draft_model
         if self.draft_ref is None and self.speculative_default is not SpeculativeMode.OFF:
@@ -129,7 +134,6 @@ class Engine(PromptQueries):
         self.n_threads = cfg.n_threads or planner.default_threads()
         self.n_slots = cfg.n_parallel + cfg.hot_sessions
         self.onnx = self.model_path.is_dir()
-        template = cfg.chat_template or read_chat_template(model_settings(self.paths, cfg.model, self.model_name).get("chat_template"))
         if self.onnx:
             self._open_onnx()
         else:
@@ -139,7 +143,7 @@ class Engine(PromptQueries):
         #: has them, else SamplingParams' own defaults (front ends lay the user's choices on top)
         self.default_sampling = SamplingParams(**info.sampling)
         self.format = choose_format(
-            template or be.meta("tokenizer.chat_template"),
+            cfg.chat_template or be.meta("tokenizer.chat_template"),
             be.meta("general.architecture") or info.architecture,
             be.token_text(be.bos) if be.bos >= 0 else "",
             be.token_text(be.eos) if be.eos >= 0 else "",
@@ -188,12 +192,9 @@ class Engine(PromptQueries):
         self.model_info = info = read_model_info(self.model_path)
         plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, cfg.kv_type, swa=cfg.swa_cache, label=self.model_name)
         self.plan, self.n_ctx = plan, plan.n_ctx
-        gpu_layers = cfg.n_gpu_layers
-        if gpu_layers is None:
-            gpu_layers = model_settings(self.paths, cfg.model, self.model_name).get("gpu_layers")
         if cfg.rpc_servers:
             devices.add_rpc_servers(cfg.rpc_servers)
-        self.gpu = planner.gpu_split(info, plan, gpu_layers, devices.gpu_devices())
+        self.gpu = planner.gpu_split(info, plan, cfg.n_gpu_layers, devices.gpu_devices())
         self.backend = LlamaBackend(
             self.model_path,
             n_ctx_total=self.n_ctx * self.n_slots,
@@ -231,7 +232,7 @@ class Engine(PromptQueries):
         """Queue a request. `prepared` is what prepare() built for it (its max_tokens may have
         been lowered since): the prompt is then not built twice."""
         self._check_running()
-        self._check_draft(_speculative_mode(request.speculative))
+        self._check_draft(request.speculative)
         clock = RequestClock()
         if prepared is None:
             prep = self.prompts.prepare(request, self._policy(request))
@@ -589,12 +590,3 @@ class Engine(PromptQueries):
             }
             self._snapshots = SnapshotStore(self.paths.snapshots, tags, self.config.snapshot_budget)
         return self._snapshots
-
-
-def _speculative_mode(value: str | None) -> SpeculativeMode | None:
-    if value is None:
-        return None
-    try:
-        return SpeculativeMode(value)
-    except ValueError:
-        raise UsageError(f"speculative decoding must be auto, off, lookup or draft (got {value!r})") from None

@@ -12,6 +12,7 @@ import platform
 import subprocess
 from dataclasses import dataclass
 
+from edgechat.engine.params import KVType, SwaCache, choice
 from edgechat.errors import ModelTooLargeError, UsageError
 from edgechat.models.ggufinfo import ModelInfo
 
@@ -19,7 +20,7 @@ from edgechat.models.ggufinfo import ModelInfo
 DEFAULT_CTX_CAP = 4096
 MIN_CTX = 512
 #: bytes per KV element by cache type (q8_0: 34 bytes per 32 values, q4_0: 18 per 32)
-KV_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+KV_BYTES: dict[str, float] = {KVType.F16: 2.0, KVType.Q8_0: 34 / 32, KVType.Q4_0: 18 / 32}
 #: leave this share of available memory to the OS and other programs
 HEADROOM = 0.85
 #: on Android the low-memory killer ends apps well before MemAvailable reaches zero
@@ -99,7 +100,7 @@ def _compute_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int = 512) -> int:
     return 4 * n_ubatch * (16 * info.n_embd + info.n_head * n_ctx) + 4 * n_vocab_guess * 8
 
 
-def plan_for(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: str = "f16", available: int | None = None,
+def plan_for(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: KVType | str = KVType.F16, available: int | None = None,
              swa_full: bool = True) -> Plan:
     avail = available_memory() if available is None else available
     swa_full = swa_full or not info.n_swa_layers
@@ -108,23 +109,18 @@ def plan_for(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: str = "f16", 
     return Plan(n_ctx, n_seq, weights, kv, _compute_bytes(info, n_ctx * n_seq), avail, swa_full)
 
 
-def kv_bytes(info: ModelInfo, kv_type: str = "f16") -> float:
+def kv_bytes(info: ModelInfo, kv_type: KVType | str = KVType.F16) -> float:
     """Bytes per KV element: the KV type's, or the runtime's where it fixes them (ONNX: float32)."""
     return info.kv_element_bytes or KV_BYTES[kv_type]
-
-
-#: --swa-cache: llama.cpp's full-size sliding-window cache, its small one, or the small one only
-#: where the full one would not fit the context
-SWA_CACHES = ("auto", "full", "small")
 
 
 def _plans(info: ModelInfo, n_ctx: int, n_seq: int, kv_type: str, available: int | None, swa: str):
     """The plans to try for one context, preferred first. The full cache can shift and rewind
     anywhere; the small one (sliding layers keep only their window: Gemma 3 needs 3-5x less KV)
     cannot shift, so its conversations truncate."""
-    if swa != "small":
+    if swa is not SwaCache.SMALL:
         yield plan_for(info, n_ctx, n_seq, kv_type, available, swa_full=True)
-    if swa != "full" and info.n_swa_layers:
+    if swa is not SwaCache.FULL and info.n_swa_layers:
         yield plan_for(info, n_ctx, n_seq, kv_type, available, swa_full=False)
 
 
@@ -132,9 +128,9 @@ def choose_context(
     info: ModelInfo,
     requested: int | None = None,
     n_seq: int = 1,
-    kv_type: str = "f16",
+    kv_type: KVType | str = KVType.F16,
     available: int | None = None,
-    swa: str = "auto",
+    swa: SwaCache | str = SwaCache.AUTO,
     label: str | None = None,
 ) -> Plan:
     """The context to run with: the requested one if it fits, else the largest that fits, capped;
@@ -143,10 +139,7 @@ def choose_context(
 
     Raises ModelTooLargeError (before llama.cpp loads anything) when not even MIN_CTX fits.
     """
-    if kv_type not in KV_BYTES:
-        raise UsageError(f"unknown KV cache type '{kv_type}'; use one of: {', '.join(KV_BYTES)}")
-    if swa not in SWA_CACHES:
-        raise UsageError(f"the SWA cache is one of {', '.join(SWA_CACHES)}, not '{swa}'")
+    kv_type, swa = choice(KVType, kv_type, "kv_type"), choice(SwaCache, swa, "swa_cache")
     trained = max(info.context_length, MIN_CTX)
     if requested is not None:
         if requested > trained:
@@ -179,11 +172,11 @@ def weights_fit(size_bytes: int, available: int | None = None) -> bool:
     return size_bytes * (1 + _UNKNOWN_OVERHEAD) <= avail * headroom()
 
 
-def max_context_that_fits(info: ModelInfo, kv_type: str = "f16", available: int | None = None) -> int:
+def max_context_that_fits(info: ModelInfo, kv_type: KVType | str = KVType.F16, available: int | None = None) -> int:
     """For `edgechat doctor`: the largest power-of-two context (up to the trained one) that fits; 0 if none."""
     best, n = 0, MIN_CTX
     while n <= info.context_length:
-        if not any(p.fits for p in _plans(info, n, 1, kv_type, available, "auto")):
+        if not any(p.fits for p in _plans(info, n, 1, kv_type, available, SwaCache.AUTO)):
             break
         best, n = n, n * 2
     return best

@@ -11,8 +11,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from edgechat.engine.params import check_sampling
 from edgechat.engine.request import ChatRequest, ContextPolicy
-from edgechat.engine.sampling import validate
 from edgechat.engine.templates import ChatFormat, validate_messages
 from edgechat.engine.tools import tool_messages
 from edgechat.errors import PromptTooLongError, UsageError
@@ -76,7 +76,7 @@ class PromptBuilder:
         return self.n_ctx - reserve
 
     def prepare(self, request: ChatRequest, policy: ContextPolicy, check_limit: bool = True) -> Prepared:
-        validate(request.sampling)
+        check_sampling(request.sampling)
         if request.max_tokens is not None and request.max_tokens < 1:
             raise UsageError(f"max_tokens must be at least 1 (got {request.max_tokens})")
         if request.ignore_eos and request.max_tokens is None:

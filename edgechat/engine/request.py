@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
+from edgechat.engine.params import ContextPolicy, SpeculativeMode, choice
+
 if TYPE_CHECKING:
     from edgechat.engine.tools import Tools
 
@@ -55,14 +57,6 @@ class Grammar:
     triggers: tuple[str, ...] = ()
 
 
-class ContextPolicy(str, enum.Enum):
-    """What to do when a conversation outgrows the context window (see engine.kvcache)."""
-
-    SHIFT = "shift"
-    TRUNCATE = "truncate"
-    SUMMARIZE = "summarize"
-
-
 @dataclass
 class ChatRequest:
     """One generation: either chat `messages` (rendered with the model's template) or a raw `prompt`."""
@@ -95,14 +89,20 @@ class ChatRequest:
     context_policy: ContextPolicy = ContextPolicy.SHIFT
     #: messages (by index) kept in context under eviction besides the system prompt
     pinned: frozenset[int] = frozenset()
-    #: speculative decoding: "auto", "off" or "lookup"; None takes the engine's setting
-    speculative: str | None = None
+    #: speculative decoding for this request; None takes the engine's setting
+    speculative: SpeculativeMode | None = None
     grammar: Grammar | None = None
     #: None: no log probabilities; n >= 0: each token's, with the n most likely alternatives
     logprobs: int | None = None
     #: another request with the same prompt (n > 1): this one starts once that one's prompt is
     #: in the cache, so it shares those cells instead of prefilling them again
     prompt_shared_with: RequestHandle | None = None
+
+    def __post_init__(self):
+        # a caller may give the enums' words ("lookup"); a wrong one is one line naming the others
+        self.context_policy = choice(ContextPolicy, self.context_policy, "context_policy")
+        if self.speculative is not None:
+            self.speculative = choice(SpeculativeMode, self.speculative, "speculative")
 
 
 class RequestStatus(enum.Enum):

@@ -9,21 +9,6 @@ import llama_cpp as L
 import numpy as np
 
 from edgechat.engine.request import Grammar, SamplingParams
-from edgechat.errors import UsageError
-
-
-def validate(params: SamplingParams) -> None:
-    """One-line errors for values llama.cpp would accept silently or crash on."""
-    if params.temperature < 0:
-        raise UsageError(f"temperature must be >= 0 (got {params.temperature}); use 0 for greedy")
-    if not 0 <= params.top_p <= 1:
-        raise UsageError(f"top_p must be between 0 and 1 (got {params.top_p})")
-    if not 0 <= params.min_p <= 1:
-        raise UsageError(f"min_p must be between 0 and 1 (got {params.min_p})")
-    if params.top_k < 0:
-        raise UsageError(f"top_k must be >= 0 (got {params.top_k}); 0 disables it")
-    if params.repeat_penalty <= 0:
-        raise UsageError(f"repeat_penalty must be > 0 (got {params.repeat_penalty}); 1 disables it")
 
 
 def uses_penalties(params: SamplingParams) -> bool:

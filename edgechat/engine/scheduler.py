@@ -23,6 +23,7 @@ from edgechat.engine.draft import DraftModel
 from edgechat.engine.kvcache import KVManager, Slot
 from edgechat.engine.llama import token_logprobs
 from edgechat.engine.metrics import RequestClock
+from edgechat.engine.params import SpeculativeMode
 from edgechat.engine.prompt import Prepared
 from edgechat.engine.reasoning import ChannelFormat, ReasoningFormat, Thinking
 from edgechat.engine.request import (
@@ -40,7 +41,7 @@ from edgechat.engine.request import (
 from edgechat.engine.runner import ModelRunner, TokenBatch
 from edgechat.engine.sampling import SamplerChain
 from edgechat.engine.sessions import ConversationStates
-from edgechat.engine.speculative import MAX_DRAFT, DraftPolicy, NgramDrafter, SpeculativeMode, StepCost
+from edgechat.engine.speculative import MAX_DRAFT, DraftPolicy, NgramDrafter, StepCost
 from edgechat.engine.stream import OutputProcessor
 from edgechat.errors import EngineBusyError
 
@@ -442,7 +443,8 @@ class Scheduler:
                 run.n_out += 1
                 run.tokens_out.append(closing)
                 self._emit_text(run, run.proc.feed(be.piece(closing), closing))
-            run.pending, run.phase = [token, *self.thinking.closing], Phase.PREFILLING
+            # a token sampled before this one in the same verification is in the cache already
+            run.pending, run.phase, run.next_token = [token, *self.thinking.closing], Phase.PREFILLING, None
             if run.drafter is not None:
                 run.drafter.extend(run.pending)
             return None

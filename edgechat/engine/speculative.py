@@ -12,7 +12,6 @@ tokens as the sequence's recent acceptance makes worth it, backing off when noth
 
 from __future__ import annotations
 
-import enum
 import statistics
 from collections import deque
 
@@ -23,13 +22,6 @@ MAX_DRAFT = 16
 START_GAIN = 1.1
 #: n-gram lengths matched, longest first: a longer match predicts its continuation better
 NGRAM_SIZES = (4, 3, 2)
-
-
-class SpeculativeMode(str, enum.Enum):
-    AUTO = "auto"  # n-gram lookup, and the draft model when one is loaded, each where it pays
-    OFF = "off"
-    LOOKUP = "lookup"  # n-gram lookup only, even where the cost model would not draft
-    DRAFT = "draft"  # the draft model only, even where the cost model would not draft
 
 
 class NgramDrafter:

@@ -8,6 +8,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edgechat.engine.params import SAMPLING_LIMITS
 from edgechat.errors import ModelFormatError, ModelNotFoundError
 
 GGUF_MAGIC = b"GGUF"
@@ -275,22 +276,22 @@ def read_model_info(path: str | Path) -> ModelInfo:
 
 
 #: GGUF's general.sampling keys (llama.cpp reads them as its defaults too) and the SamplingParams
-#: field each sets, with the range a value must be in to be taken
+#: field each sets
 _SAMPLING_KEYS = {
-    "temp": ("temperature", float, 0.0, 2.0),
-    "top_k": ("top_k", int, 0, 1 << 20),
-    "top_p": ("top_p", float, 0.0, 1.0),
-    "min_p": ("min_p", float, 0.0, 1.0),
-    "penalty_repeat": ("repeat_penalty", float, 0.0, 10.0),
-    "penalty_last_n": ("penalty_last_n", int, 0, 1 << 20),
+    "temp": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "penalty_repeat": "repeat_penalty",
+    "penalty_last_n": "penalty_last_n",
 }
 
 
 def _recommended_sampling(fields: dict) -> dict:
     out = {}
-    for key, (name, kind, lo, hi) in _SAMPLING_KEYS.items():
-        value = fields.get(f"general.sampling.{key}")
-        # a value of the wrong type or out of range is a broken header, not a setting: ignored
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi:
-            out[name] = kind(value)
+    for key, name in _SAMPLING_KEYS.items():
+        limit, value = SAMPLING_LIMITS[name], fields.get(f"general.sampling.{key}")
+        # a value of the wrong type or out of the engine's range is a broken header, not a setting: ignored
+        if limit.accepts(value):
+            out[name] = limit.check(value)
     return out

@@ -13,10 +13,12 @@ import json
 import math
 from dataclasses import dataclass
 
+from edgechat.engine.params import SAMPLING_LIMITS, SpeculativeMode, choice
 from edgechat.engine.request import ChatRequest, Grammar, SamplingParams
 from edgechat.engine.schema_grammar import check_schema, schema_rules
 from edgechat.engine.tools import Tools, tool_grammar
-from edgechat.server.errors import ApiError, bad_request
+from edgechat.errors import InvalidFieldError
+from edgechat.server.errors import ApiError, bad_request, field_error
 from edgechat.server.settings import ServerSettings
 from edgechat.server.structured import check_gbnf, response_format_grammar
 from edgechat.server.tools import parse_tools
@@ -175,14 +177,15 @@ def _opt_bool(body: dict, name: str) -> bool:
     return value
 
 
-def _speculative(body: dict) -> str | None:
+def _speculative(body: dict) -> SpeculativeMode | None:
     """edgechat's own field: speculative decoding for this request (the server's setting if absent)."""
     value = body.get("speculative")
     if value is None:
         return None
-    if value not in ("auto", "off", "lookup", "draft"):
-        raise bad_request("'speculative' must be one of auto, off, lookup, draft", param="speculative", code="invalid_value")
-    return value
+    try:
+        return choice(SpeculativeMode, value, "'speculative'", "speculative")
+    except InvalidFieldError as exc:
+        raise field_error(exc) from None
 
 
 def _stop(body: dict) -> list[str]:
@@ -282,26 +285,21 @@ def _tool_calls(index: int, value: object) -> list[dict]:
     return out
 
 
+#: llama-server's names for SamplingParams fields, where they differ
+_WIRE_NAMES = {"penalty_last_n": "repeat_last_n"}
+
+
 def _sampling(body: dict, base: SamplingParams | None) -> SamplingParams:
-    """The body's sampling fields over `base` (the model's recommended sampling, else our defaults)."""
+    """The body's sampling fields over `base` (the model's recommended sampling, else our
+    defaults), each checked against the engine's one table of limits."""
     params = dataclasses.replace(base or SamplingParams())
-    for name, lo, hi in (
-        ("temperature", 0.0, 2.0),
-        ("top_p", 0.0, 1.0),
-        ("min_p", 0.0, 1.0),
-        ("presence_penalty", -2.0, 2.0),
-        ("frequency_penalty", -2.0, 2.0),
-        ("repeat_penalty", 0.0, 10.0),
-    ):
-        value = _opt_float(body, name, lo, hi)
-        if value is not None:
-            setattr(params, name, value)
-    top_k = _opt_int(body, "top_k", lo=0)
-    if top_k is not None:
-        params.top_k = top_k
-    last_n = _opt_int(body, "repeat_last_n", lo=0)
-    if last_n is not None:
-        params.penalty_last_n = last_n
+    for name, limit in SAMPLING_LIMITS.items():
+        field = _WIRE_NAMES.get(name, name)
+        if body.get(field) is not None:
+            try:
+                setattr(params, name, limit.check(body[field], f"'{field}'", field))
+            except InvalidFieldError as exc:
+                raise field_error(exc) from None
     # llama.cpp seeds are 32-bit; OpenAI clients send any integer
     seed = _opt_int(body, "seed")
     if seed is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from edgechat.config import Paths
+from edgechat.engine.params import KVType
 from edgechat.engine.request import (
     ChatRequest,
     Event,
@@ -93,16 +94,18 @@ class LocalClient:
     """The in-process engine. Construction loads the model (or, from `models`, takes it already
     loaded): call it from a worker thread."""
 
-    def __init__(self, model: str | None, paths: Paths, n_ctx: int | None = None, kv_type: str = "f16",
+    def __init__(self, model: str | None, paths: Paths, n_ctx: int | None = None, kv_type: KVType = KVType.F16,
                  on_progress: Callable[[float], None] | None = None, engine_options: dict | None = None,
                  models: LocalModels | None = None):
         # Imported here: loading llama.cpp's shared library is not needed to draw the first frame.
         from edgechat.engine import EngineConfig, open_engine
         from edgechat.models import DEFAULT_MODEL
+        from edgechat.models.settings import with_model_settings
 
-        # One extra sequence keeps the previous conversation hot, so switching back is instant.
-        config = EngineConfig(model=model or DEFAULT_MODEL, n_ctx=n_ctx, kv_type=kv_type, hot_sessions=1, paths=paths,
-                              on_load_progress=on_progress, **(engine_options or {}))
+        # One extra sequence keeps the previous conversation hot, so switching back is instant;
+        # the model's own settings in config.toml (gpu_layers, chat_template) where none is given
+        config = with_model_settings(EngineConfig(model=model or DEFAULT_MODEL, n_ctx=n_ctx, kv_type=kv_type, hot_sessions=1,
+                                                  paths=paths, on_load_progress=on_progress, **(engine_options or {})))
         self._models = models
         if models is None:
             self.engine = open_engine(config)
@@ -319,7 +322,7 @@ class RemoteClient:
             body["stop"] = req.stop
         if req.speculative not in (None, "auto"):
             # edgechat serve's own field; other servers are sent it only when a conversation asks
-            body["speculative"] = req.speculative
+            body["speculative"] = req.speculative.value
         kwargs = dict(req.template_kwargs)
         if req.reasoning_budget is not None:
             # sent only when a conversation limits thinking (edgechat serve's field; off is also

@@ -8,17 +8,15 @@ from dataclasses import dataclass, field
 import tomli_w
 
 from edgechat.config import Paths, load_settings
-from edgechat.engine.request import DEFAULT_MAX_TOKENS, ChatRequest, ContextPolicy, SamplingParams
-from edgechat.engine.speculative import SpeculativeMode
+from edgechat.engine.params import SAMPLING_LIMITS, ContextPolicy, SpeculativeMode, choice
+from edgechat.engine.request import DEFAULT_MAX_TOKENS, ChatRequest, SamplingParams
 from edgechat.errors import UsageError
 from edgechat.fsutil import atomic_write_text
 from edgechat.store.history import with_system_prompt
 from edgechat.tui.mcp import ServerConfig, parse_servers
 
 #: the sampler settings a conversation keeps (SamplingParams fields), in the order the settings show them
-SAMPLING_SETTINGS = (
-    "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"
-)
+SAMPLING_SETTINGS = tuple(name for name in SAMPLING_LIMITS if name != "penalty_last_n")
 
 #: the per-conversation settings and their defaults (overridden by [chat] in config.toml)
 CHAT_DEFAULTS: dict = {
@@ -26,7 +24,7 @@ CHAT_DEFAULTS: dict = {
     **{name: getattr(SamplingParams(), name) for name in SAMPLING_SETTINGS},
     "max_tokens": DEFAULT_MAX_TOKENS,
     "seed": None,
-    "context_policy": "shift",
+    "context_policy": ContextPolicy.SHIFT.value,
     "speculative": SpeculativeMode.AUTO.value,
     "loop_guard": True,
     #: a reasoning model's thoughts: "on" (no limit), "off", or at most N tokens
@@ -69,40 +67,19 @@ def save_tui_setting(paths: Paths, key: str, value: str) -> None:
 def validate_settings(settings: dict) -> dict:
     """Check user-entered conversation settings; returns them normalised, raises UsageError."""
     out = dict(settings)
+    for name in SAMPLING_SETTINGS:
+        out[name] = _sampling_setting(name, out.get(name))
     try:
-        for name in SAMPLING_SETTINGS:
-            value = out.get(name)
-            kind = int if name == "top_k" else float
-            out[name] = kind(value) if value not in (None, "") else CHAT_DEFAULTS[name]
         mt = out.get("max_tokens")
         out["max_tokens"] = int(mt) if mt not in (None, "") else None
         seed = out.get("seed")
         out["seed"] = int(seed) if seed not in (None, "") else None
     except (TypeError, ValueError) as exc:
         raise UsageError(f"not a number: {exc}") from None
-    if out["temperature"] < 0:
-        raise UsageError("temperature must be 0 or more (0 = greedy)")
-    if not 0 < out["top_p"] <= 1:
-        raise UsageError("top-p must be above 0 and at most 1")
-    if out["top_k"] < 0:
-        raise UsageError("top-k must be 0 or more (0 = off)")
-    if not 0 <= out["min_p"] <= 1:
-        raise UsageError("min-p must be between 0 and 1 (0 = off)")
-    if out["repeat_penalty"] <= 0:
-        raise UsageError("repeat penalty must be above 0 (1 = off)")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not -2 <= out[name] <= 2:
-            raise UsageError(f"{name.replace('_', ' ')} must be between -2 and 2 (0 = off)")
     if out["max_tokens"] is not None and out["max_tokens"] < 1:
         raise UsageError("max tokens must be at least 1")
-    policy = out.get("context_policy") or "shift"
-    if policy not in {p.value for p in ContextPolicy}:
-        raise UsageError(f"context policy must be one of: {', '.join(p.value for p in ContextPolicy)}")
-    out["context_policy"] = policy
-    spec = out.get("speculative") or SpeculativeMode.AUTO.value
-    if spec not in {m.value for m in SpeculativeMode}:
-        raise UsageError(f"speculative decoding must be one of: {', '.join(m.value for m in SpeculativeMode)}")
-    out["speculative"] = spec
+    out["context_policy"] = choice(ContextPolicy, out.get("context_policy") or ContextPolicy.SHIFT, "context policy").value
+    out["speculative"] = choice(SpeculativeMode, out.get("speculative") or SpeculativeMode.AUTO, "speculative decoding").value
     guard = out.get("loop_guard", True)
     if not isinstance(guard, bool):
         raise UsageError("loop_guard must be true or false")
@@ -110,6 +87,21 @@ def validate_settings(settings: dict) -> dict:
     out["thinking"] = thinking_setting(out.get("thinking", "on"))
     out["system_prompt"] = str(out.get("system_prompt") or "")
     return out
+
+
+def _sampling_setting(name: str, value):
+    """One sampler setting, typed in the dialog ("0.3") or written in config.toml (0.3), checked
+    against the engine's table (named as the dialog names it: top-p); empty: the default."""
+    limit = SAMPLING_LIMITS[name]
+    label = name.replace("_", "-")
+    if value in (None, ""):
+        return CHAT_DEFAULTS[name]
+    if isinstance(value, str):
+        try:
+            value = limit.kind(value.strip())
+        except ValueError:
+            raise UsageError(f"{label} is not a number: {value!r}") from None
+    return limit.check(value, label)
 
 
 def thinking_setting(value) -> str | int:
@@ -145,7 +137,7 @@ def build_request(settings: dict, history: list[dict], session: str | None) -> C
         max_tokens=s["max_tokens"],
         session=session,
         context_policy=ContextPolicy(s["context_policy"]),
-        speculative=s["speculative"],
+        speculative=SpeculativeMode(s["speculative"]),
         loop_guard=s["loop_guard"],
         reasoning_budget=reasoning_budget(s["thinking"]),
     )

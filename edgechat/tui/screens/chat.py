@@ -17,6 +17,7 @@ from textual.widgets import Button, Footer, Label, TextArea
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from edgechat import attachments
+from edgechat.engine.params import ContextPolicy
 from edgechat.engine.request import ChatRequest
 from edgechat.engine.tools import ToolCallParser, tool_grammar
 from edgechat.errors import EdgechatError, StoreError, UsageError
@@ -242,7 +243,7 @@ class ChatScreen(Screen):
         history = model_messages(self.store, conv.id)
         if not history:
             return
-        used = count(build_request({**conv.settings, "context_policy": "shift"}, history, session=None))
+        used = count(build_request({**conv.settings, "context_policy": ContextPolicy.SHIFT.value}, history, session=None))
         self.app.call_from_thread(self._show_context, conv.id, used)
 
     def _show_context(self, conv_id: str, used: int) -> None:

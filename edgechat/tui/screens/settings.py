@@ -9,8 +9,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Select, TextArea
 
-from edgechat.engine.request import ContextPolicy
-from edgechat.engine.speculative import SpeculativeMode
+from edgechat.engine.params import ContextPolicy, SpeculativeMode, values
 from edgechat.errors import UsageError
 from edgechat.tui.config import validate_settings
 
@@ -54,15 +53,15 @@ class SettingsScreen(ModalScreen[dict | None]):
                         yield Input(_text(s.get(key)), id=key, type=kind, compact=True)
                 yield Label("Context policy (when the context is full)")
                 yield Select(
-                    [(p.value, p.value) for p in ContextPolicy],
-                    value=s.get("context_policy") or "shift",
+                    [(v, v) for v in values(ContextPolicy)],
+                    value=s.get("context_policy") or ContextPolicy.SHIFT.value,
                     allow_blank=False,
                     id="context_policy",
                     compact=True,
                 )
                 yield Label("Speculative decoding (same answers)")
                 yield Select(
-                    [(m.value, m.value) for m in SpeculativeMode],
+                    [(v, v) for v in values(SpeculativeMode)],
                     value=s.get("speculative") or SpeculativeMode.AUTO.value,
                     allow_blank=False,
                     id="speculative",
