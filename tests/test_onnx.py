@@ -23,6 +23,7 @@ from edgechat.engine import (
     open_engine,
 )
 from edgechat.engine.onnxrt import OnnxRunner
+from edgechat.engine.params import SpeculativeMode
 from quantize.errors import QuantizeError
 from quantize.onnx_export import OnnxModel, compare, export, min_step_int4
 from tests.hf_fixtures import hf_checkpoint
@@ -334,7 +335,7 @@ def test_onnxruntime_genai_runs_the_folder_as_we_do(model, exported):
     request = ChatRequest(messages=FRANCE, sampling=SamplingParams(temperature=0), max_tokens=24)
     # one token a run, as onnxruntime-genai decodes: verified drafts run several tokens at once,
     # whose rounding parts Gemma 3 from it at a near-tie (token 3: 17.011 against 16.963)
-    with open_engine(EngineConfig(model=str(folder), n_ctx=1024, speculative="off")) as engine:
+    with open_engine(EngineConfig(model=str(folder), n_ctx=1024, speculative=SpeculativeMode.OFF)) as engine:
         prompt = engine.prompt_tokens(request)
         done = engine.submit(request).result()
         eos = engine.backend.eos

@@ -13,6 +13,7 @@ import pytest
 from edgechat.engine import ChatRequest, EngineConfig, SamplingParams, open_engine
 from edgechat.engine.kvcache import KVManager
 from edgechat.engine.onnxrt import OnnxRunner
+from edgechat.engine.params import SpeculativeMode
 from edgechat.engine.planner import default_threads
 from edgechat.engine.promptcache import PromptCache
 from edgechat.engine.snapshots import SnapshotStore
@@ -92,7 +93,7 @@ def test_greedy_tokens_are_the_onnx_engines(model, exported, runners):
     and float32 exports for this prompt and a longer one, checked when it was removed; drafts
     verified several at a run part Gemma 3 from them at a near-tie)."""
     request = ChatRequest(messages=FRANCE, sampling=GREEDY, max_tokens=30)
-    with open_engine(EngineConfig(model=str(exported(model, 4)), n_ctx=1024, speculative="off")) as engine:
+    with open_engine(EngineConfig(model=str(exported(model, 4)), n_ctx=1024, speculative=SpeculativeMode.OFF)) as engine:
         prompt = engine.prompt_tokens(request)
         done = engine.submit(request).result()
     assert len(done.token_ids) >= 5
@@ -382,7 +383,6 @@ def test_the_scheduler_runs_on_the_onnx_runner(model, runners):
     from edgechat.engine.request import ContextPolicy
     from edgechat.engine.scheduler import Scheduler
     from edgechat.engine.sessions import ConversationStates
-    from edgechat.engine.speculative import SpeculativeMode
     from tests.test_scheduler_plans import drive, finished, submit
 
     runner = runners(model)
