@@ -96,6 +96,24 @@ def gemma(gemma3_path, models_root):
         yield engine
 
 
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    """(model, bits) -> an ONNX folder of an embedded model's checkpoint (tests/hf_fixtures.py),
+    exported lazily, once per test run."""
+    from quantize.onnx_export import export
+    from tests.hf_fixtures import hf_checkpoint
+
+    out = tmp_path_factory.mktemp("onnx")
+    cache = {}
+
+    def get(model: str, bits: int):
+        if (model, bits) not in cache:
+            cache[model, bits] = export(hf_checkpoint(model), out / f"{model}-{bits}", bits=bits).path
+        return cache[model, bits]
+
+    return get
+
+
 def split_gguf(src: Path, dest_stem: Path, parts: int) -> list[Path]:
     """Split a GGUF into `parts` files as llama.cpp's gguf-split does (split.no, split.count and
     split.tensors.count in every part, names STEM-0000i-of-0000n.gguf), with gguf's own writer."""

@@ -387,7 +387,7 @@ def test_harmony_turns_send_no_old_thoughts_and_reuse_the_cache(harmony):
 @pytest.mark.slow
 def test_the_onnx_engine_splits_budgets_and_switches_off_the_same(tmp_path_factory):
     """SmolLM2 exported to ONNX, given the same thinking template: the same splitter and budget
-    as the llama.cpp engine's (engine/reasoning.py's Thinking), through its own loop."""
+    as the llama.cpp engine's (engine/reasoning.py's Thinking), through the same Engine on the ONNX runner."""
     from edgechat.engine import open_engine
     from quantize.onnx_export import export
     from tests.hf_fixtures import hf_checkpoint
@@ -400,7 +400,7 @@ def test_the_onnx_engine_splits_budgets_and_switches_off_the_same(tmp_path_facto
         # (not compared with the free thoughts: int8 activations make a reused prefix's last
         # token's logits differ from a whole prefill's, and greedy SmolLM2 flips at a near-tie)
         assert budgeted.reasoning and budgeted.text.strip() and "think>" not in budgeted.reasoning + budgeted.text
-        closing = len(engine.vocab.tokenize("</think>\n\n", special=True))
+        closing = len(engine.backend.tokenize("</think>\n\n", special=True))
         assert 12 < budgeted.metrics.reasoning_tokens < 12 + closing
         assert engine.detokenize(budgeted.token_ids).count("</think>") == 1
         off = answer(engine, budget=0)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgechat.config import Paths, get_paths, make_data_dir
 from edgechat.engine import devices, planner
@@ -37,6 +37,9 @@ from edgechat.engine.snapshots import SnapshotStore, model_fingerprint, state_ve
 from edgechat.engine.templates import choose_format
 from edgechat.errors import EdgechatError, EngineStoppedError, UsageError
 from edgechat.models import catalog_draft, display_name, read_model_info, resolve_model
+
+if TYPE_CHECKING:
+    from edgechat.engine.onnxrt import OnnxPlacement
 
 log = logging.getLogger("edgechat.engine")
 
@@ -194,7 +197,7 @@ class Engine(PromptQueries):
         self.plan, self.n_ctx = plan, plan.n_ctx
         if cfg.rpc_servers:
             devices.add_rpc_servers(cfg.rpc_servers)
-        self.gpu = planner.gpu_split(info, plan, cfg.n_gpu_layers, devices.gpu_devices())
+        self.gpu: planner.GpuSplit | OnnxPlacement = planner.gpu_split(info, plan, cfg.n_gpu_layers, devices.gpu_devices())
         self.backend = LlamaBackend(
             self.model_path,
             n_ctx_total=self.n_ctx * self.n_slots,

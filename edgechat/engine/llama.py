@@ -357,7 +357,7 @@ class LlamaBackend:
         return bool(L.llama_vocab_is_control(self.vocab, token))
 
     # --- compute --------------------------------------------------------------------------------
-    def new_batch(self, capacity: int) -> Batch:
+    def new_batch(self, capacity: int) -> TokenBatch:
         return Batch(capacity, self.n_seq_max)
 
     def decode(self, batch: TokenBatch) -> None:

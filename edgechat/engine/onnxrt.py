@@ -1,69 +1,33 @@
-"""The onnxruntime backend: an engine for ONNX model folders with the same public API as
-engine.core.Engine, so the TUI, `run` and `serve` take a folder wherever they take a GGUF.
+"""The onnxruntime backend for ONNX model folders: `OnnxRunner`, the onnxruntime `ModelRunner`
+(engine/runner.py) that `core.Engine` runs a folder on, so the TUI, `run` and `serve` take a
+folder wherever they take a GGUF, with the same scheduler, KV manager and output processor.
 
 Compute is one onnxruntime session (the graph `edgechat quantize --format onnx` writes, or
-onnxruntime-genai's). The KV cache is one buffer per layer of the whole context, bound as both
-the past input and the present output (GroupQueryAttention writes the new cells in place), so a
-token costs no copy; rewinding to a shared prefix is a shorter attention mask. Text goes through
-llama.cpp's tokenizer from the folder's vocabulary GGUF, and sampling through the same native
-sampler chain as the llama.cpp backend, applied to onnxruntime's logits: the same parameters
-give the same choices, and the same seed the same tokens for the same logits.
-
-One sequence: requests are served one after another, each reusing the longest prefix it shares
-with what the cache holds. A full context drops the older half after the pinned prefix and
-recomputes (the `truncate` policy; rotated keys cannot be shifted).
+onnxruntime-genai's). The KV cache is one buffer per layer's keys and values with a row per
+sequence, bound as both the past input and the present output (GroupQueryAttention writes the
+new cells in place), so a token costs no copy; rewinding to a shared prefix is a shorter
+attention mask. Text goes through llama.cpp's tokenizer from the folder's vocabulary GGUF, and
+sampling through the same native sampler chain as the llama.cpp backend, applied to
+onnxruntime's logits: the same parameters give the same choices, and the same seed the same
+tokens for the same logits.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import json
-import logging
 import os
-import queue
-import threading
-import time
+import struct
 from pathlib import Path
 
 import llama_cpp as L
 import numpy as np
 
-from edgechat.config import get_paths
-from edgechat.engine import planner
-from edgechat.engine.llama import LlamaBackend, _ensure_backend, token_logprobs
-from edgechat.engine.metrics import RequestClock
-from edgechat.engine.prompt import Prepared, PromptBuilder, PromptQueries
-from edgechat.engine.reasoning import Thinking
-from edgechat.engine.request import (
-    FINISH_REASONS,
-    ChatRequest,
-    ContextPolicy,
-    Evicted,
-    Finished,
-    Grammar,
-    Metrics,
-    RequestHandle,
-    RequestStatus,
-    SamplingParams,
-    TextDelta,
-    TokenLogprob,
-)
-from edgechat.engine.sampling import SamplerChain, grammar_parses
-from edgechat.engine.stream import OutputProcessor
-from edgechat.engine.templates import choose_format
-from edgechat.errors import (
-    EngineBusyError,
-    EngineStoppedError,
-    ModelFormatError,
-    UsageError,
-)
-from edgechat.models import display_name, resolve_model
-from edgechat.models.onnxinfo import read_onnx_info
+from edgechat.engine.llama import LlamaBackend, _ensure_backend
+from edgechat.engine.runner import ListBatch, TokenBatch
+from edgechat.errors import ModelFormatError, UsageError
 
-log = logging.getLogger("edgechat.engine")
-
-#: prompt tokens per onnxruntime run: bounds attention's scratch memory; cancellation is checked between
+#: rows one onnxruntime run takes at most (n_batch): bounds attention's scratch memory
 PREFILL_CHUNK = 512
 #: one line for a missing onnxruntime (run -m FOLDER, doctor)
 MISSING = "ONNX models need onnxruntime (pip install onnxruntime; on Termux: pkg install python-onnxruntime)"
@@ -120,65 +84,257 @@ def runtime_report() -> str:
     return f"onnxruntime: {ort.__version__}; execution providers (--ep): {provider_names(ort.get_available_providers())}"
 
 
-class OnnxRunner:
-    """One onnxruntime session and its KV buffers (one sequence of n_ctx tokens)."""
+class OnnxRunner(Vocabulary):
+    """An onnxruntime session over an ONNX folder with a KV cache of `n_seq_max` sequences of
+    `n_ctx` cells each: the onnxruntime `ModelRunner` (engine/runner.py), text through the
+    folder's vocabulary (the `Vocabulary` it is).
 
-    def __init__(self, folder: Path, n_ctx: int, n_threads: int, ep: str | None = None):
+    Each layer's keys and values are one numpy array (n_seq_max, n_kv, n_ctx, head), a
+    sequence one row of it. A run binds a view of consecutive rows as both past and present
+    (GroupQueryAttention writes the new cells in place: no copy) with one token per row, each
+    row's own past length told by its attention mask (only the mask's sum per row is read:
+    seqlens_k); logits of the same token alone and in a batch are identical. So a decode step of
+    many sequences is one run over the rows from the lowest to the highest, any idle row between
+    them fed a token at its first free cell (whose logits nobody reads), split where an idle row
+    between them has no free cell. GroupQueryAttention takes several new tokens per row only
+    for one row at a time (a later chunk's positions are its past length plus 0..S-1), so a
+    sequence with several tokens (a prompt chunk, a token and its drafts) runs alone.
+
+    What the cells hold is each sequence's length: cells 0..n-1 of its row. Memory can drop a
+    sequence's tail, copy a prefix into another row (`seq_cp`: rows are separate, nothing is
+    shared), and save or restore a row; it cannot move cells (keys are rotated by position).
+    """
+
+    can_shift = False
+    shares_cells = False
+    swa_window = small_swa = 0
+
+    def __init__(self, folder: Path, n_ctx: int, n_seq_max: int, n_threads: int, ep: str | None = None,
+                 n_batch: int = PREFILL_CHUNK):
         try:
             import onnxruntime as ort
         except ImportError:
             raise ModelFormatError(MISSING) from None
+        self._ort = ort
         dec = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))["model"]["decoder"]
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = n_threads
         opts.inter_op_num_threads = 1
         opts.log_severity_level = 3  # onnxruntime warns about the overridable num_logits_to_keep default
+        super().__init__(folder / "tokenizer.gguf")
         try:
             self.session = ort.InferenceSession(str(folder / dec.get("filename", "model.onnx")), opts,
                                                 providers=providers(ep))
         except UsageError:
+            self.close()
             raise
         except Exception as exc:  # onnxruntime raises its own exception types for bad files
+            self.close()
             raise ModelFormatError(f"onnxruntime cannot load {folder}: {str(exc).splitlines()[0]}") from None
         inputs = {i.name: i for i in self.session.get_inputs()}
         names_in, names_out = dec["inputs"], dec["outputs"]
         n_layer, n_kv, head = int(dec["num_hidden_layers"]), int(dec["num_key_value_heads"]), int(dec["head_size"])
-        kv_dtype = np.float16 if inputs[names_in["past_key_names"] % 0].type == "tensor(float16)" else np.float32
-        self.n_ctx = n_ctx
-        self.io = io = self.session.io_binding()
+        self.kv_dtype = np.float16 if inputs[names_in["past_key_names"] % 0].type == "tensor(float16)" else np.float32
+        self.n_ctx, self.n_seq_max, self.n_batch = n_ctx, n_seq_max, n_batch
         self._ids_name, self._mask_name = names_in["input_ids"], names_in["attention_mask"]
         self._logits_name = names_out["logits"]
-        self._mask = np.ones((1, n_ctx), np.int64)
-        io.bind_output(self._logits_name)  # first: get_outputs() lists them in binding order
-        # one buffer per key and value, bound once as both past and present: written in place
-        self._kv = []
-        for i in range(n_layer):
-            for past, present in ((names_in["past_key_names"], names_out["present_key_names"]),
-                                  (names_in["past_value_names"], names_out["present_value_names"])):
-                buf = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, n_kv, n_ctx, head), kv_dtype))
-                io.bind_ortvalue_input(past % i, buf)
-                io.bind_ortvalue_output(present % i, buf)
-                self._kv.append(buf)
-        # IOBinding keeps pointers, not the arrays: they live as long as the runner
-        self._keep = np.array(1, np.int64)
-        if LOGITS_TO_KEEP in inputs:
-            io.bind_cpu_input(LOGITS_TO_KEEP, self._keep)
-        self._ids = np.zeros((1, 0), np.int64)
+        out_type = next(o.type for o in self.session.get_outputs() if o.name == self._logits_name)
+        self._logits_dtype = np.float16 if out_type == "tensor(float16)" else np.float32
+        # an overridable initializer, not a graph input: bound as an OrtValue (bind_cpu_input refuses it)
+        self._has_keep = any(i.name == LOGITS_TO_KEEP for i in self.session.get_overridable_initializers())
+        #: (past name, present name, buffer) per key and value of every layer; zeros are not
+        #: resident until written, so rows cost memory as they fill
+        self._kv = [(past % i, present % i, np.zeros((n_seq_max, n_kv, n_ctx, head), self.kv_dtype))
+                    for i in range(n_layer)
+                    for past, present in ((names_in["past_key_names"], names_out["present_key_names"]),
+                                          (names_in["past_value_names"], names_out["present_value_names"]))]
+        self._bindings: dict[tuple[int, int], object] = {}  # (first row, end row) -> IOBinding over those rows
+        #: how many cells of each sequence's row hold its tokens (positions 0..n-1)
+        self.lengths = [0] * n_seq_max
+        #: batch row -> (logits array of its run, index in it), for the rows of the last run that wanted them
+        self._out: dict[int, tuple[np.ndarray, tuple[int, int]]] = {}
+        self.runs = 0  # onnxruntime runs so far
 
-    def forward(self, tokens: list[int], start: int) -> np.ndarray:
-        """Run `tokens` at positions start.. (the cache holds 0..start-1); the last token's logits."""
-        total = start + len(tokens)
-        assert total <= self.n_ctx
-        self._ids = np.asarray([tokens], np.int64)
-        self.io.bind_cpu_input(self._ids_name, self._ids)
-        self.io.bind_cpu_input(self._mask_name, self._mask[:, :total])
-        # unallocated each time: onnxruntime sizes it for this run (its place in the binding stays first)
-        self.io.bind_output(self._logits_name)
-        self.session.run_with_iobinding(self.io)
-        return self.io.get_outputs()[0].numpy()[0, -1]
+    # --- compute --------------------------------------------------------------------------------
+    def new_batch(self, capacity: int) -> ListBatch:
+        return ListBatch(capacity)
+
+    def decode(self, batch: TokenBatch) -> None:
+        """Run the batch's rows: every sequence's one-token rows together, each sequence with
+        several tokens alone. A sequence's rows must sit at consecutive positions from its length."""
+        assert isinstance(batch, ListBatch), "an onnxruntime batch comes from new_batch"
+        rows: dict[int, list[int]] = {}
+        for i, seq in enumerate(batch.seq):
+            rows.setdefault(seq, []).append(i)
+        for seq, idx in rows.items():
+            n = self.lengths[seq]
+            assert [batch.pos[i] for i in idx] == list(range(n, n + len(idx))), \
+                f"sequence {seq} holds {n} cells; rows at positions {[batch.pos[i] for i in idx]}"
+            assert n + len(idx) <= self.n_ctx, f"sequence {seq}: {n + len(idx)} positions past its {self.n_ctx} cells"
+        self._out = {}
+        singles = sorted(seq for seq, idx in rows.items() if len(idx) == 1)
+        for lo, hi in self._spans(singles):
+            # an idle row inside the range gets a token at its first free cell, past what it holds
+            ids = [[batch.tokens[rows[s][0]] if s in rows and len(rows[s]) == 1 else 0] for s in range(lo, hi)]
+            past = self.lengths[lo:hi]
+            steps = [s for s in range(lo, hi) if s in rows and len(rows[s]) == 1]
+            wanted = [(rows[s][0], s - lo) for s in steps if batch.logits[rows[s][0]]]
+            logits = self._run(lo, hi, ids, past, 1 if wanted else 0)
+            self._out.update((row, (logits, (b, 0))) for row, b in wanted)
+            for s in steps:
+                self.lengths[s] += 1
+        for seq, idx in rows.items():
+            if len(idx) > 1:
+                needs = [j for j, i in enumerate(idx) if batch.logits[i]]
+                keep = len(idx) - needs[0] if needs else 0
+                logits = self._run(seq, seq + 1, [[batch.tokens[i] for i in idx]], [self.lengths[seq]], keep)
+                self._out.update((idx[j], (logits, (0, j - (len(idx) - keep)))) for j in needs)
+                self.lengths[seq] += len(idx)
+
+    def _spans(self, seqs: list[int]) -> list[tuple[int, int]]:
+        """Rows lo..hi-1 to run together for these sorted sequences' steps: one span, cut where a
+        row between two of them is full (its dummy token would have no cell to go to)."""
+        spans: list[tuple[int, int]] = []
+        for seq in seqs:
+            if spans and all(self.lengths[r] < self.n_ctx for r in range(spans[-1][1], seq)):
+                spans[-1] = (spans[-1][0], seq + 1)
+            else:
+                spans.append((seq, seq + 1))
+        return spans
+
+    @property
+    def kv_bytes(self) -> int:
+        """The KV buffers' size (the planner counts it before loading)."""
+        return sum(buf.nbytes for _, _, buf in self._kv)
+
+    def _run(self, lo: int, hi: int, ids: list[list[int]], past: list[int], keep: int) -> np.ndarray:
+        """One onnxruntime run of rows lo..hi-1, `ids` after `past` cells in each; the logits of
+        the last `keep` positions of each row (none: one, unread, where the graph cannot skip them)."""
+        ort = self._ort
+        io = self._binding(lo, hi)
+        tokens = np.asarray(ids, np.int64)
+        n_rows, n_new = tokens.shape
+        width = max(past) + n_new
+        mask = (np.arange(width) < (np.asarray(past) + n_new)[:, None]).astype(np.int64)
+        io.bind_cpu_input(self._ids_name, tokens)
+        io.bind_cpu_input(self._mask_name, mask)
+        keep = max(keep, 1)
+        if self._has_keep:
+            io.bind_ortvalue_input(LOGITS_TO_KEEP, ort.OrtValue.ortvalue_from_numpy(np.array(keep, np.int64)))
+        # written by onnxruntime in place; a new array per run, so logits handed out stay valid
+        # (a graph without num_logits_to_keep computes every position)
+        logits = np.empty((n_rows, keep if self._has_keep else n_new, self.n_vocab), self._logits_dtype)
+        io.bind_ortvalue_output(self._logits_name, ort.OrtValue.ortvalue_from_numpy(logits))
+        self.session.run_with_iobinding(io)
+        self.runs += 1
+        return logits[:, -keep:]
+
+    def _binding(self, lo: int, hi: int):
+        """The IOBinding of rows lo..hi-1, made once: views of the buffers as past and present."""
+        io = self._bindings.get((lo, hi))
+        if io is None:
+            io = self.session.io_binding()
+            for past, present, buf in self._kv:
+                view = self._ort.OrtValue.ortvalue_from_numpy(buf[lo:hi])
+                io.bind_ortvalue_input(past, view)
+                io.bind_ortvalue_output(present, view)
+            self._bindings[lo, hi] = io
+        return io
+
+    def logits(self, row: int) -> np.ndarray:
+        """The logits of a row of the last run that asked for them."""
+        found = self._out.get(row)
+        if found is None:
+            raise IndexError(f"row {row} of the last run did not ask for logits")
+        logits, at = found
+        return logits[at] if logits.dtype == np.float32 else logits[at].astype(np.float32)
+
+    def argmax(self, row: int) -> int:
+        return int(self.logits(row).argmax())
+
+    def sample(self, sampler, row: int) -> int:
+        return sampler.choose(self.logits(row))
+
+    def top_logits(self, row: int, n: int) -> list[tuple[int, float]]:
+        logits = self.logits(row)
+        best = np.argpartition(logits, -n)[-n:]
+        return sorted(((int(t), float(logits[t])) for t in best), key=lambda x: -x[1])
+
+    # --- KV memory ------------------------------------------------------------------------------
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        """Drop positions p0..p1-1 (-1: from 0, to the end). Only a tail can go: a range in the
+        middle would leave a hole the graph cannot skip, and is refused (False)."""
+        n = self.lengths[seq]
+        p0 = max(p0, 0)
+        if p1 < 0 or p1 >= n:
+            self.lengths[seq] = min(n, p0)
+            return True
+        return p0 >= p1  # nothing to remove
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        raise RuntimeError("ONNX KV cells cannot move: their keys are rotated for their position (can_shift is False)")
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Copy src's cells p0..p1-1 into dst's row (a copy: rows share nothing)."""
+        p0 = max(p0, 0)
+        p1 = self.lengths[src] if p1 < 0 else p1
+        assert p1 <= self.lengths[src] and p0 <= self.lengths[dst], \
+            f"copy of cells {p0}..{p1 - 1} from sequence {src} ({self.lengths[src]}) to {dst} ({self.lengths[dst]})"
+        if src == dst or p0 >= p1:
+            return
+        for _, _, buf in self._kv:
+            buf[dst, :, p0:p1] = buf[src, :, p0:p1]
+        self.lengths[dst] = max(self.lengths[dst], p1)
+
+    def seq_pos_range(self, seq: int) -> tuple[int, int]:
+        n = self.lengths[seq]
+        return (0, n - 1) if n else (-1, -1)
+
+    def seq_cell_positions(self, seq: int) -> list[int]:
+        return list(range(self.lengths[seq]))
+
+    def _state_header(self, n: int) -> bytes:
+        _, _, buf = self._kv[0]
+        return _STATE_HEADER.pack(_STATE_MAGIC, n, np.dtype(self.kv_dtype).itemsize, len(self._kv), buf.shape[1], buf.shape[3])
+
+    def state_seq_get(self, seq: int) -> bytearray:
+        """The sequence's cells, every layer's keys and values, after a header that says how many
+        and of what shape (state_seq_set refuses another model's or dtype's)."""
+        n = self.lengths[seq]
+        header = self._state_header(n)
+        parts = [buf[seq, :, :n] for _, _, buf in self._kv]
+        data = bytearray(len(header) + sum(p.nbytes for p in parts))
+        data[: len(header)] = header
+        off = len(header)
+        for part in parts:
+            np.frombuffer(data, self.kv_dtype, part.size, off).reshape(part.shape)[...] = part
+            off += part.nbytes
+        return data
+
+    def state_seq_set(self, seq: int, data: bytes | bytearray) -> bool:
+        if len(data) < _STATE_HEADER.size:
+            return False
+        magic, n, *_ = _STATE_HEADER.unpack_from(data, 0)
+        if magic != _STATE_MAGIC or not 0 <= n <= self.n_ctx or bytes(data[: _STATE_HEADER.size]) != self._state_header(n):
+            return False
+        rows = [buf[seq, :, :n] for _, _, buf in self._kv]
+        if len(data) != _STATE_HEADER.size + sum(r.nbytes for r in rows):
+            return False  # checked first: a refused state leaves the row as it was
+        off = _STATE_HEADER.size
+        for cells in rows:
+            cells[...] = np.frombuffer(data, self.kv_dtype, cells.size, off).reshape(cells.shape)
+            off += cells.nbytes
+        self.lengths[seq] = n
+        return True
 
 
-class _Cpu:
+#: a sequence state's header: magic, cells, bytes per value, buffers (keys and values of every
+#: layer), KV heads, head size
+_STATE_HEADER = struct.Struct("<4sIIIII")
+_STATE_MAGIC = b"EKV1"
+
+
+class OnnxPlacement:
     """Where the layers run, as the TUI's status line shows it (engine.gpu.describe())."""
 
     def __init__(self, providers: list[str]):
@@ -186,279 +342,3 @@ class _Cpu:
 
     def describe(self) -> str:
         return f"onnxruntime {self._providers[0].removesuffix('ExecutionProvider')}"
-
-
-class _Run:
-    def __init__(self, handle: RequestHandle, request: ChatRequest, prep: Prepared, clock: RequestClock):
-        self.handle, self.request, self.prep, self.clock = handle, request, prep, clock
-
-
-class OnnxEngine(PromptQueries):
-    """engine.core.Engine's public API over an ONNX folder (see the module docstring)."""
-
-    def __init__(self, config):
-        self.config = cfg = config
-        self.paths = cfg.paths or get_paths()
-        self.model_path: Path = resolve_model(cfg.model, self.paths)
-        self.model_info = info = read_onnx_info(self.model_path)
-        #: what a request's sampling starts from: the model's recommended settings where its file
-        #: has them, else SamplingParams' own defaults (front ends lay the user's choices on top)
-        self.default_sampling = SamplingParams(**info.sampling)
-        self.plan = planner.choose_context(info, cfg.n_ctx)  # float32 cells: info.kv_element_bytes
-        self.n_ctx = self.plan.n_ctx
-        self.n_threads = cfg.n_threads or planner.default_threads()
-        self.model_name = display_name(cfg.model, self.model_path)
-        self.vocab = voc = Vocabulary(self.model_path / "tokenizer.gguf")
-        try:
-            self.runner = OnnxRunner(self.model_path, self.n_ctx, self.n_threads, cfg.ep)
-        except BaseException:
-            voc.close()
-            raise
-        self.gpu = _Cpu(self.runner.session.get_providers())
-        self.format = choose_format(
-            cfg.chat_template or voc.meta("tokenizer.chat_template"), voc.meta("general.architecture") or info.architecture,
-            voc.token_text(voc.bos) if voc.bos >= 0 else "", voc.token_text(voc.eos) if voc.eos >= 0 else "",
-            self._is_special_token,
-        )
-        self.template_mode, self.template_warning = self.format.mode, self.format.warning
-        self.draft, self.draft_warning = None, None  # no speculative decoding here
-        tokenize = functools.partial(voc.tokenize, add_bos=False, special=True)  # a template's text, its markers parsed
-        self.prompts = PromptBuilder(self.format, tokenize, voc.bos if voc.add_bos else None, self.n_ctx)
-        self.thinking = Thinking(self.format.reasoning, tokenize)
-        #: tokens whose keys and values the cache holds, at positions 0..n-1
-        self.cached: list[int] = []
-        self._inbox: queue.Queue = queue.Queue()
-        self._waiting = 0
-        self._running = 0
-        self._decode_calls = 0
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="edgechat-onnx", daemon=True)
-        self._thread.start()
-
-    # ---------------------------------------------------------------- public API (any thread)
-    def submit(self, request: ChatRequest, on_event=None, prepared: Prepared | None = None) -> RequestHandle:
-        self._check_running()
-        if request.speculative not in (None, "auto", "off"):
-            raise UsageError("speculative decoding is not available with ONNX models")
-        clock = RequestClock()
-        prep = prepared if prepared is not None else self.prompts.prepare(request, self._policy(request))
-        if prepared is not None:
-            self.prompts.check(request, prep)
-        clock.tokenize = time.perf_counter() - clock.submitted
-        handle = RequestHandle(request, on_event)
-        with self._lock:
-            self._check_running()
-            if self.config.max_queue is not None and self._waiting >= self.config.max_queue:
-                raise EngineBusyError("the engine's queue is full; try again shortly")
-            self._waiting += 1
-            self._inbox.put(_Run(handle, request, prep, clock))
-        return handle
-
-    def embed(self, inputs, truncate: bool = False, on_done=None):
-        raise UsageError("embeddings need a GGUF model; ONNX folders do not compute them")
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.vocab.tokenize(text, add_bos=False, special=False)
-
-    def grammar_parses(self, grammar: Grammar) -> bool:
-        return grammar_parses(self.vocab.vocab, grammar)
-
-    def detokenize(self, tokens: list[int]) -> str:
-        # llama.cpp aborts the process on an id outside the vocabulary
-        if any(not 0 <= t < self.vocab.n_vocab for t in tokens):
-            raise UsageError(f"token ids must be between 0 and {self.vocab.n_vocab - 1}")
-        return self.vocab.detokenize(tokens)
-
-    def stats(self) -> dict:
-        return {
-            "running": self._running,
-            "waiting": self._waiting,
-            "kv_used": len(self.cached) if self._running else 0,
-            "kv_cached": 0 if self._running else len(self.cached),
-            "kv_total": self.n_ctx,
-            "n_parallel": 1,
-            "decode_calls": self._decode_calls,
-        }
-
-    def release_session(self, session: str, wait: bool = True) -> None:
-        """Nothing to write: the one cache is reused by prefix, whoever's it was."""
-
-    def forget_session(self, session: str) -> None:
-        """Nothing is kept per conversation."""
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._inbox.put(None)
-        self._thread.join(timeout=60)
-        if self._thread.is_alive():
-            log.warning("the ONNX engine thread did not stop; leaving its model loaded")
-            return
-        self.vocab.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    # ---------------------------------------------------------------- helpers
-    def _check_running(self) -> None:
-        if self._closed or not self._thread.is_alive():
-            raise EngineStoppedError("the engine is closed; load the model again")
-
-    def _is_special_token(self, text: str) -> bool:
-        toks = self.vocab.tokenize(text, add_bos=False, special=True)
-        return len(toks) == 1 and self.vocab.is_control(toks[0])
-
-    def _policy(self, request: ChatRequest) -> ContextPolicy:
-        # rotated keys cannot move to new positions, and nothing here writes summaries
-        return ContextPolicy.TRUNCATE
-
-    # ---------------------------------------------------------------- the engine thread
-    def _loop(self) -> None:
-        while True:
-            item = self._inbox.get()
-            if item is None:
-                break
-            with self._lock:
-                self._waiting -= 1
-                self._running = 1
-            try:
-                self._serve(item)
-            except Exception as exc:  # a bug or an onnxruntime failure: this request fails, the next runs
-                log.exception("ONNX generation failed")
-                self.cached = []
-                if item.handle.finished is None:
-                    self._finish(item, RequestStatus.FINISHED_ERROR, None, [], 0, str(exc) or type(exc).__name__)
-            finally:
-                self._running = 0
-        # closing: whatever is still queued ends as cancelled
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, _Run):
-                self._finish(item, RequestStatus.FINISHED_CANCELLED, None, [], 0)
-
-    def _prefill(self, tokens: list[int], handle: RequestHandle | None = None) -> np.ndarray | None:
-        """Extend the cache with `tokens` after the reused prefix; the last one's logits (None if
-        cancelled first)."""
-        keep = _common_prefix(self.cached, tokens)
-        if keep == len(tokens):
-            keep -= 1  # its logits are not kept: run the last token again
-        self.cached = self.cached[:keep]
-        logits = None
-        for start in range(keep, len(tokens), PREFILL_CHUNK):
-            if handle is not None and handle.cancelled:
-                return None
-            chunk = tokens[start : start + PREFILL_CHUNK]
-            logits = self.runner.forward(chunk, start)
-            self._decode_calls += 1
-            self.cached = tokens[: start + len(chunk)]
-        return logits
-
-    def _step(self, token: int) -> np.ndarray:
-        logits = self.runner.forward([token], len(self.cached))
-        self._decode_calls += 1
-        self.cached.append(token)
-        return logits
-
-    def _make_room(self, run: _Run) -> None:
-        """Context full mid-answer: drop the older half after the pinned prefix, recompute the rest."""
-        keep = min(run.prep.keep, len(self.cached) - 2)
-        drop = max((len(self.cached) - keep) // 2, 1)
-        rest = self.cached[keep + drop :]
-        self.cached = self.cached[:keep]
-        self._prefill(self.cached + rest)
-        run.handle.emit(Evicted(0, drop, ContextPolicy.TRUNCATE.value, f"{drop} older tokens left the context"))
-
-    def _serve(self, run: _Run) -> None:
-        handle, req, prep, clock = run.handle, run.request, run.prep, run.clock
-        if handle.cancelled:
-            self._finish(run, RequestStatus.FINISHED_CANCELLED, None, [], 0)
-            return
-        clock.admitted = time.perf_counter()
-        handle.status = RequestStatus.RUNNING
-        if prep.evicted_now:
-            n = prep.evicted_now
-            handle.emit(Evicted(n, 0, ContextPolicy.TRUNCATE.value, f"{n} oldest message{'s' if n > 1 else ''} left the context"))
-        if self.config.deterministic:
-            self.cached = []  # prefilled from position 0 in the same chunks every time it is sent
-        cached = min(_common_prefix(self.cached, prep.tokens), len(prep.tokens) - 1)
-        sampler = SamplerChain(req.sampling, self.vocab.n_vocab, self.vocab.vocab, req.grammar)
-        proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos, splitter=self.thinking.splitter(req, prep))
-        out: list[int] = []
-        logprobs: list[TokenLogprob] | None = [] if req.logprobs is not None else None
-        sent = 0  # logprobs delivered with a TextDelta
-        try:
-            sampler.accept_prompt(prep.tokens)
-            logits = self._prefill(prep.tokens, handle)
-            status = RequestStatus.FINISHED_CANCELLED
-            while logits is not None and not handle.cancelled:
-                token = sampler.choose(logits)
-                clock.token()
-                if self.vocab.is_eog(token) and not req.ignore_eos:
-                    status = RequestStatus.FINISHED_STOPPED
-                    break
-                out.append(token)
-                if logprobs is not None:  # the model's own distribution, before the sampler's changes
-                    logprob, top = token_logprobs(logits, token, req.logprobs)
-                    piece = self.vocab.piece
-                    logprobs.append(TokenLogprob(piece(token), logprob, [(piece(t), lp) for t, lp in top], token, [t for t, _ in top]))
-                sent = self._emit(handle, proc, proc.feed(self.vocab.piece(token), token), logprobs, sent)
-                if proc.stopped:
-                    status = RequestStatus.FINISHED_REPEATING if proc.repeating else RequestStatus.FINISHED_STOPPED
-                    break
-                if req.max_tokens is not None and len(out) >= req.max_tokens:
-                    status = RequestStatus.FINISHED_LENGTH
-                    break
-                new = [token]
-                if self.thinking.spent(req, proc):
-                    # the budget is spent: the end of the thoughts goes into the sequence as if
-                    # the model had written it, and the answer follows (as in the llama.cpp engine)
-                    for closing in self.thinking.closing:
-                        out.append(closing)
-                        sent = self._emit(handle, proc, proc.feed(self.vocab.piece(closing), closing), logprobs, sent)
-                    new += self.thinking.closing
-                if len(self.cached) + len(new) > self.n_ctx:
-                    self._make_room(run)
-                logits = self._step(token) if len(new) == 1 else self._prefill(self.cached + new, handle)
-            else:  # stopped or cancelled by its client
-                status = handle.end_status
-        finally:
-            sampler.free()
-        self._finish(run, status, proc, out, cached, logprobs=logprobs, sent=sent)
-
-    @staticmethod
-    def _emit(handle: RequestHandle, proc: OutputProcessor, text: str, logprobs: list[TokenLogprob] | None, sent: int) -> int:
-        """The thoughts and text released now, with the log probabilities of the tokens sampled
-        since the last delivery (the engine's closing tokens have none); returns how many are delivered."""
-        for part, reasoning in proc.parts(text):
-            handle.emit(TextDelta(part, logprobs[sent:] if logprobs is not None else None, reasoning))
-            sent = len(logprobs) if logprobs is not None else 0
-        return sent
-
-    def _finish(self, run: _Run, status: RequestStatus, proc: OutputProcessor | None, out: list[int], cached: int,
-                error: str | None = None, logprobs: list[TokenLogprob] | None = None, sent: int = 0) -> None:
-        if proc is not None and status is not RequestStatus.FINISHED_ERROR:
-            self._emit(run.handle, proc, proc.finish(), logprobs, sent)
-        run.handle.status = status
-        metrics = run.clock.build(len(run.prep.tokens), cached, len(out), len(self.cached), self.n_ctx)
-        metrics.reasoning_tokens = proc.reasoning_tokens if proc is not None else 0
-        run.handle.emit(Metrics(metrics))
-        run.handle.emit(Finished(FINISH_REASONS[status], proc.text if proc else "", metrics, error, out, logprobs,
-                                 repeating=status is RequestStatus.FINISHED_REPEATING,
-                                 reasoning=proc.reasoning if proc is not None else "",
-                                 stop_sequence=proc.stop_found if proc else None))
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

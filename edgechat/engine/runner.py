@@ -20,7 +20,11 @@ class TokenBatch(Protocol):
     """One step's input rows, written by the scheduler, read by the runner that made it."""
 
     capacity: int
-    n: int
+
+    @property
+    def n(self) -> int:
+        """Rows written."""
+        ...
 
     def clear(self) -> None: ...
 
