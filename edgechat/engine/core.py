@@ -24,7 +24,7 @@ from edgechat.engine import devices, planner
 from edgechat.engine.draft import DraftModel, DraftVocabError
 from edgechat.engine.embeddings import Embedder, EmbeddingJob
 from edgechat.engine.kvcache import KVManager, Slot
-from edgechat.engine.llama import LlamaBackend
+from edgechat.engine.llama import LlamaBackend, state_version
 from edgechat.engine.metrics import RequestClock
 from edgechat.engine.params import CHOICES, FlashAttn, KVType, SpeculativeMode, SwaCache, choice
 from edgechat.engine.prompt import Prepared, PromptBuilder, PromptQueries
@@ -33,7 +33,7 @@ from edgechat.engine.request import ChatRequest, ContextPolicy, Grammar, Request
 from edgechat.engine.sampling import grammar_parses
 from edgechat.engine.scheduler import Running, Scheduler
 from edgechat.engine.sessions import ConversationStates
-from edgechat.engine.snapshots import SnapshotStore, model_fingerprint, state_version
+from edgechat.engine.snapshots import SnapshotStore, model_fingerprint
 from edgechat.engine.templates import choose_format
 from edgechat.errors import EdgechatError, EngineStoppedError, UsageError
 from edgechat.models import catalog_draft, display_name, read_model_info, resolve_model

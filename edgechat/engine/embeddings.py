@@ -20,10 +20,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import llama_cpp as L
 import numpy as np
 
-from edgechat.engine.llama import Batch, EmbeddingContext, LlamaBackend
+from edgechat.engine.llama import Batch, EmbeddingContext, LlamaBackend, Pooling
 from edgechat.engine.scheduler import PREFILL_CHUNK_BUSY
 from edgechat.errors import UsageError
 
@@ -39,7 +38,7 @@ MAX_SEQS = 64
 #: the most inputs one request may send (OpenAI's limit)
 MAX_INPUTS = 2048
 
-POOLED = (L.LLAMA_POOLING_TYPE_MEAN, L.LLAMA_POOLING_TYPE_CLS, L.LLAMA_POOLING_TYPE_LAST)
+POOLED = (Pooling.MEAN, Pooling.CLS, Pooling.LAST)
 
 
 class EmbeddingInputError(UsageError):
@@ -83,10 +82,10 @@ class EmbeddingJob:
 def pooling_of(backend: LlamaBackend) -> int:
     """The pooling the GGUF names; mean where it names none (a decoder chat model)."""
     value = backend.meta(f"{backend.meta('general.architecture')}.pooling_type")
-    pooling = int(value) if value and value.lstrip("-").isdigit() else L.LLAMA_POOLING_TYPE_NONE
-    if pooling == L.LLAMA_POOLING_TYPE_RANK:
+    pooling = int(value) if value and value.lstrip("-").isdigit() else Pooling.NONE
+    if pooling == Pooling.RANK:
         raise UsageError(f"{backend.path.name} is a reranker (rank pooling), not an embedding model")
-    return pooling if pooling in POOLED else L.LLAMA_POOLING_TYPE_MEAN
+    return pooling if pooling in POOLED else Pooling.MEAN
 
 
 class Embedder:
@@ -101,7 +100,7 @@ class Embedder:
         self.n_batch = n_batch
         # llama.cpp sizes its outputs for at least one per sequence, within a batch's outputs
         self.n_seqs = min(MAX_SEQS, n_batch)
-        self.n_embd = L.llama_model_n_embd_out(backend.model)
+        self.n_embd = backend.n_embd_out
         #: whether an input may span decodes: not for a bidirectional encoder (BERT), which
         #: has no cache and sees all its tokens at once (checked again on the context itself)
         self.splittable = backend.meta(f"{backend.meta('general.architecture')}.attention.causal") != "false"
@@ -218,9 +217,9 @@ class Embedder:
         key = (id(job), index)
         finished = job.next > index
         first = key not in self._sums
-        if self.pooling == L.LLAMA_POOLING_TYPE_MEAN:  # a sum of the parts: its direction is the mean's
+        if self.pooling == Pooling.MEAN:  # a sum of the parts: its direction is the mean's
             total = vec.astype(np.float64) * take + (self._sums.pop(key) if not first else 0)
-        elif self.pooling == L.LLAMA_POOLING_TYPE_CLS:
+        elif self.pooling == Pooling.CLS:
             total = vec.astype(np.float64) if first else self._sums.pop(key)
         else:  # last: the last part's vector
             self._sums.pop(key, None)

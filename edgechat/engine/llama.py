@@ -7,6 +7,7 @@ high-level Llama class, whose per-token Python sampling and logits copies cost 1
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import os
 import re
@@ -130,6 +131,21 @@ class Batch:
         if self._batch is not None:
             L.llama_batch_free(self._batch)
             self._batch = None
+
+
+class Pooling(enum.IntEnum):
+    """How llama.cpp pools a sequence's embeddings (a GGUF's pooling_type)."""
+
+    NONE = L.LLAMA_POOLING_TYPE_NONE
+    MEAN = L.LLAMA_POOLING_TYPE_MEAN
+    CLS = L.LLAMA_POOLING_TYPE_CLS
+    LAST = L.LLAMA_POOLING_TYPE_LAST
+    RANK = L.LLAMA_POOLING_TYPE_RANK
+
+
+def state_version() -> int:
+    """The version of llama.cpp's sequence state format (snapshots are tagged with it)."""
+    return L.LLAMA_STATE_SEQ_VERSION
 
 
 class DecodeError(RuntimeError):
@@ -294,6 +310,11 @@ class LlamaBackend:
             L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", errors="replace")
 
+    @property
+    def n_embd_out(self) -> int:
+        """The width of the model's embeddings."""
+        return L.llama_model_n_embd_out(self.model)
+
     def token_text(self, token: int) -> str:
         return self.token_bytes(token).decode("utf-8", errors="replace")
 
@@ -452,3 +473,24 @@ class LlamaBackend:
         if getattr(self, "model", None):
             L.llama_model_free(self.model)
             self.model = None
+
+
+class Vocabulary(LlamaBackend):
+    """llama.cpp's tokenizer alone (a vocabulary-only GGUF): the text half of LlamaBackend."""
+
+    def __init__(self, path: Path):  # not super().__init__: that loads weights and a context
+        _ensure_backend()
+        self.path = path
+        self.ctx = None
+        params = L.llama_model_default_params()
+        params.vocab_only = True
+        self.model = L.llama_model_load_from_file(os.fsencode(path), params)
+        if not self.model:
+            raise ModelFormatError(f"cannot read the vocabulary {path}; export the model again")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
+        self.bos = L.llama_vocab_bos(self.vocab)
+        self.eos = L.llama_vocab_eos(self.vocab)
+        self._pieces: dict[int, bytes] = {}
+        self._piece_buf = ctypes.create_string_buffer(256)

@@ -14,16 +14,13 @@ tokens for the same logits.
 
 from __future__ import annotations
 
-import ctypes
 import json
-import os
 import struct
 from pathlib import Path
 
-import llama_cpp as L
 import numpy as np
 
-from edgechat.engine.llama import LlamaBackend, _ensure_backend
+from edgechat.engine.llama import Vocabulary
 from edgechat.engine.runner import ListBatch, TokenBatch
 from edgechat.errors import ModelFormatError, UsageError
 
@@ -33,27 +30,6 @@ PREFILL_CHUNK = 512
 MISSING = "ONNX models need onnxruntime (pip install onnxruntime; on Termux: pkg install python-onnxruntime)"
 #: the optional graph input that limits the output layer to the last positions (see quantize/onnx_export.py)
 LOGITS_TO_KEEP = "num_logits_to_keep"
-
-
-class Vocabulary(LlamaBackend):
-    """llama.cpp's tokenizer alone (a vocabulary-only GGUF): the text half of LlamaBackend."""
-
-    def __init__(self, path: Path):  # not super().__init__: that loads weights and a context
-        _ensure_backend()
-        self.path = path
-        self.ctx = None
-        params = L.llama_model_default_params()
-        params.vocab_only = True
-        self.model = L.llama_model_load_from_file(os.fsencode(path), params)
-        if not self.model:
-            raise ModelFormatError(f"cannot read the vocabulary {path}; export the model again")
-        self.vocab = L.llama_model_get_vocab(self.model)
-        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
-        self.bos = L.llama_vocab_bos(self.vocab)
-        self.eos = L.llama_vocab_eos(self.vocab)
-        self._pieces: dict[int, bytes] = {}
-        self._piece_buf = ctypes.create_string_buffer(256)
 
 
 def providers(ep: str | None) -> list[str]:

@@ -12,8 +12,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import llama_cpp as L
-
 from edgechat.fsutil import atomic_write
 from edgechat.models.ggufinfo import split_part_names
 
@@ -158,6 +156,3 @@ def _mtime(path: Path) -> float:
     except OSError:
         return 0.0
 
-
-def state_version() -> int:
-    return L.LLAMA_STATE_SEQ_VERSION
