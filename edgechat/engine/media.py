@@ -1,0 +1,105 @@
+"""Images (and sounds) in a prompt: a model's projector (an mmproj GGUF, through llama.cpp's
+libmtmd in engine/llama.py), the pictures it reads, and a prompt cut into text and media chunks.
+
+A media chunk is a run of embeddings, not token ids: it enters a sequence through `Projector.eval`
+(encode, then decode the embeddings at the sequence's next positions), where text goes through the
+runner's batch. Each chunk carries the sha256 of the bytes it came from, so a cache can tell the
+same picture sent again from a different one of the same size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edgechat.engine.llama import LlamaBackend, MediaChunk, MediaContext
+from edgechat.errors import UsageError
+
+__all__ = ["Image", "MediaChunk", "Projector"]
+
+
+@dataclass(frozen=True, eq=False)
+class Image:
+    """A decoded picture, ready for `Projector.chunks`."""
+
+    #: sha256 of the bytes it was read from (hex)
+    hash: str
+    width: int
+    height: int
+    _bitmap: object = field(repr=False)
+
+
+class Projector:
+    """A model's projector on a LlamaBackend (its `model`). Engine thread only, like the backend;
+    close it before the backend."""
+
+    def __init__(self, backend: LlamaBackend, path: Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UsageError(f"no projector file at {self.path}; give the model's mmproj GGUF")
+        self._media = MediaContext(backend, self.path)
+        #: image encodes run so far (each eval of a media chunk is one): what prefix reuse saves
+        self.encodes = 0
+
+    @property
+    def vision(self) -> bool:
+        return self._media.vision
+
+    @property
+    def audio(self) -> bool:
+        return self._media.audio
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """What the projector reads, as doctor and the model list say it: ("vision",), ..."""
+        return tuple(word for word, has in (("vision", self.vision), ("audio", self.audio)) if has)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Its weights' size, the file's (a first count: the encoder's compute buffer is small
+        beside them for the projectors that ship)."""
+        return self.path.stat().st_size
+
+    @property
+    def marker(self) -> str:
+        """What stands for one image in a prompt's text."""
+        return self._media.marker
+
+    def image(self, data: bytes) -> Image:
+        """Decode a PNG or JPEG; a one-line UsageError for bytes that are neither."""
+        if not self.vision:
+            raise UsageError(f"the projector {self.path.name} reads no images")
+        digest = hashlib.sha256(data).hexdigest()
+        bitmap = self._media.bitmap(data, digest)
+        if not bitmap:
+            raise UsageError("cannot read the image: give a PNG or JPEG file")
+        width, height, is_audio = self._media.bitmap_info(bitmap)
+        if is_audio:
+            self._media.free_bitmap(bitmap)
+            raise UsageError("that file is a sound, not an image: give a PNG or JPEG file")
+        image = Image(digest, width, height, bitmap)
+        weakref.finalize(image, self._media.free_bitmap, bitmap)
+        return image
+
+    def chunks(self, prompt: str, images: Sequence[Image]) -> list[list[int] | MediaChunk]:
+        """`prompt` (with one `marker` per image, in order) as text chunks (token ids) and media
+        chunks (n_tokens, n_pos, id: the image's hash)."""
+        n_markers = prompt.count(self.marker)
+        if n_markers != len(images):
+            raise UsageError(f"the prompt has {n_markers} image markers for {len(images)} images")
+        try:
+            return self._media.tokenize(prompt, [image._bitmap for image in images])
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+
+    def eval(self, chunk: MediaChunk, seq: int, pos: int) -> int:
+        """Encode the chunk and put its embeddings in sequence `seq` at positions from `pos`;
+        returns the position after it (`pos + chunk.n_pos`)."""
+        self.encodes += 1
+        return self._media.eval(chunk, pos, seq)
+
+    def close(self) -> None:
+        self._media.close()
