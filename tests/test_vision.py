@@ -67,14 +67,12 @@ def prompt(marker: str) -> str:
     return f"<|im_start|>user\n{marker}\nWhat is in this picture?<|im_end|>\n<|im_start|>assistant\n"
 
 
-def answer(backend: LlamaBackend, projector: Projector, chunks: list, seq: int = 0) -> tuple[list[int], np.ndarray]:
-    """Prefill the chunks into an empty sequence (text through the backend's batch, images
-    through the projector), then ANSWER_TOKENS greedy tokens; returns them and the logits that
-    chose the first."""
-    backend.seq_rm(seq)
+def prefill(backend: LlamaBackend, projector: Projector, chunks: list, seq: int, pos: int = 0) -> tuple[int, int]:
+    """Put the chunks in sequence `seq` from position `pos` (text through the backend's batch,
+    images through the projector); returns the next position and the batch index of the last
+    row's logits."""
     assert isinstance(chunks[-1], list), "the prompt ends in text, whose last row gives the logits"
     batch = backend.new_batch(backend.n_batch)
-    pos = 0
     for i, chunk in enumerate(chunks):
         if isinstance(chunk, list):
             batch.clear()
@@ -84,8 +82,14 @@ def answer(backend: LlamaBackend, projector: Projector, chunks: list, seq: int =
             pos += len(chunk)
         else:
             pos = projector.eval(chunk, seq, pos)
+    batch.close()
     assert backend.seq_pos_range(seq) == (0, pos - 1), "every chunk's cells are where mtmd said"
-    first_logits = backend.logits(index).copy()
+    return pos, index
+
+
+def greedy(backend: LlamaBackend, index: int, pos: int, seq: int) -> list[int]:
+    """ANSWER_TOKENS greedy tokens after the logits at `index`, the first going in at `pos`."""
+    batch = backend.new_batch(1)
     tokens = []
     for _ in range(ANSWER_TOKENS):
         tokens.append(backend.argmax(index))
@@ -94,7 +98,16 @@ def answer(backend: LlamaBackend, projector: Projector, chunks: list, seq: int =
         backend.decode(batch)
         pos += 1
     batch.close()
-    return tokens, first_logits
+    return tokens
+
+
+def answer(backend: LlamaBackend, projector: Projector, chunks: list, seq: int = 0) -> tuple[list[int], np.ndarray]:
+    """The chunks prefilled into an emptied sequence, then the greedy answer; returns it and the
+    logits that chose its first token."""
+    backend.seq_rm(seq)
+    pos, index = prefill(backend, projector, chunks, seq)
+    first_logits = backend.logits(index).copy()
+    return greedy(backend, index, pos, seq), first_logits
 
 
 def test_projector_loads_and_reports_vision(projector, mmproj):
@@ -152,3 +165,28 @@ def test_bad_input_is_one_line(projector):
         projector.image(b"not a picture")
     with pytest.raises(UsageError, match="1 image markers for 0 images"):
         projector.chunks(prompt(projector.marker), [])
+
+
+def test_image_cells_are_a_prefix_to_share_and_restore_without_a_second_encode(backend, projector):
+    """What the KV manager will rely on: an image's cells, once decoded, are cells like a
+    prompt's: another sequence sharing them (seq_cp) and a saved and restored sequence state go
+    on after them as a cold prefill of the whole prompt does, and neither encodes the image."""
+    chunks = projector.chunks(prompt(projector.marker), [projector.image(GRADIENT)])
+    follow = backend.tokenize("The picture shows", special=False)
+    cold, _ = answer(backend, projector, [*chunks, follow], seq=1)
+    backend.seq_rm(0)
+    pos, _ = prefill(backend, projector, chunks, 0)
+    encodes = projector.encodes
+
+    backend.seq_rm(1)
+    backend.seq_cp(0, 1, 0, pos)
+    end, index = prefill(backend, projector, [follow], 1, pos)
+    assert greedy(backend, index, end, 1) == cold
+
+    backend.seq_rm(1)
+    state = backend.state_seq_get(0)
+    backend.seq_rm(0)
+    assert backend.state_seq_set(0, state)
+    end, index = prefill(backend, projector, [follow], 0, pos)
+    assert greedy(backend, index, end, 0) == cold
+    assert projector.encodes == encodes
