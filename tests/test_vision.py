@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 import zlib
 
 import numpy as np
@@ -190,3 +191,33 @@ def test_image_cells_are_a_prefix_to_share_and_restore_without_a_second_encode(b
     end, index = prefill(backend, projector, [follow], 0, pos)
     assert greedy(backend, index, end, 0) == cold
     assert projector.encodes == encodes
+
+
+def test_an_image_encoded_on_another_thread_while_text_decodes_gives_the_same_answer(backend, projector, smollm2_path):
+    """The projector's encode needs no text-model context, so the engine can run it off its
+    thread while other sequences decode, and decode the embeddings in a later step."""
+    chunks = projector.chunks(prompt(projector.marker), [projector.image(CHECKS)])
+    expected, expected_logits = answer(backend, projector, chunks)
+
+    encoded = {}
+    worker = threading.Thread(target=lambda: encoded.update(embeddings=projector.encode(chunks[1])))
+    backend.seq_rm(1)
+    worker.start()
+    other, _ = answer(backend, projector, [backend.tokenize("Hello there, how are you today?")], seq=1)
+    worker.join()
+    embeddings = encoded["embeddings"]
+    assert embeddings.shape == (chunks[1].n_tokens, text_embedding_width(smollm2_path))
+
+    backend.seq_rm(0)
+    pos, _ = prefill(backend, projector, [chunks[0]], 0)
+    pos = projector.decode(chunks[1], embeddings, 0, pos)
+    end, index = prefill(backend, projector, [chunks[2]], 0, pos)
+    logits = backend.logits(index).copy()
+    assert greedy(backend, index, end, 0) == expected and np.array_equal(logits, expected_logits)
+    # and once more from the same embeddings, with no encode
+    encodes = projector.encodes
+    backend.seq_rm(0, len(chunks[0]))
+    pos = projector.decode(chunks[1], embeddings, 0, len(chunks[0]))
+    end, index = prefill(backend, projector, [chunks[2]], 0, pos)
+    assert greedy(backend, index, end, 0) == expected and projector.encodes == encodes
+    assert other == answer(backend, projector, [backend.tokenize("Hello there, how are you today?")], seq=1)[0]

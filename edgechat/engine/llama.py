@@ -537,16 +537,36 @@ class MediaContext:
         finally:
             M.mtmd_input_chunks_free(chunks)
 
-    def eval(self, chunk: MediaChunk, pos: int, seq: int, logits_last: bool = False) -> int:
-        """Encode the chunk and decode its embeddings into sequence `seq` from position `pos`, in
-        batches of the context's size; returns the position after it. mtmd asks no logits of an
-        image's rows, whatever `logits_last` says."""
-        new_pos = L.llama_pos(pos)  # the helper adds to it for text chunks, sets it for media
-        rc = self._M.mtmd_helper_eval_chunk_single(
-            self.ctx, self._backend.ctx, chunk.native, pos, seq, self._backend.n_batch, logits_last, ctypes.byref(new_pos)
+    def encode(self, chunk: MediaChunk) -> np.ndarray:
+        """The chunk's embeddings, (n_tokens, the text model's input width), float32, copied out
+        of mtmd's buffer. Runs the projector only (not the text model's context), so it may run
+        on another thread while the engine decodes; one encode at a time per MediaContext."""
+        M = self._M
+        if M.mtmd_encode_chunk(self.ctx, chunk.native) != 0:
+            raise DecodeError(f"mtmd could not encode the {chunk.kind}: {_mtmd_failure_reason()}")
+        shape = (chunk.n_tokens, L.llama_model_n_embd_inp(self._backend.model))
+        return np.ctypeslib.as_array(M.mtmd_get_output_embd(self.ctx), shape).copy()
+
+    def decode(self, chunk: MediaChunk, embeddings: np.ndarray, pos: int, seq: int) -> int:
+        """Decode `encode`'s embeddings into sequence `seq` from position `pos`, in batches of the
+        context's size, with the chunk's positions (M-RoPE included) and attention (non-causal
+        where the model wants it); returns the position after it. Asks no logits."""
+        embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+        new_pos = L.llama_pos(pos)
+        rc = self._M.mtmd_helper_decode_image_chunk(
+            self.ctx,
+            self._backend.ctx,
+            chunk.native,
+            embeddings.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+            pos,
+            seq,
+            self._backend.n_batch,
+            ctypes.byref(new_pos),
+            self._M.mtmd_helper_post_decode_callback(),  # a NULL one: nothing to do after each batch
+            None,
         )
         if rc != 0:
-            raise DecodeError(f"mtmd could not evaluate the {chunk.kind} ({rc}): {_mtmd_failure_reason()}")
+            raise DecodeError(f"llama.cpp could not decode the {chunk.kind}'s embeddings ({rc}): {_mtmd_failure_reason()}")
         return new_pos.value
 
     def close(self) -> None:

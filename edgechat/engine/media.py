@@ -1,9 +1,9 @@
 """Images (and sounds) in a prompt: a model's projector (an mmproj GGUF, through llama.cpp's
 libmtmd in engine/llama.py), the pictures it reads, and a prompt cut into text and media chunks.
 
-A media chunk is a run of embeddings, not token ids: it enters a sequence through `Projector.eval`
-(encode, then decode the embeddings at the sequence's next positions), where text goes through the
-runner's batch. Each chunk carries the sha256 of the bytes it came from, so a cache can tell the
+A media chunk is a run of embeddings, not token ids: the projector encodes it (`Projector.encode`,
+which needs no text-model context), then the embeddings are decoded at the sequence's next
+positions (`Projector.decode`), where text goes through the runner's batch. Each chunk carries the sha256 of the bytes it came from, so a cache can tell the
 same picture sent again from a different one of the same size.
 """
 
@@ -14,6 +14,8 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from edgechat.engine.llama import LlamaBackend, MediaChunk, MediaContext
 from edgechat.errors import UsageError
@@ -95,11 +97,22 @@ class Projector:
         except ValueError as error:
             raise UsageError(str(error)) from None
 
-    def eval(self, chunk: MediaChunk, seq: int, pos: int) -> int:
-        """Encode the chunk and put its embeddings in sequence `seq` at positions from `pos`;
-        returns the position after it (`pos + chunk.n_pos`)."""
+    def encode(self, chunk: MediaChunk) -> np.ndarray:
+        """The chunk's embeddings (n_tokens rows of the text model's input width): the projector's
+        work, the costly part on a CPU. It does not touch the text model's context, so it may run
+        off the engine thread while other sequences decode; one encode at a time."""
+        embeddings = self._media.encode(chunk)
         self.encodes += 1
-        return self._media.eval(chunk, pos, seq)
+        return embeddings
+
+    def decode(self, chunk: MediaChunk, embeddings: np.ndarray, seq: int, pos: int) -> int:
+        """Put encoded embeddings in sequence `seq` at positions from `pos` (engine thread);
+        returns the position after them (`pos + chunk.n_pos`)."""
+        return self._media.decode(chunk, embeddings, pos, seq)
+
+    def eval(self, chunk: MediaChunk, seq: int, pos: int) -> int:
+        """Encode and decode in one go."""
+        return self.decode(chunk, self.encode(chunk), seq, pos)
 
     def close(self) -> None:
         self._media.close()
