@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from edgechat.engine.llama import LlamaBackend
-from edgechat.engine.media import Projector
+from edgechat.engine.media import Projector, sentinels
 from edgechat.engine.planner import default_threads
 from edgechat.errors import ModelFormatError, UsageError
 from tests.tiny_mmproj import N_IMAGE_TOKENS, text_embedding_width, write_tiny_mmproj
@@ -159,6 +159,11 @@ def test_a_different_image_of_the_same_size_has_another_hash_and_other_embedding
     # pick the same greedy tokens for both, so those are not compared)
     (_, gradient_logits), (_, checks_logits) = (answer(backend, projector, c) for c in chunks)
     assert not np.allclose(gradient_logits, checks_logits)
+    # their cells' entries in a token mirror: one per cell, never a token id, none shared
+    mirrors = [sentinels(c[1]) for c in chunks]
+    assert all(len(m) == N_IMAGE_TOKENS and all(-(2**31) <= t < 0 for t in m) for m in mirrors)
+    assert not set(mirrors[0]) & set(mirrors[1])
+    assert sentinels(projector.chunks(prompt(projector.marker), [projector.image(GRADIENT)])[1]) == mirrors[0]
 
 
 def test_bad_input_is_one_line(projector):

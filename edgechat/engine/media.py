@@ -20,7 +20,18 @@ import numpy as np
 from edgechat.engine.llama import LlamaBackend, MediaChunk, MediaContext
 from edgechat.errors import UsageError
 
-__all__ = ["Image", "MediaChunk", "Projector"]
+__all__ = ["Image", "MediaChunk", "Projector", "sentinels"]
+
+
+def sentinels(chunk: MediaChunk) -> list[int]:
+    """The entries that stand for a media chunk's cells in a token mirror: one per cell, each a
+    negative int32 (never a token id; snapshots and the prompt cache pack mirrors as int32) drawn
+    from the image's hash and the cell's index. The same picture gives the same run; a different
+    one matches only if every one of its entries collides (31 bits each)."""
+    return [
+        -1 - (int.from_bytes(hashlib.sha256(f"{chunk.id}:{i}".encode()).digest()[:4], "little") & 0x7FFFFFFE)
+        for i in range(chunk.n_tokens)
+    ]
 
 
 @dataclass(frozen=True, eq=False)
