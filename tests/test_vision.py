@@ -20,12 +20,12 @@ import zlib
 
 import numpy as np
 import pytest
+from tiny_mmproj import N_IMAGE_TOKENS, text_embedding_width, write_tiny_mmproj
 
 from edgechat.engine.llama import LlamaBackend
 from edgechat.engine.media import Projector, sentinels
 from edgechat.engine.planner import default_threads
 from edgechat.errors import ModelFormatError, UsageError
-from tests.tiny_mmproj import N_IMAGE_TOKENS, text_embedding_width, write_tiny_mmproj
 
 ANSWER_TOKENS = 8
 
@@ -134,6 +134,8 @@ def test_image_chunk_geometry_and_hash(projector):
     assert len(media) == 1 and len(chunks) == 3
     # resized to the projector's 32x32, cut into 8x8 patches: 16 embeddings at 16 positions
     assert (media[0].kind, media[0].n_tokens, media[0].n_pos) == ("image", N_IMAGE_TOKENS, N_IMAGE_TOKENS)
+    # LLaVA's layout: one position per cell, causal attention (Gemma 3's images are non-causal)
+    assert not projector.mrope and not media[0].non_causal
     assert media[0].id == image.hash == hashlib.sha256(GRADIENT).hexdigest()
 
 
@@ -226,3 +228,26 @@ def test_an_image_encoded_on_another_thread_while_text_decodes_gives_the_same_an
     end, index = prefill(backend, projector, [chunks[2]], 0, pos)
     assert greedy(backend, index, end, 0) == expected and projector.encodes == encodes
     assert other == answer(backend, projector, [backend.tokenize("Hello there, how are you today?")], seq=1)[0]
+
+
+def test_gemma3_layout_wraps_the_image_and_decodes_it_non_causal(gemma3_path, tmp_path):
+    """Gemma 3's projector type (the catalog's vision model is a Gemma 3) on the embedded Gemma 3
+    270M: mtmd puts <start_of_image> and <end_of_image> around the image's 16 cells, decodes them
+    with attention both ways, and the picture reaches the model (the greedy tokens of this small
+    model may stay as they are; the logits after the prompt differ) deterministically."""
+    backend = LlamaBackend(gemma3_path, n_ctx_total=1024, n_seq_max=1, n_threads=default_threads())
+    projector = Projector(backend, write_tiny_mmproj(tmp_path / "g3.gguf", text_embedding_width(gemma3_path), "gemma3"))
+    try:
+        text = f"<start_of_turn>user\n{projector.marker}\nWhat is in this picture?<end_of_turn>\n<start_of_turn>model\n"
+        chunks = projector.chunks(text, [projector.image(CHECKS)])
+        before, image, after = chunks
+        assert (image.n_tokens, image.n_pos, image.non_causal, projector.mrope) == (N_IMAGE_TOKENS, N_IMAGE_TOKENS, True, False)
+        assert before[-1] == backend.tokenize("<start_of_image>")[0] and after[0] == backend.tokenize("<end_of_image>")[0]
+        first, first_logits = answer(backend, projector, chunks)
+        again, again_logits = answer(backend, projector, projector.chunks(text, [projector.image(CHECKS)]))
+        _, without_logits = answer(backend, projector, [before + after])
+        assert first == again and np.array_equal(first_logits, again_logits)
+        assert not np.allclose(first_logits, without_logits)
+    finally:
+        projector.close()
+        backend.close()

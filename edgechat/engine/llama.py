@@ -456,8 +456,10 @@ class MediaChunk:
     """One image (or audio) chunk of a tokenized prompt, owned: a copy of mtmd's chunk, freed with
     this object (the chunk list it came from is freed at once)."""
 
-    def __init__(self, M, native):
+    def __init__(self, M, ctx, native):
         self.native = native
+        #: its cells attend to each other both ways (Gemma 3): one ubatch, never cut
+        self.non_causal = bool(M.mtmd_decode_use_non_causal(ctx, native))
         self.kind = "audio" if M.mtmd_input_chunk_get_type(native) == M.MTMD_INPUT_CHUNK_TYPE_AUDIO else "image"
         #: embeddings it puts in the sequence (cells), and positions it takes (M-RoPE: fewer)
         self.n_tokens = M.mtmd_input_chunk_get_n_tokens(native)
@@ -488,6 +490,9 @@ class MediaContext:
         self.ctx = ctx
         self.vision = bool(M.mtmd_support_vision(ctx))
         self.audio = bool(M.mtmd_support_audio(ctx))
+        #: positions in several dimensions (Qwen2-VL's M-RoPE): an image takes fewer positions
+        #: than cells
+        self.mrope = bool(M.mtmd_decode_use_mrope(ctx))
         #: the text that stands for one picture or sound in a prompt
         self.marker = M.mtmd_default_marker().decode()
 
@@ -532,7 +537,7 @@ class MediaContext:
                     ids = M.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
                     out.append(ids[: n.value])
                 else:
-                    out.append(MediaChunk(M, M.mtmd_input_chunk_copy(chunk)))
+                    out.append(MediaChunk(M, self.ctx, M.mtmd_input_chunk_copy(chunk)))
             return out
         finally:
             M.mtmd_input_chunks_free(chunks)

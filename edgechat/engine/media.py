@@ -66,6 +66,11 @@ class Projector:
         return self._media.audio
 
     @property
+    def mrope(self) -> bool:
+        """Its images take positions in several dimensions (M-RoPE), fewer than their cells."""
+        return self._media.mrope
+
+    @property
     def modalities(self) -> tuple[str, ...]:
         """What the projector reads, as doctor and the model list say it: ("vision",), ..."""
         return tuple(word for word, has in (("vision", self.vision), ("audio", self.audio)) if has)
