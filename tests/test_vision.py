@@ -118,12 +118,17 @@ def test_projector_loads_and_reports_vision(projector, mmproj):
     assert projector.marker
 
 
-def test_projector_for_another_width_is_refused_in_one_line(backend, tmp_path):
+def test_a_projector_for_another_width_or_a_damaged_one_is_refused_in_one_line(backend, tmp_path):
     wrong = write_tiny_mmproj(tmp_path / "wide.gguf", 640)
     with pytest.raises(ModelFormatError) as refused:
         Projector(backend, wrong)
     message = str(refused.value)
     assert "\n" not in message and "wide.gguf" in message and "640" in message
+    (tmp_path / "junk.gguf").write_bytes(wrong.read_bytes()[:100])
+    with pytest.raises(ModelFormatError, match="cannot load the projector junk.gguf: [^\n]+$"):
+        Projector(backend, tmp_path / "junk.gguf")
+    with pytest.raises(UsageError, match="no projector file at"):
+        Projector(backend, tmp_path / "missing.gguf")
 
 
 def test_image_chunk_geometry_and_hash(projector):
