@@ -1,0 +1,134 @@
+"""Images (and sounds) in a prompt: a model's projector (an mmproj GGUF, through llama.cpp's
+libmtmd in engine/llama.py), the pictures it reads, and a prompt cut into text and media chunks.
+
+A media chunk is a run of embeddings, not token ids: the projector encodes it (`Projector.encode`,
+which needs no text-model context), then the embeddings are decoded at the sequence's next
+positions (`Projector.decode`), where text goes through the runner's batch. Each chunk carries the sha256 of the bytes it came from, so a cache can tell the
+same picture sent again from a different one of the same size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edgechat.engine.llama import LlamaBackend, MediaChunk, MediaContext
+from edgechat.errors import UsageError
+
+__all__ = ["Image", "MediaChunk", "Projector", "sentinels"]
+
+
+def sentinels(chunk: MediaChunk) -> list[int]:
+    """The entries that stand for a media chunk's cells in a token mirror: one per cell, each a
+    negative int32 (never a token id; snapshots and the prompt cache pack mirrors as int32) drawn
+    from the image's hash and the cell's index. The same picture gives the same run; a different
+    one matches only if every one of its entries collides (31 bits each)."""
+    return [
+        -1 - (int.from_bytes(hashlib.sha256(f"{chunk.id}:{i}".encode()).digest()[:4], "little") & 0x7FFFFFFE)
+        for i in range(chunk.n_tokens)
+    ]
+
+
+@dataclass(frozen=True, eq=False)
+class Image:
+    """A decoded picture, ready for `Projector.chunks`."""
+
+    #: sha256 of the bytes it was read from (hex)
+    hash: str
+    width: int
+    height: int
+    _bitmap: object = field(repr=False)
+
+
+class Projector:
+    """A model's projector on a LlamaBackend (its `model`). Engine thread only, like the backend;
+    close it before the backend."""
+
+    def __init__(self, backend: LlamaBackend, path: Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UsageError(f"no projector file at {self.path}; give the model's mmproj GGUF")
+        self._media = MediaContext(backend, self.path)
+        #: image encodes run so far (each eval of a media chunk is one): what prefix reuse saves
+        self.encodes = 0
+
+    @property
+    def vision(self) -> bool:
+        return self._media.vision
+
+    @property
+    def audio(self) -> bool:
+        return self._media.audio
+
+    @property
+    def mrope(self) -> bool:
+        """Its images take positions in several dimensions (M-RoPE), fewer than their cells."""
+        return self._media.mrope
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """What the projector reads, as doctor and the model list say it: ("vision",), ..."""
+        return tuple(word for word, has in (("vision", self.vision), ("audio", self.audio)) if has)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Its weights' size, the file's (a first count: the encoder's compute buffer is small
+        beside them for the projectors that ship)."""
+        return self.path.stat().st_size
+
+    @property
+    def marker(self) -> str:
+        """What stands for one image in a prompt's text."""
+        return self._media.marker
+
+    def image(self, data: bytes) -> Image:
+        """Decode a PNG or JPEG; a one-line UsageError for bytes that are neither."""
+        if not self.vision:
+            raise UsageError(f"the projector {self.path.name} reads no images")
+        digest = hashlib.sha256(data).hexdigest()
+        bitmap = self._media.bitmap(data, digest)
+        if not bitmap:
+            raise UsageError("cannot read the image: give a PNG or JPEG file")
+        width, height, is_audio = self._media.bitmap_info(bitmap)
+        if is_audio:
+            self._media.free_bitmap(bitmap)
+            raise UsageError("that file is a sound, not an image: give a PNG or JPEG file")
+        image = Image(digest, width, height, bitmap)
+        weakref.finalize(image, self._media.free_bitmap, bitmap)
+        return image
+
+    def chunks(self, prompt: str, images: Sequence[Image]) -> list[list[int] | MediaChunk]:
+        """`prompt` (with one `marker` per image, in order) as text chunks (token ids) and media
+        chunks (n_tokens, n_pos, id: the image's hash)."""
+        n_markers = prompt.count(self.marker)
+        if n_markers != len(images):
+            raise UsageError(f"the prompt has {n_markers} image markers for {len(images)} images")
+        try:
+            return self._media.tokenize(prompt, [image._bitmap for image in images])
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+
+    def encode(self, chunk: MediaChunk) -> np.ndarray:
+        """The chunk's embeddings (n_tokens rows of the text model's input width): the projector's
+        work, the costly part on a CPU. It does not touch the text model's context, so it may run
+        off the engine thread while other sequences decode; one encode at a time."""
+        embeddings = self._media.encode(chunk)
+        self.encodes += 1
+        return embeddings
+
+    def decode(self, chunk: MediaChunk, embeddings: np.ndarray, seq: int, pos: int) -> int:
+        """Put encoded embeddings in sequence `seq` at positions from `pos` (engine thread);
+        returns the position after them (`pos + chunk.n_pos`)."""
+        return self._media.decode(chunk, embeddings, pos, seq)
+
+    def eval(self, chunk: MediaChunk, seq: int, pos: int) -> int:
+        """Encode and decode in one go."""
+        return self.decode(chunk, self.encode(chunk), seq, pos)
+
+    def close(self) -> None:
+        self._media.close()

@@ -1,0 +1,106 @@
+"""Tiny vision projector GGUFs for tests: no small vision model ships as a package, so the tests
+write one in the layout llama.cpp's clip loader reads (tools/mtmd/clip.cpp, clip-impl.h) and pair
+it with an embedded text model.
+
+Two projector types, the ones with the fewest tensors and a fixed-size resize as their only
+preprocessing, each a patch embedding (a convolution), position embeddings and two ViT blocks:
+- "mlp" (LLaVA): the graph stops at the second-to-last block, so one runs; then mm.0 -> GELU ->
+  mm.2 out to the text model's width; causal image cells, one position each.
+- "gemma3" (Gemma 3's): both blocks, an average pool (scale factor 2 here), an RMS norm and one
+  projection; mtmd wraps the image in <start_of_image> ... <end_of_image> and decodes its cells
+  with non-causal attention.
+Random weights from a fixed seed: a file is the same every time it is written, and it can say
+nothing about what a picture shows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+IMAGE_SIZE = 32
+#: image tokens per picture, for either type: mlp's 4x4 patch grid (no class embedding),
+#: gemma3's 8x8 grid pooled 2x2
+N_IMAGE_TOKENS = 16
+PATCH_SIZE = {"mlp": 8, "gemma3": 4}
+GEMMA3_POOL = 2
+N_EMBD = 64
+N_HEAD = 4
+N_FF = 128
+N_LAYER = 2
+MM_HIDDEN = 128
+
+
+def text_embedding_width(model: Path) -> int:
+    """The text model's embedding width, from its GGUF (`ARCH.embedding_length`)."""
+    reader = gguf.GGUFReader(str(model))
+    arch = reader.fields["general.architecture"].contents()
+    return int(reader.fields[f"{arch}.embedding_length"].contents())
+
+
+def write_tiny_mmproj(dest: Path, n_embd_text: int, projector: str = "mlp", seed: int = 0) -> Path:
+    """Write a `projector` ("mlp" or "gemma3") to `dest` with output width `n_embd_text`;
+    returns `dest`."""
+    patch = PATCH_SIZE[projector]
+    n_patches = (IMAGE_SIZE // patch) ** 2
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape: int, scale: float | None = None) -> np.ndarray:
+        # numpy shapes are ggml's ne reversed: (rows = outputs, columns = inputs)
+        scale = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(dest), "clip")
+    writer.add_name("edgechat tiny test projector (random weights)")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", projector)
+    writer.add_bool("clip.use_gelu", True)
+    writer.add_uint32("clip.vision.image_size", IMAGE_SIZE)
+    writer.add_uint32("clip.vision.patch_size", patch)
+    writer.add_uint32("clip.vision.embedding_length", N_EMBD)
+    writer.add_uint32("clip.vision.feed_forward_length", N_FF)
+    writer.add_uint32("clip.vision.block_count", N_LAYER)
+    writer.add_uint32("clip.vision.projection_dim", n_embd_text)
+    writer.add_uint32("clip.vision.attention.head_count", N_HEAD)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    if projector == "gemma3":
+        writer.add_uint32("clip.vision.projector.scale_factor", GEMMA3_POOL)
+
+    tensors = {
+        "v.patch_embd.weight": weight(N_EMBD, 3, patch, patch, scale=1.0 / np.sqrt(3 * patch * patch)),
+        "v.patch_embd.bias": np.zeros(N_EMBD, np.float32),
+        "v.position_embd.weight": weight(n_patches, N_EMBD, scale=0.1),
+    }
+    for il in range(N_LAYER):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            tensors[f"v.blk.{il}.{name}.weight"] = weight(N_EMBD, N_EMBD)
+            tensors[f"v.blk.{il}.{name}.bias"] = np.zeros(N_EMBD, np.float32)
+        for name in ("ln1", "ln2"):
+            tensors[f"v.blk.{il}.{name}.weight"] = np.ones(N_EMBD, np.float32)
+            tensors[f"v.blk.{il}.{name}.bias"] = np.zeros(N_EMBD, np.float32)
+        tensors[f"v.blk.{il}.ffn_up.weight"] = weight(N_FF, N_EMBD)
+        tensors[f"v.blk.{il}.ffn_up.bias"] = np.zeros(N_FF, np.float32)
+        tensors[f"v.blk.{il}.ffn_down.weight"] = weight(N_EMBD, N_FF)
+        tensors[f"v.blk.{il}.ffn_down.bias"] = np.zeros(N_EMBD, np.float32)
+    # outputs of about a text embedding's size, so the picture weighs in the next-token choice
+    if projector == "mlp":
+        tensors["mm.0.weight"] = weight(MM_HIDDEN, N_EMBD)
+        tensors["mm.0.bias"] = np.zeros(MM_HIDDEN, np.float32)
+        tensors["mm.2.weight"] = weight(n_embd_text, MM_HIDDEN, scale=0.05)
+        tensors["mm.2.bias"] = np.zeros(n_embd_text, np.float32)
+    else:
+        tensors["mm.soft_emb_norm.weight"] = np.ones(N_EMBD, np.float32)
+        # ggml's ne [text width, N_EMBD]: the graph multiplies by its transpose
+        tensors["mm.input_projection.weight"] = weight(N_EMBD, n_embd_text, scale=0.05)
+    for name, data in tensors.items():
+        writer.add_tensor(name, data)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dest
