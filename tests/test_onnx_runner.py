@@ -396,7 +396,7 @@ def test_the_scheduler_runs_on_the_onnx_runner(model, runners):
         def no_snapshots():
             raise AssertionError("no conversation here is snapshotted")
 
-        kv = KVManager(runner, 3, no_snapshots, lambda s: {}, lambda s, st: None)
+        kv = KVManager(runner, 3, no_snapshots, lambda s: {}, lambda s, st: None, PromptCache(0, dict))
         return Scheduler(runner, kv, ConversationStates(), runner.n_ctx, 3, lambda r: ContextPolicy.TRUNCATE, lambda r: mode)
 
     sched = scheduler(SpeculativeMode.OFF)
