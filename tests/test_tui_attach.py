@@ -176,8 +176,9 @@ async def test_a_file_too_large_is_sent_as_its_parts_nearest_the_question(paths,
         await command(pilot, "What is the lighthouse code word?")
         await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         await pilot.press("enter")  # "Send the relevant parts" has the focus
+        # the answer is stored at once (as interrupted) before its turn starts: wait for its end
         await until(pilot, lambda: screen.conv is not None and screen.turn is None
-                    and len(app.store.messages(screen.conv.id)) == 2, timeout=120)
+                    and [m.status for m in app.store.messages(screen.conv.id)][1:] == ["complete"], timeout=120)
         user = app.store.messages(screen.conv.id)[0]
         assert [a["name"] for a in user.meta["attachments"]] == ["report.txt (excerpts)"]
         sent, text = split(user.content, 1)
