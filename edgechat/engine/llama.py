@@ -261,8 +261,7 @@ class LlamaBackend:
         if not model:
             raise ModelFormatError(f"cannot load {self.path.name}: {_load_failure_reason()}")
         self.model = model
-        self.vocab = L.llama_model_get_vocab(model)
-        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self._read_vocab()
         cparams = L.llama_context_default_params()
         cparams.n_ctx = n_ctx_total
         cparams.n_batch = n_batch
@@ -294,6 +293,11 @@ class LlamaBackend:
         self.swa_window = max(L.llama_model_n_swa(model), 0)
         #: the window, where the cache itself keeps only the window's cells (0: a full cache)
         self.small_swa = 0 if swa_full else self.swa_window
+
+    def _read_vocab(self) -> None:
+        """The loaded model's vocabulary and special tokens, and the piece cache."""
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self.bos = L.llama_vocab_bos(self.vocab)
         self.eos = L.llama_vocab_eos(self.vocab)
@@ -488,13 +492,7 @@ class Vocabulary(LlamaBackend):
         self.model = L.llama_model_load_from_file(os.fsencode(path), params)
         if not self.model:
             raise ModelFormatError(f"cannot read the vocabulary {path}; export the model again")
-        self.vocab = L.llama_model_get_vocab(self.model)
-        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
-        self.bos = L.llama_vocab_bos(self.vocab)
-        self.eos = L.llama_vocab_eos(self.vocab)
-        self._pieces: dict[int, bytes] = {}
-        self._piece_buf = ctypes.create_string_buffer(256)
+        self._read_vocab()
 
 
 class MediaChunk:
