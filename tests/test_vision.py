@@ -14,13 +14,11 @@ test here reads meaning into the tokens, only whether they are equal or differ.
 from __future__ import annotations
 
 import hashlib
-import struct
 import threading
-import zlib
 
 import numpy as np
 import pytest
-from tiny_mmproj import N_IMAGE_TOKENS, text_embedding_width, write_tiny_mmproj
+from tiny_mmproj import CHECKS, GRADIENT, N_IMAGE_TOKENS, text_embedding_width, write_tiny_mmproj
 
 from edgechat.engine.llama import LlamaBackend
 from edgechat.engine.media import Projector, sentinels
@@ -28,21 +26,6 @@ from edgechat.engine.planner import default_threads
 from edgechat.errors import ModelFormatError, UsageError
 
 ANSWER_TOKENS = 8
-
-
-def png(width: int, height: int, pixel) -> bytes:
-    """An 8-bit RGB PNG whose pixel (x, y) is `pixel(x, y)` -> (r, g, b), written with zlib."""
-
-    def part(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    rows = b"".join(b"\0" + bytes(c for x in range(width) for c in pixel(x, y)) for y in range(height))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + part(b"IHDR", header) + part(b"IDAT", zlib.compress(rows)) + part(b"IEND", b"")
-
-
-GRADIENT = png(40, 40, lambda x, y: (x * 6, y * 6, 128))
-CHECKS = png(40, 40, lambda x, y: (255, 255, 255) if (x // 5 + y // 5) % 2 else (0, 0, 0))
 
 
 @pytest.fixture(scope="module")

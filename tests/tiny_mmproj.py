@@ -15,6 +15,8 @@ nothing about what a picture shows.
 
 from __future__ import annotations
 
+import struct
+import zlib
 from pathlib import Path
 
 import gguf
@@ -104,3 +106,18 @@ def write_tiny_mmproj(dest: Path, n_embd_text: int, projector: str = "mlp", seed
     writer.write_tensors_to_file()
     writer.close()
     return dest
+
+
+def png(width: int, height: int, pixel) -> bytes:
+    """An 8-bit RGB PNG whose pixel (x, y) is `pixel(x, y)` -> (r, g, b), written with zlib."""
+
+    def part(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    rows = b"".join(b"\0" + bytes(c for x in range(width) for c in pixel(x, y)) for y in range(height))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + part(b"IHDR", header) + part(b"IDAT", zlib.compress(rows)) + part(b"IEND", b"")
+
+
+GRADIENT = png(40, 40, lambda x, y: (x * 6, y * 6, 128))
+CHECKS = png(40, 40, lambda x, y: (255, 255, 255) if (x // 5 + y // 5) % 2 else (0, 0, 0))

@@ -25,6 +25,7 @@ from edgechat.engine.draft import DraftModel, DraftVocabError
 from edgechat.engine.embeddings import Embedder, EmbeddingJob
 from edgechat.engine.kvcache import KVManager, Slot
 from edgechat.engine.llama import LlamaBackend, state_version
+from edgechat.engine.media import Projector
 from edgechat.engine.metrics import RequestClock
 from edgechat.engine.params import CHOICES, FlashAttn, KVType, SpeculativeMode, SwaCache, choice
 from edgechat.engine.prompt import Prepared, PromptBuilder, PromptQueries
@@ -36,7 +37,7 @@ from edgechat.engine.sessions import ConversationStates
 from edgechat.engine.snapshots import SnapshotStore, model_fingerprint
 from edgechat.engine.templates import choose_format
 from edgechat.errors import EdgechatError, EngineStoppedError, UsageError
-from edgechat.models import catalog_draft, display_name, read_model_info, resolve_model
+from edgechat.models import catalog_draft, display_name, find_projector, read_model_info, resolve_model
 
 if TYPE_CHECKING:
     from edgechat.engine.onnxrt import OnnxPlacement
@@ -82,6 +83,9 @@ class EngineConfig:
     speculative: SpeculativeMode = SpeculativeMode.AUTO
     #: a smaller model of the same vocabulary that guesses tokens for the model to verify
     draft_model: str | None = None
+    #: the model's projector (an mmproj GGUF) that lets it read images (engine/media.py); None:
+    #: the one the catalog pulled with the model, or an mmproj*.gguf beside its file, if any
+    mmproj: str | None = None
     #: a GGUF that computes embeddings (engine/embeddings.py) instead of the model itself
     embedding_model: str | None = None
     #: the same text for the same prompt, seed and settings whatever else the engine serves or
@@ -198,7 +202,7 @@ class Engine(PromptQueries):
         if cfg.rpc_servers:
             devices.add_rpc_servers(cfg.rpc_servers)
         self.gpu: planner.GpuSplit | OnnxPlacement = planner.gpu_split(info, plan, cfg.n_gpu_layers, devices.gpu_devices())
-        self.backend = LlamaBackend(
+        self.backend = be = LlamaBackend(
             self.model_path,
             n_ctx_total=self.n_ctx * self.n_slots,
             n_seq_max=self.n_slots,
@@ -209,6 +213,16 @@ class Engine(PromptQueries):
             swa_full=plan.swa_full,
             on_progress=cfg.on_load_progress,
         )
+        mmproj = find_projector(cfg.mmproj, self.model_path)
+        try:
+            self.projector = Projector(be, mmproj) if mmproj is not None else None
+            if self.projector is not None and self.projector.mrope:
+                # the KV mirror keeps cell i at position i; M-RoPE images take fewer positions
+                self.projector.close()
+                raise UsageError(f"the projector {mmproj.name} uses M-RoPE positions (Qwen2-VL family), not supported yet")
+        except BaseException:
+            be.close()
+            raise
 
     def _open_onnx(self) -> None:
         """An ONNX folder through onnxruntime (engine/onnxrt.py): its own KV buffers, one row
@@ -219,12 +233,20 @@ class Engine(PromptQueries):
         cfg = self.config
         if cfg.draft_model is not None:
             raise UsageError("a draft model needs a GGUF model; ONNX folders use n-gram speculation only")
+        if cfg.mmproj is not None:
+            raise UsageError("a projector (--mmproj) needs a GGUF model; ONNX folders read text only")
+        self.projector = None
         self.draft_ref = None
         self.model_info = info = read_onnx_info(self.model_path)
         self.plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, label=self.model_name)
         self.n_ctx = self.plan.n_ctx
         self.backend = OnnxRunner(self.model_path, self.n_ctx, self.n_slots, self.n_threads, cfg.ep)
         self.gpu = OnnxPlacement(self.backend.session.get_providers())
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """What the model reads besides text: ("vision",), ("vision", "audio") or () (its projector's)."""
+        return self.projector.modalities if self.projector is not None else ()
 
     @property
     def slots(self) -> list[Slot]:
@@ -334,6 +356,8 @@ class Engine(PromptQueries):
             self.embedder.close()
             if self.embedder.backend is not self.backend:
                 self.embedder.backend.close()
+        if self.projector is not None:
+            self.projector.close()
         self.backend.close()
 
     def __enter__(self):

@@ -57,11 +57,23 @@ class Grammar:
     triggers: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """A picture in a message: a `content` may be a list of parts, each a str or an ImageInput,
+    in the order the model reads them. The bytes as sent (PNG, JPEG, ...: what the model's
+    projector decodes); a model without a vision projector refuses them in one line."""
+
+    data: bytes
+    #: "image/png", ... as the client said (None: unknown); the projector reads the bytes themselves
+    media_type: str | None = None
+
+
 @dataclass
 class ChatRequest:
     """One generation: either chat `messages` (rendered with the model's template) or a raw `prompt`."""
 
-    #: {role, content}; an assistant message may carry `tool_calls` ([{id, name, arguments (JSON
+    #: {role, content}; content is text, or a list of parts (str or ImageInput) for a message
+    #: with pictures (a vision model's); an assistant message may carry `tool_calls` ([{id, name, arguments (JSON
     #: text)}]), a "tool" message answers one by its `tool_call_id`
     messages: list[dict] | None = None
     prompt: str | None = None

@@ -87,3 +87,18 @@ def catalog_draft(ref: str | None, paths: Paths) -> str | None:
         return draft
     entry = catalog.load_catalog()[draft]
     return draft if hub.is_downloaded(entry, entry.default, paths) else None
+
+
+def find_projector(given: str | None, model_path: Path) -> Path | None:
+    """The projector (mmproj GGUF) that lets the model at `model_path` read images: the file
+    given (--mmproj), else the one mmproj*.gguf beside the model file (the Hub repos' layout,
+    and where a catalog pull puts it), else None (a text-only model)."""
+    if given:
+        path = Path(given).expanduser()
+        if not path.is_file():
+            raise ModelNotFoundError(f"projector file not found: {given}; give the model's mmproj GGUF")
+        return path.absolute()
+    if model_path.is_dir():
+        return None
+    beside = sorted(model_path.parent.glob("mmproj*.gguf"))
+    return beside[0].absolute() if len(beside) == 1 else None
