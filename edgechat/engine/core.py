@@ -52,6 +52,11 @@ BATCH_WINDOW_S = 0.003
 COMMAND_TIMEOUT_S = 60.0
 
 
+#: longest sleep of an engine thread whose requests all wait for image encodes (each encode's end
+#: wakes it at once; this bounds a lost wake-up)
+ENCODE_POLL_S = 0.5
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None
@@ -178,6 +183,7 @@ class Engine(PromptQueries):
         self.scheduler = Scheduler(
             be, self.kv, self.states, self.n_ctx, 1 if cfg.deterministic else cfg.n_parallel, self._policy, self._speculative,
             self.draft, deterministic=cfg.deterministic, reasoning=self.format.reasoning,
+            projector=self.projector, wake=lambda: self._inbox.put(None),
         )
         self.prompts = PromptBuilder(
             self.format,
@@ -186,6 +192,8 @@ class Engine(PromptQueries):
             self.n_ctx,
             self._session_state,
             self._summarize,
+            self.projector,
+            self.model_name,
         )
         self._inbox: queue.Queue = queue.Queue()
         self._closed = False
@@ -213,16 +221,20 @@ class Engine(PromptQueries):
             swa_full=plan.swa_full,
             on_progress=cfg.on_load_progress,
         )
+        self.projector = None
         mmproj = find_projector(cfg.mmproj, self.model_path)
+        if mmproj is None:
+            return
         try:
-            self.projector = Projector(be, mmproj) if mmproj is not None else None
-            if self.projector is not None and self.projector.mrope:
+            projector = Projector(be, mmproj)
+            if projector.mrope:
                 # the KV mirror keeps cell i at position i; M-RoPE images take fewer positions
-                self.projector.close()
+                projector.close()
                 raise UsageError(f"the projector {mmproj.name} uses M-RoPE positions (Qwen2-VL family), not supported yet")
         except BaseException:
             be.close()
             raise
+        self.projector = projector
 
     def _open_onnx(self) -> None:
         """An ONNX folder through onnxruntime (engine/onnxrt.py): its own KV buffers, one row
@@ -483,13 +495,19 @@ class Engine(PromptQueries):
     def _run(self) -> None:
         reason = "closed"
         sched, embedder = self.scheduler, self.embedder
+        stalled = False  # the last step ran nothing: its requests wait for images' encodes
         try:
             while True:
                 block = not sched.active and not sched.waiting and not (embedder is not None and embedder.pending)
                 try:
-                    item = self._inbox.get(timeout=IDLE_SNAPSHOT_S) if block else self._inbox.get_nowait()
+                    if block or stalled:
+                        # an encode's end puts a wake-up in the inbox (Scheduler's `wake`)
+                        item = self._inbox.get(timeout=IDLE_SNAPSHOT_S if block else ENCODE_POLL_S)
+                    else:
+                        item = self._inbox.get_nowait()
                 except queue.Empty:
                     item = None
+                stalled = False
                 try:
                     if isinstance(item, Running):
                         sched.waiting.append(item)
@@ -507,7 +525,7 @@ class Engine(PromptQueries):
                     else:
                         sched.admit()
                         if sched.active:
-                            sched.step()
+                            stalled = not sched.step() and sched.encoding
                         # one embedding chunk per chat step: a long batch holds the streams up
                         # for a chunk's decode at a time, never for the whole batch
                         if embedder is not None and embedder.pending:

@@ -1,7 +1,9 @@
 """The KV manager: the one owner of the llama.cpp KV cache.
 
 A slot is one llama.cpp sequence. Its `tokens` list mirrors exactly what its cells hold, at
-positions 0..len-1, so reuse is a token comparison. Every cache operation (remove, shift, share,
+positions 0..len-1, so reuse is a token comparison. An image's cells are mirrored by a run of
+negative sentinels drawn from its hash (engine/media.py): the same picture matches as a cached
+prefix, another never does, and no cut keeps part of a run. Every cache operation (remove, shift, share,
 snapshot save and restore) goes through `KVManager`, which keeps the mirrors and records which
 slots share which cells, and maintains the invariant by construction:
 
@@ -212,6 +214,11 @@ class KVManager:
         n = max(min(n, len(slot.tokens)), 0)
         if n == len(slot.tokens) and n:
             return n
+        tokens = slot.tokens
+        while 0 < n < len(tokens) and tokens[n - 1] < 0 and tokens[n] < 0:
+            # never part of an image (a run of negative sentinels, engine/media.py): finishing
+            # it would need its embeddings again, and a non-causal image's cells saw each other
+            n -= 1
         if not self.backend.seq_rm(slot.seq, n if n else -1, -1):
             if not self.backend.seq_rm(slot.seq, -1, -1):
                 raise KVInvariantError(f"llama.cpp refused to clear sequence {slot.seq}")

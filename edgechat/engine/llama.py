@@ -557,13 +557,13 @@ class MediaContext:
     def free_bitmap(self, bitmap) -> None:
         self._M.mtmd_bitmap_free(bitmap)
 
-    def tokenize(self, text: str, bitmaps: list) -> list[list[int] | MediaChunk]:
+    def tokenize(self, text: str, bitmaps: list, add_special: bool = True) -> list[list[int] | MediaChunk]:
         """The prompt as chunks: token ids for text, a MediaChunk where a marker stood (markers
-        and bitmaps in the same order). Special tokens in the text are parsed, BOS added as the
-        model asks. Raises ValueError with mtmd's reason."""
+        and bitmaps in the same order). Special tokens in the text are parsed; with
+        `add_special`, BOS is added as the model asks. Raises ValueError with mtmd's reason."""
         M = self._M
         raw = text.encode()
-        inp = M.mtmd_input_text(raw, len(raw), True, True)
+        inp = M.mtmd_input_text(raw, len(raw), add_special, True)
         arr = (M.mtmd_bitmap_p_ctypes * max(len(bitmaps), 1))(*bitmaps)
         chunks = M.mtmd_input_chunks_init()
         try:

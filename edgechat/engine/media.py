@@ -10,6 +10,7 @@ same picture sent again from a different one of the same size.
 from __future__ import annotations
 
 import hashlib
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,7 +21,21 @@ import numpy as np
 from edgechat.engine.llama import LlamaBackend, MediaChunk, MediaContext
 from edgechat.errors import UsageError
 
-__all__ = ["Image", "MediaChunk", "Projector", "sentinels"]
+__all__ = ["Image", "MediaChunk", "Projector", "no_vision", "sentinels"]
+
+#: the catalog's vision model, named where a text-only model is sent an image
+VISION_MODEL = "gemma3-4b-it"
+
+
+def no_vision(model: str) -> str:
+    """The one line a model without a vision projector answers an image with."""
+    return (f"{model} reads text only; for images pull a vision model (edgechat pull {VISION_MODEL}) "
+            f"or give this model's projector with --mmproj FILE")
+
+
+def is_sentinel(token: int) -> bool:
+    """A mirror entry standing for a media cell (`sentinels`), not a token id."""
+    return token < 0
 
 
 def sentinels(chunk: MediaChunk) -> list[int]:
@@ -46,8 +61,10 @@ class Image:
 
 
 class Projector:
-    """A model's projector on a LlamaBackend (its `model`). Engine thread only, like the backend;
-    close it before the backend."""
+    """A model's projector on a LlamaBackend (its `model`); close it before the backend.
+    Pictures are read and cut into chunks on the submitting threads (one at a time), encoded
+    on the engine's encoder thread, decoded on the engine thread: libmtmd's preprocessing and
+    its encoder use separate parts of its context, and decoding uses the text model's."""
 
     def __init__(self, backend: LlamaBackend, path: Path):
         self.path = Path(path)
@@ -56,6 +73,8 @@ class Projector:
         self._media = MediaContext(backend, self.path)
         #: image encodes run so far (each eval of a media chunk is one): what prefix reuse saves
         self.encodes = 0
+        self._prep_lock = threading.Lock()
+        self._encode_lock = threading.Lock()
 
     @property
     def vision(self) -> bool:
@@ -91,7 +110,8 @@ class Projector:
         if not self.vision:
             raise UsageError(f"the projector {self.path.name} reads no images")
         digest = hashlib.sha256(data).hexdigest()
-        bitmap = self._media.bitmap(data, digest)
+        with self._prep_lock:
+            bitmap = self._media.bitmap(data, digest)
         if not bitmap:
             raise UsageError("cannot read the image: give a PNG or JPEG file")
         width, height, is_audio = self._media.bitmap_info(bitmap)
@@ -102,14 +122,16 @@ class Projector:
         weakref.finalize(image, self._media.free_bitmap, bitmap)
         return image
 
-    def chunks(self, prompt: str, images: Sequence[Image]) -> list[list[int] | MediaChunk]:
+    def chunks(self, prompt: str, images: Sequence[Image], add_special: bool = True) -> list[list[int] | MediaChunk]:
         """`prompt` (with one `marker` per image, in order) as text chunks (token ids) and media
-        chunks (n_tokens, n_pos, id: the image's hash)."""
+        chunks (n_tokens, n_pos, id: the image's hash); `add_special` adds the BOS the model
+        wants (a whole prompt's), not for a piece of one."""
         n_markers = prompt.count(self.marker)
         if n_markers != len(images):
             raise UsageError(f"the prompt has {n_markers} image markers for {len(images)} images")
         try:
-            return self._media.tokenize(prompt, [image._bitmap for image in images])
+            with self._prep_lock:
+                return self._media.tokenize(prompt, [image._bitmap for image in images], add_special)
         except ValueError as error:
             raise UsageError(str(error)) from None
 
@@ -117,8 +139,9 @@ class Projector:
         """The chunk's embeddings (n_tokens rows of the text model's input width): the projector's
         work, the costly part on a CPU. It does not touch the text model's context, so it may run
         off the engine thread while other sequences decode; one encode at a time."""
-        embeddings = self._media.encode(chunk)
-        self.encodes += 1
+        with self._encode_lock:
+            embeddings = self._media.encode(chunk)
+            self.encodes += 1
         return embeddings
 
     def decode(self, chunk: MediaChunk, embeddings: np.ndarray, seq: int, pos: int) -> int:

@@ -6,16 +6,21 @@ and its cost grows linearly with the number of messages.
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from edgechat.engine.params import check_sampling
-from edgechat.engine.request import ChatRequest, ContextPolicy
+from edgechat.engine.request import ChatRequest, ContextPolicy, ImageInput
 from edgechat.engine.templates import ChatFormat, validate_messages
 from edgechat.engine.tools import tool_messages
 from edgechat.errors import PromptTooLongError, UsageError
+
+if TYPE_CHECKING:
+    from edgechat.engine.media import MediaChunk, Projector
 
 #: share of the context kept free for the answer when a request sets no max_tokens
 ANSWER_RESERVE = 0.25
@@ -24,6 +29,12 @@ SUMMARY_PREFIX = "Summary of the earlier conversation: "
 #: rendered messages whose tokens are remembered: a chat, or an agent resending its growing
 #: history, tokenizes only its new messages (llama.cpp takes ~70 us per message on a 2-core CPU)
 TOKEN_CACHE_ENTRIES = 16384
+#: pictures whose chunks are kept (by the sha256 of their bytes): a conversation sends its
+#: images again every turn, and reading and resizing one costs more than tokenizing a message
+#: (each entry holds the resized picture: Gemma 3's 896x896 is ~10 MB)
+IMAGE_CACHE_ENTRIES = 4
+#: what a summary or a token estimate reads where a message had a picture
+IMAGE_PLACEHOLDER = "[image]"
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,8 @@ class Prepared:
     summary: str | None = None  # what the model wrote of them (summarize policy)
     #: a reasoning model's prompt ends inside an open thinking block (its generation prompt opened it)
     thinking: bool = False
+    #: the pictures in `tokens`: each one's first sentinel (engine/media.py) -> its chunk
+    media: Mapping[int, MediaChunk] = field(default_factory=dict)
 
 
 class PromptBuilder:
@@ -59,8 +72,13 @@ class PromptBuilder:
         n_ctx: int,
         session_state: Callable[[str], dict] = lambda session: {},
         summarize: Callable[[str | None, list[dict]], str | None] | None = None,
+        projector: Projector | None = None,
+        model_name: str = "this model",
     ):
         self.format = fmt
+        self.projector = projector
+        self.model_name = model_name
+        self._image_cache: OrderedDict[str, list] = OrderedDict()
         self._tokenize = tokenize
         self.bos = bos
         self.n_ctx = n_ctx
@@ -89,6 +107,9 @@ class PromptBuilder:
             prep = Prepared(self.tokens_for([text])[0], 0, (), 0, 0)
         else:
             prep = self._prepare_chat(request, policy, limit)
+        if prep.tokens and prep.tokens[-1] < 0:
+            # the answer's first token is read from the logits after the prompt's last token
+            raise UsageError("the prompt ends with an image; write the question after it")
         if check_limit:
             self.check(request, prep)
         return prep
@@ -105,11 +126,85 @@ class PromptBuilder:
                 limit,
             )
 
-    def tokens_for(self, segments: list[str]) -> list[list[int]]:
-        """Tokens of each segment (lists shared with the cache: never modify them)."""
-        out = [self._segment_tokens(s) for s in segments]
+    def tokens_for(self, segments: list[str], images: list[ImageInput] | None = None,
+                   media: dict[int, MediaChunk] | None = None) -> list[list[int]]:
+        """Tokens of each segment (lists shared with the cache: never modify them). With
+        `images`, each projector marker in the segments is the next picture: its chunks'
+        tokens and sentinels stand there, and `media` gets the chunks by first sentinel."""
+        if images:
+            assert self.projector is not None and media is not None  # _split_images refused them otherwise
+            pictures = iter(images)
+            out = [self._media_tokens(s, pictures, media) if self.projector.marker in s else self._segment_tokens(s)
+                   for s in segments]
+            if next(pictures, None) is not None:
+                raise UsageError("this model's chat template left some images out of the prompt; send them in user messages")
+        else:
+            out = [self._segment_tokens(s) for s in segments]
         if self.bos is not None and (not out[0] or out[0][0] != self.bos):
             out[0] = [self.bos] + out[0]
+        return out
+
+    def _media_tokens(self, segment: str, pictures: Iterator[ImageInput], media: dict[int, MediaChunk]) -> list[int]:
+        """A rendered segment with pictures: its text tokenized as any segment's, each marker
+        replaced by the picture's chunks (the projector's own text around it, such as Gemma 3's
+        <start_of_image>, and a sentinel per image cell)."""
+        from edgechat.engine.media import sentinels
+
+        assert self.projector is not None
+        marker = self.projector.marker
+        first, *rest = segment.split(marker)
+        tokens = list(self._segment_tokens(first)) if first else []
+        for text in rest:
+            picture = next(pictures, None)
+            if picture is None:
+                raise UsageError(f"a message holds the image marker text {marker} with no image for it; remove it")
+            for chunk in self._image_chunks(picture):
+                if isinstance(chunk, list):
+                    tokens += chunk
+                else:
+                    run = sentinels(chunk)
+                    media[run[0]] = chunk
+                    tokens += run
+            if text:
+                tokens += self._segment_tokens(text)
+        return tokens
+
+    def _image_chunks(self, picture: ImageInput) -> list:
+        """The projector's chunks for one picture (decoded and resized once while it is sent)."""
+        assert self.projector is not None
+        key = hashlib.sha256(picture.data).hexdigest()
+        with self._cache_lock:
+            chunks = self._image_cache.get(key)
+            if chunks is not None:
+                self._image_cache.move_to_end(key)
+                return chunks
+        chunks = self.projector.chunks(self.projector.marker, [self.projector.image(picture.data)], add_special=False)
+        with self._cache_lock:
+            self._image_cache[key] = chunks
+            if len(self._image_cache) > IMAGE_CACHE_ENTRIES:
+                self._image_cache.popitem(last=False)
+        return chunks
+
+    def _split_images(self, messages: list[dict]) -> list[dict]:
+        """Messages whose content is a list of parts become text with the projector's marker
+        where each picture stands, the pictures kept beside it (`images`); a model without a
+        projector refuses them."""
+        out = []
+        for i, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            if not isinstance(content, list):
+                out.append(m)
+                continue
+            images = [part for part in content if isinstance(part, ImageInput)]
+            if any(not isinstance(part, str | ImageInput) for part in content):
+                raise UsageError(f"message {i}'s content parts must be text or images")
+            if images and (self.projector is None or not self.projector.vision):
+                from edgechat.engine.media import no_vision
+
+                raise UsageError(no_vision(self.model_name))
+            marker = self.projector.marker if self.projector is not None else ""
+            text = "".join(part if isinstance(part, str) else marker for part in content)
+            out.append({**m, "content": text, "images": images} if images else {**m, "content": text})
         return out
 
     def _segment_tokens(self, text: str) -> list[int]:
@@ -137,7 +232,7 @@ class PromptBuilder:
         llama-server's /apply-template gives."""
         if request.messages is None:
             raise UsageError("a raw prompt has no chat template to apply; send messages")
-        return self.format.render(request.messages, generation_prompt, **self._variables(request))
+        return self.format.render(self._split_images(request.messages), generation_prompt, **self._variables(request))
 
     def _variables(self, request: ChatRequest) -> dict:
         """The template's variables: the request's own, and the thinking switch where the
@@ -150,7 +245,7 @@ class PromptBuilder:
         return variables
 
     def _prepare_chat(self, request: ChatRequest, policy: ContextPolicy, limit: int) -> Prepared:
-        msgs = validate_messages(request.messages)
+        msgs = validate_messages(self._split_images(request.messages or []))
         fmt = self.format.reasoning
         if fmt is not None:
             # earlier thoughts are not sent again: they would fill the context with old reasoning
@@ -169,14 +264,14 @@ class PromptBuilder:
         already = min(state.get("evicted", 0), max(len(msgs) - 1 - keep_msgs, 0))
         summary = state.get("summary") if already else None
         fit = functools.partial(self._fit, request.session is not None, msgs, keep_msgs, variables)
-        retained, seg_tokens, pinned, evicted, tail = fit(already, summary, limit)
+        retained, seg_tokens, pinned, evicted, tail, media = fit(already, summary, limit)
         if evicted > already and policy is not ContextPolicy.SHIFT:
             # truncate and summarize recompute what follows the cut: cut deeper, so that happens rarely
-            retained, seg_tokens, pinned, evicted, tail = fit(already, summary, limit // 2)
+            retained, seg_tokens, pinned, evicted, tail, media = fit(already, summary, limit // 2)
         if evicted > already and policy is ContextPolicy.SUMMARIZE and self.summarize is not None:
             # the model condenses what leaves the context; the summary stays pinned in its place
-            summary = self.summarize(summary, msgs[keep_msgs + already : keep_msgs + evicted])
-            retained, seg_tokens, pinned, evicted, tail = fit(evicted, summary, limit)
+            summary = self.summarize(summary, [self._as_text(m) for m in msgs[keep_msgs + already : keep_msgs + evicted]])
+            retained, seg_tokens, pinned, evicted, tail, media = fit(evicted, summary, limit)
         tokens: list[int] = []
         spans: list[tuple[int, int]] = []
         keep = 0
@@ -192,14 +287,21 @@ class PromptBuilder:
             tokens = tokens + self._segment_tokens(skip)
             tail += skip
         thinking = fmt is not None and request.split_reasoning and fmt.opened_by(tail)
-        return Prepared(tokens, keep, tuple(spans), evicted, evicted - already, summary, thinking)
+        return Prepared(tokens, keep, tuple(spans), evicted, evicted - already, summary, thinking, media)
+
+    def _as_text(self, message: dict) -> dict:
+        """A message as a summary reads it: its pictures as a placeholder."""
+        if "images" not in message or self.projector is None:
+            return message
+        text = message["content"].replace(self.projector.marker, IMAGE_PLACEHOLDER)
+        return {k: v for k, v in message.items() if k != "images"} | {"content": text}
 
     def _fit(self, can_evict: bool, msgs: list[dict], keep_msgs: int, variables: dict, evicted: int, summary: str | None,
              limit: int):
         """Leave out the oldest unpinned messages (sessions only) until the prompt fits.
 
         Returns (retained messages, tokens per segment, pinned messages, evicted count, the last
-        segment's text)."""
+        segment's text, the retained pictures' chunks by first sentinel)."""
         extra = [{"role": "system", "content": f"{SUMMARY_PREFIX}{summary}"}] if summary else []
         last = len(msgs) - 1  # the newest message always stays
         if can_evict:
@@ -211,10 +313,11 @@ class PromptBuilder:
                 evicted += 1
             retained = msgs[:keep_msgs] + extra + msgs[keep_msgs + evicted :]
             segments = self.segments(retained, variables)
-            seg_tokens = self.tokens_for(segments)
+            media: dict[int, MediaChunk] = {}
+            seg_tokens = self.tokens_for(segments, [image for m in retained for image in m.get("images", ())], media)
             total = sum(len(t) for t in seg_tokens)
             if total <= limit or not can_evict or keep_msgs + evicted >= last:
-                return retained, seg_tokens, keep_msgs + len(extra), evicted, segments[-1]
+                return retained, seg_tokens, keep_msgs + len(extra), evicted, segments[-1], media
             # drop as many of the oldest unpinned messages as cover the excess, in one go; a
             # template that renders the prompt as one piece is measured message by message
             excess, first = total - limit, keep_msgs + len(extra)
@@ -243,7 +346,7 @@ class PromptBuilder:
         return 0
 
     def _message_cost(self, message: dict) -> int:
-        return len(self._tokenize(message["content"])) + self._framing
+        return len(self._tokenize(self._as_text(message)["content"])) + self._framing
 
     @functools.cached_property
     def _framing(self) -> int:

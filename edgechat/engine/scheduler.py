@@ -13,9 +13,11 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -45,6 +47,9 @@ from edgechat.engine.speculative import MAX_DRAFT, DraftPolicy, NgramDrafter, St
 from edgechat.engine.stream import OutputProcessor
 from edgechat.errors import EngineBusyError
 
+if TYPE_CHECKING:
+    from edgechat.engine.media import MediaChunk, Projector
+
 log = logging.getLogger("edgechat.engine")
 
 #: prompt tokens prefilled per step while other sequences are decoding (chunked prefill):
@@ -56,7 +61,7 @@ class Phase(Enum):
     """Where a request is in the step loop: what it puts in the next step's batch."""
 
     WAITING = "waiting"  # queued: no sequence yet
-    PREFILLING = "prefilling"  # prompt tokens (or a budget's closing tokens) still to go in
+    PREFILLING = "prefilling"  # prompt tokens, images (or a budget's closing tokens) still to go in
     SAMPLING = "sampling"  # its last tokens are in this step: the next token is chosen from their logits
     DECODING = "decoding"  # a sampled token waits to go into the cache
     FINISHED = "finished"
@@ -75,7 +80,10 @@ class Running:
     slot: Slot | None = None
     sampler: SamplerChain | None = None
     proc: OutputProcessor | None = None
-    pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill
+    #: prompt tokens still to prefill; an image's cells are a run of sentinels (engine/media.py)
+    pending: list[int] = field(default_factory=list)
+    #: the encodes of the images in `pending`, by first sentinel (the encoder thread's work)
+    encodes: dict[int, Future] = field(default_factory=dict)
     next_token: int = -1  # sampled, not yet in the KV cache (Phase.DECODING)
     out_index: int = -1  # batch index whose logits this request samples from
     n_out: int = 0
@@ -98,13 +106,41 @@ class Running:
 
 
 @dataclass
+class MediaStep:
+    """An encoded image going into a sequence's cells at positions from `pos`."""
+
+    run: Running
+    chunk: MediaChunk
+    embeddings: np.ndarray
+    pos: int
+
+
+@dataclass
 class StepPlan:
-    """What one step runs (`batch`) and for whom: the sequences whose sampled token (and drafts)
-    are in it, and those whose prompt's last chunk is."""
+    """What one step runs (`batch`, after `media`: at most one image, decoded first, so text
+    after it may ride in the batch) and for whom: the sequences whose sampled token (and
+    drafts) are in it, and those whose prompt's last chunk is."""
 
     batch: TokenBatch
     decoding: list[Running] = field(default_factory=list)
     prompted: list[Running] = field(default_factory=list)
+    media: MediaStep | None = None
+
+
+def _is_sentinel(token: int) -> bool:
+    return token < 0
+
+
+def run_image_cells(plan: StepPlan) -> int:
+    return plan.media.chunk.n_tokens if plan.media is not None else 0
+
+
+def _text_run(tokens: list[int], limit: int) -> int:
+    """How many of the first `limit` tokens come before the first image cell."""
+    for i in range(min(limit, len(tokens))):
+        if tokens[i] < 0:
+            return i
+    return min(limit, len(tokens))
 
 
 class Scheduler:
@@ -124,6 +160,8 @@ class Scheduler:
         draft: DraftModel | None = None,
         deterministic: bool = False,
         reasoning: ReasoningFormat | ChannelFormat | None = None,
+        projector: Projector | None = None,
+        wake: Callable[[], None] = lambda: None,
     ):
         self.runner = runner
         self.kv = kv
@@ -147,9 +185,21 @@ class Scheduler:
         #: llama_decode calls of the step loop: batching shows as fewer calls than tokens
         self.decode_calls = 0
         self._batch = runner.new_batch(runner.n_batch)
+        self.projector = projector
+        #: images are encoded here, one at a time, while the engine thread decodes the others'
+        #: tokens; `wake` tells the engine thread an encode ended
+        self._encoder = ThreadPoolExecutor(1, "edgechat-encode") if projector is not None else None
+        self._wake = wake
 
     def close(self) -> None:
+        if self._encoder is not None:
+            self._encoder.shutdown(wait=True, cancel_futures=True)
         self._batch.close()
+
+    @property
+    def encoding(self) -> bool:
+        """A running request waits for an image's encode (the engine thread may sleep until it ends)."""
+        return any(not f.done() for run in self.active for f in run.encodes.values())
 
     # ------------------------------------------------------------------ the queue (any thread)
     def reserve(self, max_queue: int | None) -> None:
@@ -219,15 +269,17 @@ class Scheduler:
         run.restored = slot.cache_restored if slot.cache_restored is None else min(slot.cache_restored, run.cached)
         run.pending = prompt[run.cached :]
         run.phase = Phase.PREFILLING if run.pending else Phase.SAMPLING
+        self._encode_images(run)
         run.sampler = SamplerChain(req.sampling, self.runner.n_vocab, self.runner.vocab, req.grammar)
-        run.sampler.accept_prompt(prompt)
+        run.sampler.accept_prompt([t for t in prompt if not _is_sentinel(t)] if run.prep.media else prompt)
         run.proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos,
                                    splitter=self.thinking.splitter(req, run.prep))
         mode = self.speculative(req)
         if mode in (SpeculativeMode.AUTO, SpeculativeMode.LOOKUP):
             run.drafter = NgramDrafter(prompt)
             run.policy = DraftPolicy(forced=mode is SpeculativeMode.LOOKUP)
-        if self.draft is not None and mode in (SpeculativeMode.AUTO, SpeculativeMode.DRAFT):
+        # the draft model reads token ids only: a sequence holding an image gets no guesses from it
+        if self.draft is not None and mode in (SpeculativeMode.AUTO, SpeculativeMode.DRAFT) and not run.prep.media:
             run.model_policy = DraftPolicy(forced=mode is SpeculativeMode.DRAFT)
         if run.cached == len(prompt):
             # the whole prompt is cached with the logits after it (KVManager.reuse): the first
@@ -238,17 +290,42 @@ class Scheduler:
             if status is not None:
                 self.finish(run, status)
 
+    def _encode_images(self, run: Running) -> None:
+        """Start encoding the images the cache does not hold (a cached one is never encoded
+        again), in prompt order on the encoder thread."""
+        if not run.prep.media:
+            return
+        assert self._encoder is not None and self.projector is not None  # the prompt builder refuses images otherwise
+        i, pending = 0, run.pending
+        while i < len(pending):
+            if not _is_sentinel(pending[i]):
+                i += 1
+                continue
+            chunk = run.prep.media[pending[i]]  # the KV manager never keeps part of an image
+            future = self._encoder.submit(self.projector.encode, chunk)
+            future.add_done_callback(lambda _: self._wake())
+            run.encodes[pending[i]] = future
+            i += chunk.n_tokens
+
     # ------------------------------------------------------------------ one step
-    def step(self) -> None:
-        """Plan a step, have the runner run it, apply what it computed."""
+    def step(self) -> bool:
+        """Plan a step, have the runner run it, apply what it computed; False when there was
+        nothing to run (every running request waits for an image's encode)."""
         plan = self.schedule()
         if plan is None:
-            return
-        started = time.perf_counter()
-        self.runner.decode(plan.batch)
-        self.cost.observe(plan.batch.n, time.perf_counter() - started)
-        self.decode_calls += 1
+            return False
+        if plan.media is not None:
+            media = plan.media
+            assert self.projector is not None and media.run.slot is not None
+            self.projector.decode(media.chunk, media.embeddings, media.run.slot.seq, media.pos)
+            self.decode_calls += 1
+        if plan.batch.n:
+            started = time.perf_counter()
+            self.runner.decode(plan.batch)
+            self.cost.observe(plan.batch.n, time.perf_counter() - started)
+            self.decode_calls += 1
         self.update(plan)
+        return True
 
     def schedule(self) -> StepPlan | None:
         """This step's rows: every decoding sequence's sampled token (and drafts after it), then
@@ -273,11 +350,19 @@ class Scheduler:
             plan.decoding.append(run)
         if plan.decoding:
             self._add_drafts(plan.decoding)
-        for run in self.active:
+        for run in list(self.active):
             if run.phase is not Phase.PREFILLING or batch.free == 0:
                 continue
             assert run.slot is not None
             room = min(batch.free, PREFILL_CHUNK_BUSY if plan.decoding else batch.free)
+            if _is_sentinel(run.pending[0]):
+                if plan.media is not None or not self._plan_image(run, plan):
+                    continue  # one image a step, or its encode is still running
+                if plan.decoding:  # an image costs what a prefill chunk of its cells does
+                    room = max(room - run_image_cells(plan), 0)
+                if not room or _is_sentinel(run.pending[0]):
+                    continue
+            room = _text_run(run.pending, room)
             chunk, run.pending = run.pending[:room], run.pending[room:]
             base = len(run.slot.tokens)
             for i, tok in enumerate(chunk):
@@ -287,7 +372,27 @@ class Scheduler:
             if not run.pending:
                 run.out_index, run.phase = idx, Phase.SAMPLING
                 plan.prompted.append(run)
-        return plan if batch.n else None
+        return plan if batch.n or plan.media is not None else None
+
+    def _plan_image(self, run: Running, plan: StepPlan) -> bool:
+        """Put the image at the head of the run's pending prompt in this step, once encoded."""
+        assert run.slot is not None
+        first = run.pending[0]
+        future = run.encodes.get(first)
+        if future is None or not future.done():
+            return False
+        del run.encodes[first]
+        try:
+            embeddings = future.result()
+        except Exception as exc:  # the projector failed on this picture: its request alone ends
+            log.exception("could not encode an image")
+            self.finish(run, RequestStatus.FINISHED_ERROR, error=str(exc) or type(exc).__name__)
+            return False
+        chunk = run.prep.media[first]
+        plan.media = MediaStep(run, chunk, embeddings, len(run.slot.tokens))
+        self.kv.extend(run.slot, run.pending[: chunk.n_tokens])
+        run.pending = run.pending[chunk.n_tokens :]
+        return True
 
     def update(self, plan: StepPlan) -> None:
         """The runner ran the plan: keep the logits after each prompt just read, sample every
@@ -429,7 +534,7 @@ class Scheduler:
         valid = slot.tokens[: keep + accepted]
         kept = self.kv.truncate(slot, len(valid))
         if kept < len(valid):  # memory that cannot drop part of a sequence: recompute what it lost
-            self.prefill_now(slot, valid[kept:])
+            self.prefill_now(slot, valid[kept:], media=run.prep.media)
         run.drafted_by.update(len(draft), accepted)
         run.draft, run.draft_indices, run.drafted_by = [], [], None
         if status is not None:
@@ -471,6 +576,9 @@ class Scheduler:
         """End a request: free what it holds first, then tell its client (whose callback may fail)."""
         self._dequeue(run)
         run.phase = Phase.FINISHED
+        for future in run.encodes.values():
+            future.cancel()
+        run.encodes.clear()
         if run in self.active:
             self.active.remove(run)
         if run.sampler is not None:
@@ -542,6 +650,8 @@ class Scheduler:
         else:
             a = run.prep.keep
             b = a + max((len(tokens) - a) // 2, 1)
+            while b < len(tokens) and _is_sentinel(tokens[b - 1]) and _is_sentinel(tokens[b]):
+                b += 1  # an image leaves whole
         n = b - a
         for span in spans:
             span[0] -= n
@@ -550,7 +660,7 @@ class Scheduler:
             # no position shift (by choice, or the memory or a busy sharer forbids it):
             # recompute what follows the cut at its new positions
             kept = self.kv.truncate(slot, a)
-            self.prefill_now(slot, tokens[kept:a] + tokens[b:])
+            self.prefill_now(slot, tokens[kept:a] + tokens[b:], media=run.prep.media)
         elif self.draft is not None:
             self.draft.drop(slot.seq, a, b)
         if dropped_msgs:
@@ -563,20 +673,32 @@ class Scheduler:
             note += " (recomputed: this model's KV cache cannot shift positions)"
         run.handle.emit(Evicted(dropped_msgs, n, policy.value, note))
 
-    def prefill_now(self, slot: Slot, tokens: list[int], logits_last: bool = False) -> int:
-        """Decode tokens into the slot at once (outside the step's batch); returns the batch
-        index of the last token's logits in the final chunk."""
+    def prefill_now(self, slot: Slot, tokens: list[int], logits_last: bool = False,
+                    media: Mapping[int, MediaChunk] | None = None) -> int:
+        """Decode tokens into the slot at once (outside the step's batch), the images among them
+        (`media`: their chunks by first sentinel) encoded again here; returns the batch index of
+        the last token's logits in the final chunk."""
         batch = self.runner.new_batch(self.runner.n_batch)
         idx = -1
+        i = 0
         try:
-            for i in range(0, len(tokens), self.runner.n_batch):
+            while i < len(tokens):
+                if _is_sentinel(tokens[i]):
+                    chunk = (media or {}).get(tokens[i])
+                    if chunk is None or self.projector is None:
+                        raise ValueError("an image's cells must be recomputed, and its picture is not at hand")
+                    self.projector.eval(chunk, slot.seq, len(slot.tokens))
+                    self.kv.extend(slot, tokens[i : i + chunk.n_tokens])
+                    i += chunk.n_tokens
+                    continue
                 batch.clear()
-                chunk = tokens[i : i + self.runner.n_batch]
-                for j, tok in enumerate(chunk):
+                chunk_tokens = tokens[i : i + _text_run(tokens[i:], self.runner.n_batch)]
+                for j, tok in enumerate(chunk_tokens):
                     last = logits_last and i + j == len(tokens) - 1
                     idx = batch.add(tok, len(slot.tokens) + j, slot.seq, last)
-                self.kv.extend(slot, chunk)
+                self.kv.extend(slot, chunk_tokens)
                 self.runner.decode(batch)
+                i += len(chunk_tokens)
         finally:
             batch.close()
         return idx

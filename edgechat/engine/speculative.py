@@ -51,7 +51,9 @@ class NgramDrafter:
                 continue
             at = self._next.get(tuple(seq[-n:]))
             if at is not None:
-                return seq[at : at + k]
+                guess = seq[at : at + k]
+                # an image's cells (negative sentinels) are never a token to guess
+                return next((guess[:i] for i, t in enumerate(guess) if t < 0), guess)
         return []
 
 

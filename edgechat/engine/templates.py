@@ -89,6 +89,8 @@ def validate_messages(messages: list[dict] | None) -> list[dict]:
         if not isinstance(content, str):
             raise UsageError(f"message {i} needs text content")
         message = {"role": m["role"], "content": content}
+        if m.get("images"):  # the pictures whose markers the content holds (prompt.py)
+            message["images"] = m["images"]
         if m["role"] == "assistant" and m.get("tool_calls"):
             message["tool_calls"] = m["tool_calls"]
             calls.update(c["id"] for c in m["tool_calls"])
