@@ -75,6 +75,11 @@ class Slot:
     next_logits: NextLogits | None = None
 
 
+def is_sentinel(entry: int) -> bool:
+    """A mirror entry standing for an image's cell (engine/media.py `sentinels`), not a token id."""
+    return entry < 0
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -215,8 +220,8 @@ class KVManager:
         if n == len(slot.tokens) and n:
             return n
         tokens = slot.tokens
-        while 0 < n < len(tokens) and tokens[n - 1] < 0 and tokens[n] < 0:
-            # never part of an image (a run of negative sentinels, engine/media.py): finishing
+        while 0 < n < len(tokens) and is_sentinel(tokens[n - 1]) and is_sentinel(tokens[n]):
+            # never part of an image (a run of sentinels): finishing
             # it would need its embeddings again, and a non-causal image's cells saw each other
             n -= 1
         if not self.backend.seq_rm(slot.seq, n if n else -1, -1):

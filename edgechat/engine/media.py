@@ -33,11 +33,6 @@ def no_vision(model: str) -> str:
             f"or give this model's projector with --mmproj FILE")
 
 
-def is_sentinel(token: int) -> bool:
-    """A mirror entry standing for a media cell (`sentinels`), not a token id."""
-    return token < 0
-
-
 def sentinels(chunk: MediaChunk) -> list[int]:
     """The entries that stand for a media chunk's cells in a token mirror: one per cell, each a
     negative int32 (never a token id; snapshots and the prompt cache pack mirrors as int32) drawn

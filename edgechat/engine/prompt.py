@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from edgechat.engine.kvcache import is_sentinel
 from edgechat.engine.params import check_sampling
 from edgechat.engine.request import ChatRequest, ContextPolicy, ImageInput
 from edgechat.engine.templates import ChatFormat, validate_messages
@@ -107,7 +108,7 @@ class PromptBuilder:
             prep = Prepared(self.tokens_for([text])[0], 0, (), 0, 0)
         else:
             prep = self._prepare_chat(request, policy, limit)
-        if prep.tokens and prep.tokens[-1] < 0:
+        if prep.tokens and is_sentinel(prep.tokens[-1]):
             # the answer's first token is read from the logits after the prompt's last token
             raise UsageError("the prompt ends with an image; write the question after it")
         if check_limit:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edgechat.engine.draft import DraftModel
-from edgechat.engine.kvcache import KVManager, Slot
+from edgechat.engine.kvcache import KVManager, Slot, is_sentinel
 from edgechat.engine.llama import token_logprobs
 from edgechat.engine.metrics import RequestClock
 from edgechat.engine.params import SpeculativeMode
@@ -127,18 +127,10 @@ class StepPlan:
     media: MediaStep | None = None
 
 
-def _is_sentinel(token: int) -> bool:
-    return token < 0
-
-
-def run_image_cells(plan: StepPlan) -> int:
-    return plan.media.chunk.n_tokens if plan.media is not None else 0
-
-
 def _text_run(tokens: list[int], limit: int) -> int:
     """How many of the first `limit` tokens come before the first image cell."""
     for i in range(min(limit, len(tokens))):
-        if tokens[i] < 0:
+        if is_sentinel(tokens[i]):
             return i
     return min(limit, len(tokens))
 
@@ -271,7 +263,7 @@ class Scheduler:
         run.phase = Phase.PREFILLING if run.pending else Phase.SAMPLING
         self._encode_images(run)
         run.sampler = SamplerChain(req.sampling, self.runner.n_vocab, self.runner.vocab, req.grammar)
-        run.sampler.accept_prompt([t for t in prompt if not _is_sentinel(t)] if run.prep.media else prompt)
+        run.sampler.accept_prompt([t for t in prompt if not is_sentinel(t)] if run.prep.media else prompt)
         run.proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos,
                                    splitter=self.thinking.splitter(req, run.prep))
         mode = self.speculative(req)
@@ -298,7 +290,7 @@ class Scheduler:
         assert self._encoder is not None and self.projector is not None  # the prompt builder refuses images otherwise
         i, pending = 0, run.pending
         while i < len(pending):
-            if not _is_sentinel(pending[i]):
+            if not is_sentinel(pending[i]):
                 i += 1
                 continue
             chunk = run.prep.media[pending[i]]  # the KV manager never keeps part of an image
@@ -355,12 +347,13 @@ class Scheduler:
                 continue
             assert run.slot is not None
             room = min(batch.free, PREFILL_CHUNK_BUSY if plan.decoding else batch.free)
-            if _is_sentinel(run.pending[0]):
+            if is_sentinel(run.pending[0]):
                 if plan.media is not None or not self._plan_image(run, plan):
                     continue  # one image a step, or its encode is still running
+                assert plan.media is not None  # _plan_image planned it
                 if plan.decoding:  # an image costs what a prefill chunk of its cells does
-                    room = max(room - run_image_cells(plan), 0)
-                if not room or _is_sentinel(run.pending[0]):
+                    room = max(room - plan.media.chunk.n_tokens, 0)
+                if not room or is_sentinel(run.pending[0]):
                     continue
             room = _text_run(run.pending, room)
             chunk, run.pending = run.pending[:room], run.pending[room:]
@@ -650,7 +643,7 @@ class Scheduler:
         else:
             a = run.prep.keep
             b = a + max((len(tokens) - a) // 2, 1)
-            while b < len(tokens) and _is_sentinel(tokens[b - 1]) and _is_sentinel(tokens[b]):
+            while b < len(tokens) and is_sentinel(tokens[b - 1]) and is_sentinel(tokens[b]):
                 b += 1  # an image leaves whole
         n = b - a
         for span in spans:
@@ -683,7 +676,7 @@ class Scheduler:
         i = 0
         try:
             while i < len(tokens):
-                if _is_sentinel(tokens[i]):
+                if is_sentinel(tokens[i]):
                     chunk = (media or {}).get(tokens[i])
                     if chunk is None or self.projector is None:
                         raise ValueError("an image's cells must be recomputed, and its picture is not at hand")

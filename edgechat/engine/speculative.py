@@ -15,6 +15,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+from edgechat.engine.kvcache import is_sentinel
+
 #: the most tokens drafted for one sequence in one step (llama.cpp's default too): on a long
 #: quote, Gemma 3 gained 2.2x with 16 against 1.9x with 8; the policy keeps SmolLM2's drafts short
 MAX_DRAFT = 16
@@ -52,8 +54,8 @@ class NgramDrafter:
             at = self._next.get(tuple(seq[-n:]))
             if at is not None:
                 guess = seq[at : at + k]
-                # an image's cells (negative sentinels) are never a token to guess
-                return next((guess[:i] for i, t in enumerate(guess) if t < 0), guess)
+                # an image's cells are never a token to guess
+                return next((guess[:i] for i, t in enumerate(guess) if is_sentinel(t)), guess)
         return []
 
 
