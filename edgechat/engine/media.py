@@ -100,11 +100,12 @@ class Projector:
         """What stands for one image in a prompt's text."""
         return self._media.marker
 
-    def image(self, data: bytes) -> Image:
-        """Decode a PNG or JPEG; a one-line UsageError for bytes that are neither."""
+    def image(self, data: bytes, digest: str | None = None) -> Image:
+        """Decode a PNG or JPEG (`digest`: the bytes' sha256 hex, when the caller has it); a
+        one-line UsageError for bytes that are neither."""
         if not self.vision:
             raise UsageError(f"the projector {self.path.name} reads no images")
-        digest = hashlib.sha256(data).hexdigest()
+        digest = digest or hashlib.sha256(data).hexdigest()
         with self._prep_lock:
             bitmap = self._media.bitmap(data, digest)
         if not bitmap:

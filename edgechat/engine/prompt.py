@@ -179,7 +179,7 @@ class PromptBuilder:
             if chunks is not None:
                 self._image_cache.move_to_end(key)
                 return chunks
-        chunks = self.projector.chunks(self.projector.marker, [self.projector.image(picture.data)], add_special=False)
+        chunks = self.projector.chunks(self.projector.marker, [self.projector.image(picture.data, key)], add_special=False)
         with self._cache_lock:
             self._image_cache[key] = chunks
             if len(self._image_cache) > IMAGE_CACHE_ENTRIES:
