@@ -118,6 +118,7 @@ def test_a_missing_file_and_a_store_without_a_folder_are_one_line(store):
     (store.images / sha(GRADIENT)).unlink()
     with pytest.raises(StoreError, match="cannot read a picture"):
         model_messages(store, conv.id)
+    assert store.export_conversation(conv.id)["messages"][0]["images"] == []  # the undo of a delete still works
     memory = Store.connect(":memory:")
     other = memory.create_conversation()
     with pytest.raises(StoreError, match="keeps no pictures"):

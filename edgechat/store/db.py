@@ -408,6 +408,7 @@ class Store:
         if status not in MESSAGE_STATUSES:
             raise ValueError(f"unknown message status {status!r}")
         now = time.time()
+        # (the size a full disk's error counts three times, as text is written: a picture's bytes are written once)
         with self._tx(len(content.encode()) + sum(len(i.data) for i in images) // 3) as db:
             conv = db.execute("SELECT title FROM conversations WHERE id = ?", (conv_id,)).fetchone()
             if conv is None:
@@ -560,13 +561,23 @@ class Store:
                     # only an answer that thought has the field: other exports are as before
                     **({"reasoning": m.reasoning} if m.reasoning else {}),
                     **({"tool_calls": m.tool_calls} if m.tool_calls else {}),
-                    # the bytes themselves: an export (and the undo of a delete) does not need the files
-                    **({"images": [{"media_type": i.media_type, "data": base64.b64encode(self.image_data(i)).decode()}
-                                   for i in m.images]} if m.images else {}),
+                    **({"images": self._exported_images(m)} if m.images else {}),
                 }
                 for m in self.messages(conv_id)
             ],
         }
+
+    def _exported_images(self, message: Message) -> list[dict]:
+        """A message's pictures with their bytes: an export (and the undo of a delete) does not
+        need the files. One whose file was deleted by hand is left out: there is nothing to carry."""
+        out = []
+        for image in message.images:
+            try:
+                data = self.image_data(image)
+            except StoreError:
+                continue
+            out.append({"media_type": image.media_type, "data": base64.b64encode(data).decode()})
+        return out
 
     def import_conversation(self, data: dict) -> Conversation:
         """Recreate a conversation from export_conversation() output, keeping its id and times."""

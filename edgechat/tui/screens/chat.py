@@ -429,7 +429,12 @@ class ChatScreen(Screen):
         assert self.conv is not None
         if not tool_step:
             self._tool_steps, self._tools_stopped = 0, False
-        history = model_messages(self.store, self.conv.id)
+        try:
+            history = model_messages(self.store, self.conv.id)
+        except StoreError as exc:  # a picture's file deleted by hand: nothing is sent
+            self.notify(str(exc), severity="error", timeout=12)
+            self._restore_prompt(prompt)
+            return
         model = self.client.model_name if self.client else self.app.model_ref
         try:
             turn = StoredAnswer(self.store, self.conv.id, user_id, prompt, model, on_error=self._store_failed)
@@ -716,7 +721,7 @@ class ChatScreen(Screen):
             images = [attachments.ImageAttachment(name, self.store.image_data(stored), stored.media_type or "")
                       for name, stored in zip(image_names(message), message.images, strict=True)]
         except StoreError as exc:
-            self._store_failed(str(exc))
+            self.notify(str(exc), severity="error", timeout=12)
             images = []
         if files or images:
             self.attach_bar.add([*files, *images], self._token_counter())
