@@ -19,6 +19,12 @@ from edgechat.errors import UsageError
 MAX_FILE_BYTES = 512 * 1024
 #: a PDF is mostly fonts and images: its file may be this big before its text is read
 MAX_PDF_BYTES = 32 * 1024 * 1024
+#: the most bytes one picture may bring (a phone camera's JPEG is a few MB; the projector resizes it)
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+#: picture files by suffix, and the magic bytes that tell them without one
+IMAGE_TYPES = {"png": "image/png", "jpg": "image/jpeg", "jpeg": "image/jpeg", "gif": "image/gif",
+               "webp": "image/webp", "bmp": "image/bmp"}
+_IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"))
 #: the most files one /attach takes (a directory of thousands is a mistake, not a question)
 MAX_FILES = 50
 #: a paste longer than this (characters) becomes an attachment instead of filling the input
@@ -48,20 +54,50 @@ class Attachment:
         return f"File: {self.name}\n{fence}{self.lang}\n{body}\n{fence}"
 
 
+@dataclass(frozen=True)
+class ImageAttachment:
+    """A picture going with a message: its bytes as read, sent to a vision model as they are."""
+
+    name: str
+    data: bytes
+    media_type: str
+
+    @property
+    def size(self) -> str:
+        """Its size for a chip: "12 KB", "1.4 MB"."""
+        return file_size(len(self.data))
+
+    def part(self):
+        """The message content part the engine reads (engine.ImageInput)."""
+        from edgechat.engine.request import ImageInput
+
+        return ImageInput(self.data, self.media_type)
+
+
+def file_size(n: int) -> str:
+    """Bytes as the chips and the limits say them: "512 KB", "1.4 MB", "20 MB"."""
+    if n >= 1024 * 1024:
+        return f"{n / (1024 * 1024):.1f}".removesuffix(".0") + " MB"
+    return f"{max(1, round(n / 1024))} KB" if n >= 512 else f"{n} B"
+
+
 @dataclass
 class Gathered:
     attachments: list[Attachment] = field(default_factory=list)
+    #: the pictures among the files named (sent only to a vision model)
+    images: list[ImageAttachment] = field(default_factory=list)
     #: (name, why) of every file named but not attached
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
     def summary(self) -> str:
         """One line on what was attached and what was skipped (and why)."""
-        names = ", ".join(a.name for a in self.attachments[:3])
-        if len(self.attachments) > 3:
-            names += f" and {len(self.attachments) - 3} more"
+        attached = [*self.attachments, *self.images]
+        names = ", ".join(a.name for a in attached[:3])
+        if len(attached) > 3:
+            names += f" and {len(attached) - 3} more"
         if not self.skipped:
             return f"Attached {names}." if names else "Nothing to attach there (hidden files and folders are skipped)."
-        if not self.attachments and len(self.skipped) == 1:
+        if not attached and len(self.skipped) == 1:
             name, why = self.skipped[0]
             hint = "; attach text, source code, Markdown, JSON/CSV or PDF files" if "binary" in why else ""
             return f"Cannot attach {name}: {why}{hint}."
@@ -69,7 +105,7 @@ class Gathered:
         if len(self.skipped) > 4:
             shown += f" and {len(self.skipped) - 4} more"
         what = f"{len(self.skipped)}: {shown}."
-        return f"Attached {names}; skipped {what}" if self.attachments else f"Skipped {what}"
+        return f"Attached {names}; skipped {what}" if attached else f"Skipped {what}"
 
 
 def gather(arg: str, cwd: Path | None = None) -> Gathered:
@@ -84,13 +120,16 @@ def gather(arg: str, cwd: Path | None = None) -> Gathered:
         raise UsageError("name a file: /attach PATH (several, globs and directories too)")
     out = Gathered()
     for path, name, reason in _expand(words, cwd):
-        if len(out.attachments) >= MAX_FILES:
+        if len(out.attachments) + len(out.images) >= MAX_FILES:
             # stops the walk too: /attach ~ must not read a whole home directory
             out.skipped.append((name, f"over {MAX_FILES} files; nothing after it was read"))
             break
         if not reason:
             try:
-                out.attachments.append(read_file(path, name))
+                if image_type(path):
+                    out.images.append(read_image(path, name))
+                else:
+                    out.attachments.append(read_file(path, name))
             except UsageError as exc:
                 reason = str(exc)
         if reason:
@@ -143,7 +182,7 @@ def read_file(path: Path, name: str | None = None) -> Attachment:
             head = fh.read(8)
             is_pdf = head.startswith(b"%PDF-")
             if size > (MAX_PDF_BYTES if is_pdf else MAX_FILE_BYTES):
-                raise UsageError(f"over {_kb(MAX_PDF_BYTES if is_pdf else MAX_FILE_BYTES)}")
+                raise UsageError(f"over {file_size(MAX_PDF_BYTES if is_pdf else MAX_FILE_BYTES)}")
             data = head + fh.read()
     except FileNotFoundError:
         raise UsageError("no such file") from None
@@ -152,7 +191,7 @@ def read_file(path: Path, name: str | None = None) -> Attachment:
     if is_pdf:
         text = _pdf_text(path)
         if len(text.encode("utf-8")) > MAX_FILE_BYTES:
-            raise UsageError(f"its text is over {_kb(MAX_FILE_BYTES)}")
+            raise UsageError(f"its text is over {file_size(MAX_FILE_BYTES)}")
         return Attachment(name, text, "text")
     if b"\0" in data[:8192]:
         raise UsageError("binary")
@@ -161,6 +200,39 @@ def read_file(path: Path, name: str | None = None) -> Attachment:
     except UnicodeDecodeError:
         raise UsageError("binary, or text that is not UTF-8") from None
     return Attachment(name, text, path.suffix.lstrip(".").lower())
+
+
+def image_type(path: Path) -> str | None:
+    """The media type of a picture file (by its suffix, else its first bytes), None for others."""
+    by_suffix = IMAGE_TYPES.get(path.suffix.lstrip(".").lower())
+    if by_suffix:
+        return by_suffix
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(12)
+    except OSError:
+        return None
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "image/webp"
+    if head[:2] == b"BM" and head[6:10] == b"\0\0\0\0":  # "BM" alone starts text files too
+        return "image/bmp"
+    return next((kind for magic, kind in _IMAGE_MAGIC if head.startswith(magic)), None)
+
+
+def read_image(path: Path, name: str | None = None) -> ImageAttachment:
+    """One picture file; UsageError (a short reason) when it cannot be read or is too big.
+    Whether the model can decode it is the projector's to say when it is sent."""
+    try:
+        if path.stat().st_size > MAX_IMAGE_BYTES:
+            raise UsageError(f"over {file_size(MAX_IMAGE_BYTES)}")
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise UsageError("no such file") from None
+    except IsADirectoryError:
+        raise UsageError("a folder, not an image file") from None
+    except OSError as exc:
+        raise UsageError(exc.strerror or str(exc)) from None
+    return ImageAttachment(name or path.name, data, image_type(path) or "application/octet-stream")
 
 
 def _pdf_text(path: Path) -> str:
@@ -178,10 +250,6 @@ def _pdf_text(path: Path) -> str:
     if not text:
         raise UsageError("a PDF without text (a scan?)")
     return text
-
-
-def _kb(n: int) -> str:
-    return f"{n // (1024 * 1024)} MB" if n >= 1024 * 1024 else f"{n // 1024} KB"
 
 
 def pasted_path(text: str) -> Path | None:

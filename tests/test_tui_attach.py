@@ -208,15 +208,16 @@ async def test_excerpts_rank_by_the_models_embeddings_and_keep_to_the_budget(eng
 
 
 async def test_binary_and_missing_paths_each_get_one_line(paths, tmp_path):
-    (tmp_path / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + bytes(range(256)))
+    # (a picture is an image attachment now: tests/test_tui_vision.py)
+    (tmp_path / "blob.bin").write_bytes(b"\x7fELF\2\1\1\0" + bytes(range(256)))
     app = make_app(paths)
     async with app.run_test(size=(100, 30)) as pilot:
         screen = app.chat_screen
-        await command(pilot, f"/attach {tmp_path / 'photo.png'}")
+        await command(pilot, f"/attach {tmp_path / 'blob.bin'}")
         await command(pilot, f"/attach {tmp_path / 'nowhere.txt'}")
         lines = notes(app)[-2:]
         assert lines == [
-            "Cannot attach photo.png: binary; attach text, source code, Markdown, JSON/CSV or PDF files.",
+            "Cannot attach blob.bin: binary; attach text, source code, Markdown, JSON/CSV or PDF files.",
             "Cannot attach nowhere.txt: no such file.",
         ]
         assert screen.attach_bar.chips == [] and screen.attach_bar.has_class("-empty")

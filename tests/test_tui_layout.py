@@ -60,6 +60,7 @@ class ScriptedClient:
     n_ctx = 2048
     template_mode = "chat"
     template_warning = None
+    image_refusal = None
 
     def __init__(self, text: str = ANSWER, delay: float = 0.0):
         self.parts = [text[i : i + 3] for i in range(0, len(text), 3)]

@@ -14,6 +14,7 @@ from edgechat.cli.common import (
     draft_model_option,
     gpu_layers_note,
     gpu_layers_option,
+    mmproj_option,
     rpc_option,
     run_guarded,
 )
@@ -27,11 +28,12 @@ from edgechat.cli.common import (
 @gpu_layers_option
 @rpc_option
 @draft_model_option
+@mmproj_option
 @deterministic_option
 @data_dir_option
 @click.pass_context
 def cli(ctx: click.Context, model: str | None, url: str | None, api_key: str | None, gpu_layers, rpc, draft_model,
-        deterministic: bool | None, data_dir: str | None) -> None:
+        mmproj: str | None, deterministic: bool | None, data_dir: str | None) -> None:
     """Offline LLM chat on your own machine. With no command, opens the chat app."""
     if ctx.invoked_subcommand is not None:
         return
@@ -41,7 +43,7 @@ def cli(ctx: click.Context, model: str | None, url: str | None, api_key: str | N
     if url is None:
         gpu_layers_note(gpu_layers, rpc)
     open_app(model=model, url=url, api_key=api_key, data_dir=data_dir,
-             engine_options={"n_gpu_layers": gpu_layers, "rpc_servers": rpc, "draft_model": draft_model,
+             engine_options={"n_gpu_layers": gpu_layers, "rpc_servers": rpc, "draft_model": draft_model, "mmproj": mmproj,
                              "deterministic": deterministic_setting(deterministic, get_paths(data_dir))})
 
 

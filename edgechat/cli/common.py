@@ -130,6 +130,11 @@ rpc_option = click.option(
 )
 
 
+mmproj_option = click.option("--mmproj", "mmproj", type=click.Path(), default=None,
+                             help="The model's vision projector (an mmproj GGUF) so it reads images "
+                             "(default: the one mmproj*.gguf beside the model file, if any).")
+
+
 chat_template_option = click.option(
     "--chat-template",
     default=None,

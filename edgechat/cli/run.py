@@ -10,9 +10,11 @@ import dataclasses
 import functools
 import json
 import sys
+from pathlib import Path
 
 import click
 
+from edgechat.attachments import ImageAttachment, read_image
 from edgechat.cli.common import (
     chat_template_option,
     data_dir_option,
@@ -21,6 +23,7 @@ from edgechat.cli.common import (
     flash_attn_option,
     gpu_layers_note,
     kv_type_option,
+    mmproj_option,
     model_options,
     sampling_options,
     speculative_option,
@@ -85,12 +88,15 @@ def read_prompt(prompt: str | None) -> str | None:
               help="Reasoning models: think as long as they like (on), not at all (off), or at most N tokens.")
 @click.option("--hide-thinking", is_flag=True, help="Do not print a reasoning model's thoughts (they go to stderr).")
 @chat_template_option
+@click.option("--image", "images", multiple=True, metavar="FILE",
+              help="A picture to ask about, before PROMPT (repeatable; a vision model's: see --mmproj).")
+@mmproj_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.argument("prompt", required=False)
 @data_dir_option
 def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
             loop_guard, system, session, raw, context_policy, kv_type, flash_attn, swa_cache, speculative, draft_model, deterministic, ep,
-            think, hide_thinking, chat_template, as_json, prompt, data_dir):
+            think, hide_thinking, chat_template, images, mmproj, as_json, prompt, data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
     from edgechat.engine import EngineConfig, open_engine
     from edgechat.models.settings import with_model_settings
@@ -99,14 +105,17 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
     if text is not None and not text.strip():
         raise UsageError("the prompt is empty; pass some text, e.g. edgechat run \"Hello\"")
     if raw:
-        # plain completion has no roles: nothing to put a system prompt or a stored conversation in
-        for option, given in (("--system", system), ("--session", session)):
+        # plain completion has no roles: nothing to put a system prompt, a stored conversation or a picture in
+        for option, given in (("--system", system), ("--session", session), ("--image", images or None)):
             if given is not None:
                 raise UsageError(f"--raw continues plain text and takes no {option}")
         if text is None:
             raise UsageError("--raw needs a PROMPT argument or stdin")
     if session is not None and text is None:
         raise UsageError("--session needs a MESSAGE argument or stdin")
+    if images and text is None:
+        raise UsageError("--image needs a PROMPT argument or stdin, e.g. edgechat run --image FILE \"What is this?\"")
+    pictures = [_read_image(path) for path in images]
     sampling = functools.partial(build_sampling, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                  repeat_penalty=repeat_penalty, seed=seed)
     params = dict(max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, stop=list(stop),
@@ -115,11 +124,13 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
     gpu_layers_note(gpu_layers, rpc)
     cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers, rpc_servers=rpc, kv_type=kv_type,
                        flash_attn=flash_attn, swa_cache=swa_cache, speculative=speculative, draft_model=draft_model, ep=ep, paths=paths,
-                       deterministic=deterministic_setting(deterministic, paths), chat_template=read_chat_template(chat_template))
+                       deterministic=deterministic_setting(deterministic, paths), chat_template=read_chat_template(chat_template),
+                       mmproj=mmproj)
     # the model's own gpu_layers and chat_template from config.toml, where the options gave none
     cfg = with_model_settings(cfg)
     if session is not None:
-        finished = _session_turn(cfg, session, text, system, context_policy, params, sampling, as_json, not hide_thinking)
+        finished = _session_turn(cfg, session, text, system, context_policy, params, sampling, as_json, not hide_thinking,
+                                 pictures)
     else:
         with open_engine(cfg) as engine:
             _warn(engine, raw)
@@ -131,7 +142,8 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
             if raw:
                 request = ChatRequest(prompt=text, **params)
             else:
-                request = ChatRequest(messages=history + [{"role": "user", "content": text}], **params)
+                content = [*(p.part() for p in pictures), text] if pictures else text
+                request = ChatRequest(messages=history + [{"role": "user", "content": content}], **params)
             finished, _ = stream_answer(engine, request, echo=not as_json, thoughts=not hide_thinking)
             if as_json:
                 click.echo(json.dumps(result_json(engine, finished), ensure_ascii=False))
@@ -158,7 +170,16 @@ def _warn(engine, raw: bool = False) -> None:
             click.echo(f"edgechat: warning: {warning}", err=True)
 
 
-def _session_turn(cfg, name: str, text: str, system, context_policy, params: dict, sampling, as_json: bool, thoughts: bool):
+def _read_image(path: str) -> ImageAttachment:
+    """--image FILE, read; a one-line UsageError naming the file when it cannot be."""
+    try:
+        return read_image(Path(path).expanduser())
+    except UsageError as exc:
+        raise UsageError(f"cannot read --image {path}: {exc}") from None
+
+
+def _session_turn(cfg, name: str, text: str, system, context_policy, params: dict, sampling, as_json: bool, thoughts: bool,
+                  pictures: list[ImageAttachment]):
     """One turn of the stored conversation NAME (its id or its name; created if new). The question
     and an empty "interrupted" answer are stored in one write when it is sent, the answer saved as
     it streams and when it ends: a killed or failed turn leaves both, marked, and store/history.py
@@ -178,7 +199,11 @@ def _session_turn(cfg, name: str, text: str, system, context_policy, params: dic
         policy = ContextPolicy(settings.get("context_policy", ContextPolicy.SHIFT.value))
         with open_engine(cfg) as engine:
             _warn(engine)
-            answer = StoredAnswer.ask(store, conv.id, text, engine.model_name)
+            if pictures and "vision" not in engine.modalities:
+                from edgechat.engine.media import no_vision
+
+                raise UsageError(no_vision(engine.model_name))  # before the turn is stored
+            answer = StoredAnswer.ask(store, conv.id, text, engine.model_name, images=pictures)
             request = ChatRequest(messages=with_system_prompt(settings, model_messages(store, conv.id)),
                                   session=conv.id, context_policy=policy, sampling=sampling(engine.default_sampling), **params)
             try:

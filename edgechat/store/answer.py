@@ -9,11 +9,11 @@ it stays here, the front end is told once through `on_error`, and the next save 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from edgechat.errors import StoreError
-from edgechat.store.db import Message, Store
+from edgechat.store.db import ImageLike, Message, Store
 
 if TYPE_CHECKING:
     from edgechat.engine.request import Finished
@@ -60,9 +60,11 @@ class StoredAnswer:
         self._saved_at: float | None = None
 
     @classmethod
-    def ask(cls, store: Store, conversation_id: str, question: str, model: str | None, **kwargs) -> StoredAnswer:
-        """Store a question and its answer-to-be in one write (both or neither)."""
-        user, answer = store.add_turn(conversation_id, question, meta={"model": model})
+    def ask(cls, store: Store, conversation_id: str, question: str, model: str | None,
+            images: Sequence[ImageLike] = (), **kwargs) -> StoredAnswer:
+        """Store a question (with the pictures sent with it) and its answer-to-be in one write
+        (both or neither)."""
+        user, answer = store.add_turn(conversation_id, question, meta={"model": model}, images=images)
         return cls(store, conversation_id, user.id, question, model, message=answer, **kwargs)
 
     def append(self, text: str, reasoning: bool = False) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import secrets
@@ -9,12 +11,15 @@ import shutil
 import sqlite3
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from edgechat.config import Paths, make_data_dir
+from edgechat.engine.request import ImageInput
 from edgechat.errors import StoreError
+from edgechat.fsutil import atomic_write
 from edgechat.store.migrations import migrate
 
 DEFAULT_TITLE = "New chat"
@@ -23,6 +28,27 @@ _TITLE_CHARS = 60
 #: pages one commit of a message may write besides its text (table, index, FTS and WAL frames);
 #: the text itself goes into the table, its search index and the WAL: three times its size
 _COMMIT_PAGES = 16
+#: the folder beside the database that holds the messages' pictures, one file per sha256
+IMAGES_DIR = "images"
+
+
+class ImageLike(Protocol):
+    """What a message's picture is given as (engine.ImageInput, attachments.ImageAttachment)."""
+
+    @property
+    def data(self) -> bytes: ...
+
+    @property
+    def media_type(self) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class StoredImage:
+    """A picture a message was sent with: its file is IMAGES_DIR/sha256 (Store.image_data)."""
+
+    sha256: str
+    media_type: str | None
+    bytes: int
 
 
 @dataclass
@@ -53,6 +79,8 @@ class Message:
     #: the tool calls the answer made, each {id, server, name, arguments (JSON text), outcome
     #: ("ok", "error", "denied", "stopped"), result (what the model was given back)}
     tool_calls: list = field(default_factory=list)
+    #: the pictures sent with it, in order (the model reads them before the text)
+    images: list[StoredImage] = field(default_factory=list)
 
 
 class SearchHit(NamedTuple):
@@ -60,6 +88,13 @@ class SearchHit(NamedTuple):
     message: Message
     #: the matching words in context, matches wrapped in [ and ]
     snippet: str
+
+
+def image_names(message: Message) -> list[str]:
+    """What to call each of a message's pictures: the file names the chat app stored in its
+    meta, else "image 1", "image 2"... (a turn stored by `edgechat run --session`)."""
+    given = [i.get("name") for i in message.meta.get("images") or ()]
+    return [given[k] if k < len(given) and given[k] else f"image {k + 1}" for k in range(len(message.images))]
 
 
 def title_from(text: str) -> str:
@@ -106,17 +141,20 @@ class Store:
 
     A write that fails for want of room raises StoreError with one line that says so."""
 
-    def __init__(self, db: sqlite3.Connection, path: Path | None = None):
+    def __init__(self, db: sqlite3.Connection, path: Path | None = None, images: Path | None = None):
         self.db = db
         #: the database file (None in memory): a failed write names the disk that holds it
         self.path = path
+        #: where the pictures' files are (None: this store keeps no pictures)
+        self.images = images if images is not None or path is None else path.parent / IMAGES_DIR
         self._lock = threading.RLock()
 
     # -- lifecycle ---------------------------------------------------------
 
     @classmethod
-    def connect(cls, path: str | Path) -> Store:
-        """Open (creating if needed) and migrate a database; ':memory:' for tests."""
+    def connect(cls, path: str | Path, images: Path | None = None) -> Store:
+        """Open (creating if needed) and migrate a database; ':memory:' for tests. `images`: the
+        pictures' folder (default: IMAGES_DIR beside the database; none for ':memory:')."""
         if str(path) != ":memory:":
             _make_private(Path(path))
         try:
@@ -133,7 +171,7 @@ class Store:
             # opening writes too (the WAL and its shared-memory index, migrations)
             room = _room_error(Path(path), exc, _COMMIT_PAGES * 4096) if str(path) != ":memory:" else None
             raise room or StoreError(f"cannot open the conversation store {path}: {exc}") from None
-        return cls(db, None if str(path) == ":memory:" else Path(path))
+        return cls(db, None if str(path) == ":memory:" else Path(path), images)
 
     def close(self) -> None:
         with self._lock:
@@ -259,7 +297,9 @@ class Store:
 
     def delete_conversation(self, conv_id: str) -> None:
         with self._tx() as db:
+            hashes = self._image_hashes(db, "m.conversation_id = ?", (conv_id,))
             db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,))
+            self._sweep(db, hashes)
 
     # -- messages ----------------------------------------------------------
 
@@ -278,7 +318,7 @@ class Store:
                     f"SELECT * FROM (SELECT * FROM messages WHERE {where} ORDER BY id DESC LIMIT ?) ORDER BY id",
                     (*args, limit),
                 ).fetchall()
-        return [_message(r) for r in rows]
+            return self._with_images([_message(r) for r in rows])
 
     def count_messages(self, conv_id: str, before: int | None = None) -> int:
         sql = "SELECT count(*) FROM messages WHERE conversation_id = ?"
@@ -292,16 +332,84 @@ class Store:
     def get_message(self, msg_id: int) -> Message | None:
         with self._lock:
             row = self.db.execute("SELECT * FROM messages WHERE id = ?", (msg_id,)).fetchone()
-        return _message(row) if row else None
+            return self._with_images([_message(row)])[0] if row else None
+
+    # -- pictures ----------------------------------------------------------
+
+    def _with_images(self, messages: list[Message]) -> list[Message]:
+        """`messages` (one conversation's run of ids) with their pictures filled in: one query."""
+        if not messages:
+            return messages
+        by_id = {m.id: m for m in messages}
+        rows = self.db.execute(
+            "SELECT * FROM message_images WHERE message_id BETWEEN ? AND ? ORDER BY message_id, position",
+            (min(by_id), max(by_id)),
+        ).fetchall()
+        for row in rows:
+            if row["message_id"] in by_id:
+                by_id[row["message_id"]].images.append(StoredImage(row["sha256"], row["media_type"], row["bytes"]))
+        return messages
+
+    def image_data(self, image: StoredImage) -> bytes:
+        """A stored picture's bytes; StoreError (one line) when its file is gone."""
+        if self.images is None:
+            raise StoreError("this conversation store keeps no pictures")
+        try:
+            return (self.images / image.sha256).read_bytes()
+        except OSError as exc:
+            raise StoreError(f"cannot read a picture of this conversation ({self.images / image.sha256}: "
+                             f"{exc.strerror}); it may have been deleted by hand") from None
+
+    def _put_images(self, db: sqlite3.Connection, msg_id: int, images: Sequence[ImageLike]) -> None:
+        """Store `images` as `msg_id`'s, in order, inside the caller's write transaction: the
+        files are written (temp file, then rename) while the write lock is held, so a store
+        sweeping files no longer named (another process deleting a conversation) never removes
+        one between its write and the row that names it."""
+        if images and self.images is None:
+            raise StoreError("this conversation store keeps no pictures")
+        for position, image in enumerate(images):
+            digest = hashlib.sha256(image.data).hexdigest()
+            assert self.images is not None
+            target = self.images / digest
+            if not target.is_file():
+                try:
+                    self.images.mkdir(mode=0o700, parents=True, exist_ok=True)
+                    atomic_write(target, [image.data])
+                except OSError as exc:
+                    raise StoreError(f"cannot store the picture in {self.images}: {exc.strerror}") from None
+            db.execute(
+                "INSERT INTO message_images (message_id, position, sha256, media_type, bytes) VALUES (?, ?, ?, ?, ?)",
+                (msg_id, position, digest, image.media_type, len(image.data)),
+            )
+
+    @staticmethod
+    def _image_hashes(db: sqlite3.Connection, where: str, args: tuple) -> set[str]:
+        """The pictures of the messages `where` selects (as `m`), before they are deleted."""
+        rows = db.execute(
+            f"SELECT DISTINCT i.sha256 FROM message_images i JOIN messages m ON m.id = i.message_id WHERE {where}", args
+        ).fetchall()
+        return {row[0] for row in rows}
+
+    def _sweep(self, db: sqlite3.Connection, hashes: Iterable[str]) -> None:
+        """Remove the files of `hashes` that no message names any more (in the deleting
+        transaction, under the write lock: see _put_images)."""
+        for digest in hashes:
+            if self.images is not None and db.execute(
+                "SELECT 1 FROM message_images WHERE sha256 = ? LIMIT 1", (digest,)
+            ).fetchone() is None:
+                (self.images / digest).unlink(missing_ok=True)
 
     def add_message(
-        self, conv_id: str, role: str, content: str, status: str = "complete", meta: dict | None = None
+        self, conv_id: str, role: str, content: str, status: str = "complete", meta: dict | None = None,
+        images: Sequence[ImageLike] = (),
     ) -> Message:
-        """Store a message now. The first user message of an untitled conversation titles it."""
+        """Store a message now (with `images`, the pictures sent with it). The first user
+        message of an untitled conversation titles it."""
         if status not in MESSAGE_STATUSES:
             raise ValueError(f"unknown message status {status!r}")
         now = time.time()
-        with self._tx(len(content.encode())) as db:
+        # (the size a full disk's error counts three times, as text is written: a picture's bytes are written once)
+        with self._tx(len(content.encode()) + sum(len(i.data) for i in images) // 3) as db:
             conv = db.execute("SELECT title FROM conversations WHERE id = ?", (conv_id,)).fetchone()
             if conv is None:
                 raise StoreError(f"no conversation with id {conv_id}")
@@ -310,6 +418,7 @@ class Store:
                 " VALUES (?, ?, ?, ?, ?, ?)",
                 (conv_id, role, content, status, json.dumps(meta or {}), now),
             )
+            self._put_images(db, cur.lastrowid, images)
             if role == "user" and conv["title"] == DEFAULT_TITLE:
                 first = db.execute(
                     "SELECT count(*) FROM messages WHERE conversation_id = ? AND role = 'user'", (conv_id,)
@@ -317,14 +426,16 @@ class Store:
                 if first == 1:
                     db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title_from(content), conv_id))
             db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conv_id))
-        return Message(cur.lastrowid, conv_id, role, content, status, dict(meta or {}), now)
+        stored = [StoredImage(hashlib.sha256(i.data).hexdigest(), i.media_type, len(i.data)) for i in images]
+        return Message(cur.lastrowid, conv_id, role, content, status, dict(meta or {}), now, images=stored)
 
-    def add_turn(self, conv_id: str, question: str, meta: dict | None = None) -> tuple[Message, Message]:
+    def add_turn(self, conv_id: str, question: str, meta: dict | None = None,
+                 images: Sequence[ImageLike] = ()) -> tuple[Message, Message]:
         """A question and its answer-to-be, stored together or not at all. The answer starts empty
         and "interrupted": a process killed before the answer ends leaves it marked, and a
         question whose answer never got any text is left out of later prompts (history.py)."""
         with self._tx(len(question.encode())):
-            user = self.add_message(conv_id, "user", question)
+            user = self.add_message(conv_id, "user", question, images=images)
             answer = self.add_message(conv_id, "assistant", "", status="interrupted", meta=meta)
         return user, answer
 
@@ -360,7 +471,10 @@ class Store:
     def delete_messages_from(self, conv_id: str, msg_id: int) -> int:
         """Drop a message and everything after it (regenerate, edit and resend); returns how many."""
         with self._tx() as db:
-            return db.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conv_id, msg_id)).rowcount
+            hashes = self._image_hashes(db, "m.conversation_id = ? AND m.id >= ?", (conv_id, msg_id))
+            n = db.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conv_id, msg_id)).rowcount
+            self._sweep(db, hashes)
+            return n
 
     # -- search, branch, export/import ------------------------------------
 
@@ -411,6 +525,15 @@ class Store:
                 " WHERE conversation_id = ? AND id <= ? ORDER BY id",
                 (new.id, conv_id, at_message_id),
             )
+            # the copies name the same picture files (inserted in the originals' order: ids pair up)
+            old = [r[0] for r in db.execute("SELECT id FROM messages WHERE conversation_id = ? AND id <= ? ORDER BY id",
+                                            (conv_id, at_message_id))]
+            copies = [r[0] for r in db.execute("SELECT id FROM messages WHERE conversation_id = ? ORDER BY id", (new.id,))]
+            db.executemany(
+                "INSERT INTO message_images (message_id, position, sha256, media_type, bytes)"
+                " SELECT ?, position, sha256, media_type, bytes FROM message_images WHERE message_id = ?",
+                list(zip(copies, old, strict=True)),
+            )
         return new
 
     def export_conversation(self, conv_id: str) -> dict:
@@ -438,10 +561,23 @@ class Store:
                     # only an answer that thought has the field: other exports are as before
                     **({"reasoning": m.reasoning} if m.reasoning else {}),
                     **({"tool_calls": m.tool_calls} if m.tool_calls else {}),
+                    **({"images": self._exported_images(m)} if m.images else {}),
                 }
                 for m in self.messages(conv_id)
             ],
         }
+
+    def _exported_images(self, message: Message) -> list[dict]:
+        """A message's pictures with their bytes: an export (and the undo of a delete) does not
+        need the files. One whose file was deleted by hand is left out: there is nothing to carry."""
+        out = []
+        for image in message.images:
+            try:
+                data = self.image_data(image)
+            except StoreError:
+                continue
+            out.append({"media_type": image.media_type, "data": base64.b64encode(data).decode()})
+        return out
 
     def import_conversation(self, data: dict) -> Conversation:
         """Recreate a conversation from export_conversation() output, keeping its id and times."""
@@ -461,10 +597,10 @@ class Store:
                     data.get("parent_message_id"),
                 ),
             )
-            db.executemany(
-                "INSERT INTO messages (conversation_id, role, content, status, meta, created_at, reasoning, tool_calls)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [
+            for m in data["messages"]:
+                cur = db.execute(
+                    "INSERT INTO messages (conversation_id, role, content, status, meta, created_at, reasoning, tool_calls)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         data["id"],
                         m["role"],
@@ -474,10 +610,10 @@ class Store:
                         m.get("created_at", data["created_at"]),
                         m.get("reasoning") or "",
                         json.dumps(m.get("tool_calls") or []),
-                    )
-                    for m in data["messages"]
-                ],
-            )
+                    ),
+                )
+                self._put_images(db, cur.lastrowid, [ImageInput(base64.b64decode(i["data"]), i.get("media_type"))
+                                                     for i in m.get("images") or ()])
         return self._existing(data["id"])
 
 

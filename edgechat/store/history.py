@@ -12,15 +12,19 @@ that continues a stored conversation:
 
 from __future__ import annotations
 
+from edgechat.engine.request import ImageInput
+
 
 def model_messages(store, conv_id: str) -> list[dict]:
     """The conversation's user and assistant messages under the rule above, oldest first; an
     answer that called tools counts as one with text, and is followed by what each call gave
-    back (a result, a refusal or an error) as "tool" messages."""
+    back (a result, a refusal or an error) as "tool" messages. A message sent with pictures
+    has them back as ImageInput parts before its text, the bytes as sent: the engine finds the
+    same picture's cells in its cache (its sha256) and does not encode it again."""
     kept = [
-        {"role": m.role, "content": m.content, **({"tool_calls": m.tool_calls} if m.tool_calls else {})}
+        {"role": m.role, "content": _content(store, m), **({"tool_calls": m.tool_calls} if m.tool_calls else {})}
         for m in store.messages(conv_id)
-        if m.role in ("user", "assistant") and m.status != "error" and (m.content or m.tool_calls)
+        if m.role in ("user", "assistant") and m.status != "error" and (m.content or m.tool_calls or m.images)
     ]
     # A question followed by another question got no answer that counts.
     out: list[dict] = []
@@ -34,6 +38,13 @@ def model_messages(store, conv_id: str) -> list[dict]:
         # a call the app never finished (it was quit while asking) did not run
         out += [{"role": "tool", "content": c["result"] or "The call did not run.", "tool_call_id": c["id"]} for c in calls or ()]
     return out
+
+
+def _content(store, message) -> str | list:
+    if not message.images:
+        return message.content
+    pictures = [ImageInput(store.image_data(i), i.media_type) for i in message.images]
+    return pictures + ([message.content] if message.content else [])
 
 
 def with_system_prompt(settings: dict, messages: list[dict]) -> list[dict]:

@@ -101,6 +101,26 @@ def m005_message_tool_calls(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE messages ADD COLUMN tool_calls TEXT NOT NULL DEFAULT '[]'")
 
 
+@migration
+def m006_message_images(db: sqlite3.Connection) -> None:
+    # The pictures a message was sent with, in order: their bytes are files named by their
+    # sha256 under the data directory's images/ (one file however many messages send it), so
+    # the database stays small and a file is removed once no row names it.
+    db.execute(
+        """
+        CREATE TABLE message_images (
+            message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+            position INTEGER NOT NULL,
+            sha256 TEXT NOT NULL,
+            media_type TEXT,
+            bytes INTEGER NOT NULL,
+            PRIMARY KEY (message_id, position)
+        )
+        """
+    )
+    db.execute("CREATE INDEX message_images_by_hash ON message_images(sha256)")
+
+
 def applied(db: sqlite3.Connection) -> list[str]:
     db.execute("CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
     return [row[0] for row in db.execute("SELECT name FROM _migrations ORDER BY rowid")]

@@ -75,11 +75,13 @@ ACTIONS: list[Action] = [
     Action(
         "attach",
         "Attach files",
-        "Send files with the next message: paths, globs, folders (text, code, Markdown, JSON/CSV, PDF)",
+        "Send files with the next message: paths, globs, folders (text, code, Markdown, JSON/CSV, PDF, images)",
         "ctrl+l",
         "/attach",
         "PATH…",
     ),
+    Action("image", "Attach an image", "Send a picture with the next message (a vision model's: PNG, JPEG, GIF, "
+           "WebP, BMP; images are among /attach's files too)", None, "/image", "PATH"),
     Action("detach", "Remove attachments", "Take the attachments off the next message (or the one named)", None,
            "/detach", "[NAME]"),
     Action("clear", "Clear conversation", "Remove every message of this conversation (asks first)", None, "/clear"),

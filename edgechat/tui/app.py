@@ -51,7 +51,7 @@ class EdgechatApp(App):
         self.url = url
         self.model_ref = model or self.config.model or (None if url else DEFAULT_MODEL)
         self.client: ChatClient | None = None
-        #: EngineConfig fields from the command line for local models (--gpu-layers, --rpc, --draft-model)
+        #: EngineConfig fields from the command line for local models (--gpu-layers, --rpc, --draft-model, --mmproj)
         self.engine_options = engine_options or {}
         #: the local models this app loaded and keeps while memory allows (None: remote, or a caller's factory)
         self.local_models = None
@@ -84,8 +84,10 @@ class EdgechatApp(App):
                     self.local_models = LocalModels(self.paths, idle_unload=self.config.idle_unload)
             options = dict(self.engine_options)
             if ref != self.model_ref:
-                # --draft-model drafts for the model it was given with; others use their catalog's
+                # --draft-model drafts for (and --mmproj reads images for) the model it was given
+                # with; others use their catalog's
                 options.pop("draft_model", None)
+                options.pop("mmproj", None)
             return LocalClient(ref, self.paths, on_progress=self._load_progress(ref), engine_options=options,
                                models=self.local_models)
 

@@ -7,6 +7,7 @@ thread. `handle.cancel()` may be called from any thread.
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,6 +47,9 @@ class ChatClient(Protocol):
     #: the tool-call syntax of the model's template (engine/toolfamilies.py); None: this client
     #: cannot offer the chat app's tools (a remote server)
     tool_family: object | None
+    #: the one line a model that reads no images answers one with; None: it reads them, or only
+    #: the server can say (remote: its refusal comes back as the answer's error)
+    image_refusal: str | None
 
     def submit(self, request: ChatRequest) -> Handle:
         """Start a generation; user errors (prompt too long, busy) raise EdgechatError here."""
@@ -124,6 +128,12 @@ class LocalClient:
         self.template_mode = self.engine.template_mode
         self.template_warning = self.engine.template_warning
         self.tool_family = self.engine.format.tool_family
+        if "vision" in self.engine.modalities:
+            self.image_refusal = None
+        else:
+            from edgechat.engine.media import no_vision
+
+            self.image_refusal = no_vision(self.model_name)
         # where the layers went: "CPU", "CUDA0 (all 30 layers)", "CUDA0 20/30 layers, CPU 10"
         self.backend = self.engine.gpu.describe()
 
@@ -252,6 +262,24 @@ class RemoteHandle:
         yield Finished(reason=reason, text="".join(parts), metrics=metrics, error=error, reasoning="".join(thoughts))
 
 
+def _wire_message(message: dict) -> dict:
+    """A message as OpenAI's API takes it: a content of parts with pictures becomes text and
+    `image_url` parts, each picture a data URL (the bytes go with the request: nothing is fetched)."""
+    from edgechat.engine.request import ImageInput
+
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = []
+    for part in content:
+        if isinstance(part, ImageInput):
+            url = f"data:{part.media_type or 'application/octet-stream'};base64,{base64.b64encode(part.data).decode()}"
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": part})
+    return {**message, "content": parts}
+
+
 def _error_text(response) -> str:
     from edgechat.openai_stream import error_message
 
@@ -284,6 +312,7 @@ class RemoteClient:
             model = models[0]
         self.model_name = model
         self.tool_family = None
+        self.image_refusal = None
 
     def list_models(self) -> list[str]:
         import httpx
@@ -301,7 +330,7 @@ class RemoteClient:
         s = req.sampling
         body = {
             "model": self.model_name,
-            "messages": req.messages,
+            "messages": [_wire_message(m) for m in req.messages or ()],
             "stream": True,
             "stream_options": {"include_usage": True},
             # every sampler setting, so a server answers as the local engine would (names as llama-server's)

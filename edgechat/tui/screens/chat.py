@@ -21,7 +21,14 @@ from edgechat.engine.params import ContextPolicy
 from edgechat.engine.request import ChatRequest
 from edgechat.engine.tools import ToolCallParser, tool_grammar
 from edgechat.errors import EdgechatError, StoreError, UsageError
-from edgechat.store import DEFAULT_TITLE, Conversation, atomic_write_text, export_conversation, title_from
+from edgechat.store import (
+    DEFAULT_TITLE,
+    Conversation,
+    atomic_write_text,
+    export_conversation,
+    image_names,
+    title_from,
+)
 from edgechat.store import Message as StoredMessage
 from edgechat.store.answer import StoredAnswer
 from edgechat.store.history import model_messages
@@ -306,9 +313,14 @@ class ChatScreen(Screen):
         if self.turn is not None or self._waiting is not None or self._tool_run is not None:
             self.notify("Still answering: wait, or press Esc to stop.", severity="warning")
             return
-        files = self.attach_bar.attachments
+        files, images = self.attach_bar.attachments, self.attach_bar.images
+        refusal = self._image_refusal() if images else None
+        if refusal is not None:
+            # (the model was switched since the picture was attached) nothing is lost: text and chips stay
+            self.notify(refusal, severity="warning", timeout=12)
+            return
         content = attachments.compose(text, files)
-        if files and not self._attachments_fit(text, content):
+        if files and not self._attachments_fit(text, content, images):
             return
         if self._editing is not None and self.conv is not None:
             self.store.delete_messages_from(self.conv.id, self._editing)
@@ -320,10 +332,16 @@ class ChatScreen(Screen):
                     model=self.client.model_name if self.client else self.app.model_ref,
                     settings=dict(self.app.config.chat),
                 )
-            meta = {"attachments": [{"name": c.attachment.name, "tokens": c.tokens} for c in self.attach_bar.chips]}
+            meta = {}
+            if files:
+                meta["attachments"] = [{"name": c.attachment.name, "tokens": c.tokens}
+                                       for c in self.attach_bar.chips if not c.is_image]
+            if images:
+                # their names and sizes for the chips; the bytes are the store's (message_images)
+                meta["images"] = [{"name": i.name, "bytes": len(i.data)} for i in images]
             untitled = self.conv.title == DEFAULT_TITLE
-            user = self.store.add_message(self.conv.id, "user", content, meta=meta if files else None)
-            if files and untitled and text.strip():
+            user = self.store.add_message(self.conv.id, "user", content, meta=meta or None, images=images)
+            if (files or images) and untitled and text.strip():
                 # titled from the question, not from the first file's header
                 self.store.update_conversation(self.conv.id, title=title_from(text))
         except StoreError as exc:
@@ -338,16 +356,18 @@ class ChatScreen(Screen):
         self.refresh_sidebar()
         await self.start_answer(user_id=user.id, prompt=text)
 
-    def _attachments_fit(self, text: str, content: str) -> bool:
+    def _attachments_fit(self, text: str, content: str, images: list[attachments.ImageAttachment]) -> bool:
         """Whether the message with its attachments fits the context (with the system prompt and
         room for the answer); says why not, with the figures. Unknown without a local model."""
         room = getattr(self.client, "prompt_room", None)
         if room is None:
             return True
         settings = self.conv.settings if self.conv is not None else self.app.config.chat
+        pictures = [i.part() for i in images]
 
         def need(body: str) -> tuple[int, int]:
-            return room(build_request(settings, [{"role": "user", "content": body}], session=None))
+            message = {"role": "user", "content": [*pictures, body] if pictures else body}
+            return room(build_request(settings, [message], session=None))
 
         tokens, limit = need(content)
         if tokens <= limit:
@@ -382,8 +402,9 @@ class ChatScreen(Screen):
             return
 
         async def send() -> None:
+            images = self.attach_bar.images  # (the pictures go as they are)
             self.attach_bar.clear()
-            self.attach_bar.add(parts, count)
+            self.attach_bar.add([*parts, *images], count)
             while not self.attach_bar.counted:
                 await asyncio.sleep(0.01)
             await self.send(text)
@@ -408,7 +429,12 @@ class ChatScreen(Screen):
         assert self.conv is not None
         if not tool_step:
             self._tool_steps, self._tools_stopped = 0, False
-        history = model_messages(self.store, self.conv.id)
+        try:
+            history = model_messages(self.store, self.conv.id)
+        except StoreError as exc:  # a picture's file deleted by hand: nothing is sent
+            self.notify(str(exc), severity="error", timeout=12)
+            self._restore_prompt(prompt)
+            return
         model = self.client.model_name if self.client else self.app.model_ref
         try:
             turn = StoredAnswer(self.store, self.conv.id, user_id, prompt, model, on_error=self._store_failed)
@@ -685,9 +711,21 @@ class ChatScreen(Screen):
     def _restore_attachments(self, turn: StoredAnswer) -> None:
         """A stopped or undone send puts its attachments back above the input, as its text goes back in."""
         user = self.store.get_message(turn.user_id) if turn.user_id is not None else None
-        if user is not None and user.meta.get("attachments") and not self.attach_bar.chips:
-            files, _ = attachments.split(user.content, len(user.meta["attachments"]))
-            self.attach_bar.add(files, self._token_counter())
+        if user is not None and not self.attach_bar.chips:
+            self._reattach(user)
+
+    def _reattach(self, message: StoredMessage) -> str:
+        """A sent message's files and pictures back as chips; returns the text typed with them."""
+        files, text = attachments.split(message.content, len(message.meta.get("attachments") or ()))
+        try:
+            images = [attachments.ImageAttachment(name, self.store.image_data(stored), stored.media_type or "")
+                      for name, stored in zip(image_names(message), message.images, strict=True)]
+        except StoreError as exc:
+            self.notify(str(exc), severity="error", timeout=12)
+            images = []
+        if files or images:
+            self.attach_bar.add([*files, *images], self._token_counter())
+        return text
 
     def _restore_prompt(self, text: str) -> None:
         if text and not self.prompt.text.strip():
@@ -757,10 +795,9 @@ class ChatScreen(Screen):
             return
         self._editing = message.id
         text = message.content
-        if message.meta.get("attachments"):
-            files, text = attachments.split(message.content, len(message.meta["attachments"]))
+        if message.meta.get("attachments") or message.images:
             self.attach_bar.clear()
-            self.attach_bar.add(files, self._token_counter())
+            text = self._reattach(message)
         self.prompt.set_text(text)
         self.prompt.focus()
         self.notify("Editing: Enter resends from this message (later ones are replaced); Esc cancels.")
@@ -950,9 +987,35 @@ class ChatScreen(Screen):
             return
         self._add_attachments(found)
 
+    def action_image(self, arg: str = "") -> None:
+        if not arg.strip():
+            self.notify("Name a picture: /image PATH (PNG, JPEG, GIF, WebP, BMP)", severity="warning")
+            return
+        try:
+            found = attachments.gather(arg)
+        except UsageError as exc:
+            self.notify(str(exc), severity="warning")
+            return
+        found.skipped += [(a.name, "not an image; /attach sends text files") for a in found.attachments]
+        found.attachments = []
+        self._add_attachments(found)
+
+    def _image_refusal(self) -> str | None:
+        """The loaded model's one line for pictures when it reads none (None: it does, or no
+        model is loaded yet: the send checks again)."""
+        return self.client.image_refusal if self.client is not None else None
+
     def _add_attachments(self, found: attachments.Gathered) -> None:
-        if found.attachments:
-            self.attach_bar.add(found.attachments, self._token_counter())
+        refusal = self._image_refusal() if found.images else None
+        if refusal is not None:
+            # a text-only model: the pictures are not attached, said in the engine's one line
+            self.notify(refusal, severity="warning", timeout=12)
+            found.images = []
+            if not found.attachments and not found.skipped:
+                self.prompt.focus()
+                return
+        if found.attachments or found.images:
+            self.attach_bar.add([*found.attachments, *found.images], self._token_counter())
         self.notify(found.summary(), severity="warning" if found.skipped else "information")
         self.prompt.focus()
 

@@ -1,5 +1,5 @@
-"""The files going with the next message, as chips above the input: each one's name and tokens,
-and what they take of the context. A click on a chip (its ✕) takes it off."""
+"""The files going with the next message, as chips above the input: each one's name and tokens
+(a picture's: its size), and what they take of the context. A click on a chip (its ✕) takes it off."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from textual import work
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from edgechat.attachments import Attachment
+from edgechat.attachments import Attachment, ImageAttachment
 
 
 class Chip(Static):
-    def __init__(self, attachment: Attachment):
+    def __init__(self, attachment: Attachment | ImageAttachment):
         super().__init__("", classes="chip", markup=False)
         self.attachment = attachment
         #: tokens as the loaded model counts them (None until counted)
@@ -21,8 +21,14 @@ class Chip(Static):
         #: counted by a length estimate (no tokenizer here: a remote server)
         self.estimated = False
 
+    @property
+    def is_image(self) -> bool:
+        return isinstance(self.attachment, ImageAttachment)
+
     def label(self) -> str:
-        if self.tokens is None:
+        if isinstance(self.attachment, ImageAttachment):
+            size = f"{self.attachment.size} image"
+        elif self.tokens is None:
             size = "counting…"
         else:
             size = f"{'~' if self.estimated else ''}{self.tokens:,} tokens"
@@ -55,7 +61,12 @@ class AttachBar(VerticalScroll):
 
     @property
     def attachments(self) -> list[Attachment]:
-        return [c.attachment for c in self.chips]
+        """The text files (their blocks go into the message's text)."""
+        return [c.attachment for c in self.chips if isinstance(c.attachment, Attachment)]
+
+    @property
+    def images(self) -> list[ImageAttachment]:
+        return [c.attachment for c in self.chips if isinstance(c.attachment, ImageAttachment)]
 
     @property
     def tokens(self) -> int:
@@ -63,14 +74,14 @@ class AttachBar(VerticalScroll):
 
     @property
     def counted(self) -> bool:
-        return all(c.tokens is not None for c in self.chips)
+        return all(c.tokens is not None for c in self.chips if not c.is_image)
 
-    def add(self, attachments: list[Attachment], count: Callable[[str], int] | None) -> None:
-        """Show them and count their tokens in a thread (`count`: the model's count of a text;
-        None: a length estimate)."""
+    def add(self, attachments: list[Attachment | ImageAttachment], count: Callable[[str], int] | None) -> None:
+        """Show them and count the text files' tokens in a thread (`count`: the model's count of
+        a text; None: a length estimate)."""
         chips = [Chip(a) for a in attachments]
         self.mount_all(chips, before="#attach-summary")
-        self._count(chips, count)
+        self._count([c for c in chips if not c.is_image], count)
         self.refresh_summary()
 
     def remove_named(self, name: str) -> bool:
@@ -103,9 +114,13 @@ class AttachBar(VerticalScroll):
         self.set_class(not chips, "-empty")
         if not chips:
             return
-        files = f"{len(chips)} file{'s' if len(chips) != 1 else ''}"
+        n_images = sum(c.is_image for c in chips)
+        n_files = len(chips) - n_images
+        files = ", ".join(f"{n} {word}{'s' if n != 1 else ''}" for n, word in ((n_files, "file"), (n_images, "image")) if n)
         if not self.counted:
             text = f"{files}, counting tokens…"
+        elif not n_files:
+            text = files
         else:
             share = f", {100 * self.tokens / self.context_size:.0f}% of {self.context_size:,} context tokens" \
                 if self.context_size else ""

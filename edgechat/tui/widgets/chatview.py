@@ -19,7 +19,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Button, Label, Markdown, Static
 
-from edgechat.attachments import split
+from edgechat.attachments import file_size, split
 from edgechat.engine.request import (
     ChatRequest,
     Evicted,
@@ -31,6 +31,7 @@ from edgechat.engine.request import (
 from edgechat.engine.tools import ToolCallParser
 from edgechat.errors import EdgechatError
 from edgechat.store import Message as StoredMessage
+from edgechat.store import image_names
 from edgechat.tui.client import ChatClient
 from edgechat.tui.toolrun import call_line
 
@@ -209,10 +210,13 @@ class MessageBox(Vertical, can_focus=True):
             self._body = Markdown(self.text, classes="body")
         else:
             shown = self.text
-            files = self.message.meta.get("attachments")
-            if files:
+            files = self.message.meta.get("attachments") or []
+            images = self.message.images
+            if files or images:
                 # the files as chips, not their text (the message holds it: copy and the model get it)
-                yield Label("▪ " + " · ".join(f["name"] for f in files), classes="attached", markup=False)
+                names = [f["name"] for f in files] + [f"{name} ({file_size(i.bytes)} image)"
+                                                      for name, i in zip(image_names(self.message), images, strict=True)]
+                yield Label("▪ " + " · ".join(names), classes="attached", markup=False)
                 _, shown = split(self.text, len(files))
             self._body = Static(shown, markup=False, classes="body")
         yield self._body
