@@ -171,6 +171,7 @@ def test_run_image_bad_input_is_one_line(isolated_dirs, smollm2_path, mmproj, tm
     session = edgechat("run", "-m", str(smollm2_path), "--session", "pics", "--image", str(tmp_path / "g.png"), QUESTION)
     assert_one_line_error(session, "reads text only")
     assert not (isolated_dirs.data / "images").exists()  # the refused turn stored nothing
+    assert "pics" not in edgechat("sessions").stdout  # nor created the session
 
 
 def test_run_session_stores_the_picture_and_the_next_turn_reuses_it(isolated_dirs, smollm2_path, mmproj, tmp_path):

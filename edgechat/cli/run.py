@@ -188,21 +188,21 @@ def _session_turn(cfg, name: str, text: str, system, context_policy, params: dic
 
     store = open_store(cfg.paths)
     try:
-        conv = find_session(store, name, create=True)
-        settings = dict(conv.settings or {})
-        if system is not None:
-            settings["system_prompt"] = system
-        if context_policy is not None:
-            settings["context_policy"] = context_policy
-        if settings != (conv.settings or {}):
-            store.update_conversation(conv.id, settings=settings)
-        policy = ContextPolicy(settings.get("context_policy", ContextPolicy.SHIFT.value))
         with open_engine(cfg) as engine:
             _warn(engine)
             if pictures and "vision" not in engine.modalities:
                 from edgechat.engine.media import no_vision
 
-                raise UsageError(no_vision(engine.model_name))  # before the turn is stored
+                raise UsageError(no_vision(engine.model_name))  # before NAME is created or the turn stored
+            conv = find_session(store, name, create=True)
+            settings = dict(conv.settings or {})
+            if system is not None:
+                settings["system_prompt"] = system
+            if context_policy is not None:
+                settings["context_policy"] = context_policy
+            if settings != (conv.settings or {}):
+                store.update_conversation(conv.id, settings=settings)
+            policy = ContextPolicy(settings.get("context_policy", ContextPolicy.SHIFT.value))
             answer = StoredAnswer.ask(store, conv.id, text, engine.model_name, images=pictures)
             request = ChatRequest(messages=with_system_prompt(settings, model_messages(store, conv.id)),
                                   session=conv.id, context_policy=policy, sampling=sampling(engine.default_sampling), **params)
