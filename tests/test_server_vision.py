@@ -128,7 +128,7 @@ def test_each_api_sends_a_picture_to_the_same_answer(base_url, answers):
     expected, encoded = gradient.choices[0].message.content, base64.b64encode(GRADIENT).decode()
 
     message = anthropic.Anthropic(base_url=base_url, api_key="none", max_retries=0, timeout=120).messages.create(
-        model=MODEL, max_tokens=N, temperature=0, messages=[{"role": "user", "content": [
+        model=MODEL, max_tokens=N, extra_body={"temperature": 0}, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": encoded}},
             {"type": "text", "text": QUESTION}]}])
     assert message.content[0].text == expected

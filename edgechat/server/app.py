@@ -42,8 +42,8 @@ from edgechat.server.auth import BearerAuth
 from edgechat.server.bridge import Generation, abandon
 from edgechat.server.cors import Cors
 from edgechat.server.degrade import DegradeSwitch
-from edgechat.server.images import ImageReader
 from edgechat.server.errors import ApiError, bad_request, field_error, from_engine_error, overloaded, prompt_too_long
+from edgechat.server.images import ImageReader
 from edgechat.server.keepalive import keep_alive_seconds
 from edgechat.server.metrics import ServerMetrics
 from edgechat.server.priority import ClassFull, PriorityGate

@@ -48,7 +48,8 @@ class ImageReader:
         if not isinstance(value, str):
             got = "null" if value is None else type(value).__name__
             raise bad_request(f"'{where}' must be an image URL string, not {got}", param=where, code="invalid_type")
-        scheme = value.split(":", 1)[0].lower() if ":" in value else ""
+        head = value[:8]  # a data URL may be megabytes: its scheme is in the first few characters
+        scheme = head.partition(":")[0].lower() if ":" in head else ""
         if scheme == "data":
             return self._data_url(where, value)
         if scheme == "file":

@@ -179,7 +179,7 @@ def parse_chat(body: dict, server) -> ParsedRequest:
                 raise bad_request(f"messages[{i}]: tool calls and results are served on /v1/chat/completions", param=f"messages[{i}]")
     images = ImageReader(server.settings)
     checked = _messages(body, server.settings.max_messages, images)
-    for i, (m, out) in enumerate(zip(messages, checked, strict=True)):
+    for i, (m, out) in enumerate(zip(body["messages"], checked, strict=True)):
         pictures = _images(m, f"messages[{i}].images", images)
         if pictures and out["role"] != "user":
             raise bad_request(f"messages[{i}].images: images go in user messages", param=f"messages[{i}].images")

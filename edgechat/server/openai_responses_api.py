@@ -92,9 +92,9 @@ def _content(where: str, content: object, part_type: str, images: ImageReader | 
         if not isinstance(part, dict):
             raise _type_error(at, "an object", part)
         kind = part.get("type")
-        if kind == "input_image" and images is None:
-            raise bad_request(f"{at}: input_image parts go in user messages", param=f"{at}.type", code="invalid_value")
         if kind == "input_image":
+            if images is None:
+                raise bad_request(f"{at}: input_image parts go in user messages", param=f"{at}.type", code="invalid_value")
             if part.get("image_url") is None and part.get("file_id") is not None:
                 raise bad_request(f"{at}.file_id: files are not stored here; {DATA_URL_HINT} in image_url",
                                   param=f"{at}.file_id", code="unsupported_parameter")
