@@ -31,9 +31,9 @@ def image_size(data: bytes) -> tuple[str, int, int]:
 
 def _read(data: bytes) -> tuple[str, int, int]:
     if data.startswith(_PNG):
-        if data[12:16] != b"IHDR":
-            raise ValueError("the PNG has no IHDR header where it belongs")
         width, height = struct.unpack(">II", data[16:24])
+        if data[12:16] != b"IHDR":
+            raise ValueError("the PNG is corrupt: it has no IHDR header where one belongs")
         return "image/png", width, height
     if data.startswith(b"\xff\xd8"):
         return ("image/jpeg", *_jpeg(data))
