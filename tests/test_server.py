@@ -110,7 +110,7 @@ def test_typed_errors_reach_the_official_client(client, base_url):
     assert "empty" in info.value.message
 
     auth = {"Authorization": f"Bearer {KEY}"}
-    r = httpx.post(f"{base_url}/v1/chat/completions", content=b"x" * (9 << 20), headers=auth)
+    r = httpx.post(f"{base_url}/v1/chat/completions", content=b"x" * (ServerSettings.max_body_bytes + 1), headers=auth)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     r = httpx.get(f"{base_url}/v1/chat/completions", headers=auth)
     assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}

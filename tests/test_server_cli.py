@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -14,9 +15,11 @@ import httpx
 import openai
 import pytest
 from click.testing import CliRunner
+from tiny_mmproj import CHECKS, GRADIENT
 
 from edgechat.cli import cli
 from edgechat.cli.serve import _is_loopback
+from edgechat.engine.media import VISION_MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -26,12 +29,15 @@ def test_only_loopback_addresses_count_as_private():
     assert not any(_is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.5", "example.org"))
 
 
-def test_serve_command_serves_authenticates_and_stops_cleanly():
+def test_serve_command_serves_authenticates_and_stops_cleanly(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "checks.png").write_bytes(CHECKS)  # 126 bytes
     cmd = [sys.executable, "-m", "edgechat", "serve", "--port", str(port), "--parallel", "2", "--ctx", "512", "--api-key", "k1",
-           "--flash-attn", "off", "--max-messages", "4"]
+           "--flash-attn", "off", "--max-messages", "4", "--image-dir", str(tmp_path / "pics"), "--max-images", "1",
+           "--max-image-mib", "0.001"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
     try:
         deadline = time.monotonic() + 60
@@ -53,6 +59,17 @@ def test_serve_command_serves_authenticates_and_stops_cleanly():
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}] * 5, max_tokens=3)
         assert info.value.code == "too_many_messages"
+        # the image options reach the server: a file in --image-dir is read (then this text-only
+        # model refuses it), a second image or a bigger one is refused by the limits given
+        def ask(*urls):
+            content = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+            with pytest.raises(openai.BadRequestError) as info:
+                client.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": content}], max_tokens=3)
+            return info.value
+        inside = (tmp_path / "pics" / "checks.png").as_uri()
+        assert VISION_MODEL in ask(inside).message
+        assert ask(inside, inside).code == "too_many_images"
+        assert ask("data:image/png;base64," + base64.b64encode(GRADIENT).decode()).code == "image_too_large"
 
         result = CliRunner().invoke(
             cli, ["bench", "serve", "--url", url, "--api-key", "k1", "--concurrency", "2", "--requests", "4", "--max-tokens", "4", "--json"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from pathlib import Path
 
 import click
 
@@ -57,8 +58,6 @@ def _models_dir(ctx, param, value: str | None) -> list[str]:
     """The GGUF files of --models-dir (a split model by its first part), by name."""
     if value is None:
         return []
-    from pathlib import Path
-
     from edgechat.models.ggufinfo import split_part_names
 
     folder = Path(value).expanduser()
@@ -114,6 +113,14 @@ def _models_dir(ctx, param, value: str | None) -> list[str]:
 @click.option("--alias", "aliases", multiple=True, callback=_aliases, metavar="NAME",
               help="Another name the model answers to in every API and /v1/models lists (repeatable).")
 @click.option("--any-model-name", is_flag=True, help="Serve requests naming any unknown model with this one (clients that hard-code a model name).")
+@click.option("--image-dir", type=click.Path(exists=True, file_okay=False), default=None, metavar="FOLDER",
+              help="A folder whose images requests may name as file:// URLs (default: none; data URLs always work).")
+@click.option("--max-image-mib", type=click.FloatRange(min=0.0, min_open=True), default=ServerSettings.max_image_bytes / 2**20,
+              show_default=True, help="The largest image file a request may send (MiB); larger ones get 400.")
+@click.option("--max-image-megapixels", type=click.FloatRange(min=0.0, min_open=True), default=ServerSettings.max_image_megapixels,
+              show_default=True, help="The most pixels an image may have (millions, from its header); more get 400.")
+@click.option("--max-images", type=click.IntRange(min=1), default=ServerSettings.max_images, show_default=True,
+              help="The most images one request may hold; more get 400.")
 @chat_template_option
 @click.option("--reasoning-budget", type=click.IntRange(min=-1), default=-1, show_default=True,
               help="Reasoning models: the most tokens a request may think when it names no budget (-1: no limit, 0: no thinking).")
@@ -157,6 +164,10 @@ def serve_cmd(
     cors_origins: tuple[str, ...],
     aliases: tuple[str, ...],
     any_model_name: bool,
+    image_dir: str | None,
+    max_image_mib: float,
+    max_image_megapixels: float,
+    max_images: int,
     data_dir: str | None,
 ) -> None:
     """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /metrics),
@@ -247,6 +258,10 @@ def serve_cmd(
             aliases=aliases,
             any_model_name=any_model_name,
             cors_origins=cors_origins,
+            image_dir=Path(image_dir).expanduser().resolve() if image_dir else None,
+            max_image_bytes=int(max_image_mib * 2**20),
+            max_image_megapixels=max_image_megapixels,
+            max_images=max_images,
         )
         urls = ", ".join(f"http://{listen.url_host(h)}:{s.getsockname()[1]}/v1" for h, s in zip(hosts, sockets, strict=False))
         others = f" (and {', '.join(list(pool.models)[1:])}, loaded when asked)" if len(pool.models) > 1 else ""

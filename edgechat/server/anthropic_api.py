@@ -3,13 +3,13 @@ its body into the one internal request (a ParsedRequest holding the engine's Cha
 same one chat completions builds), the engine's events into a Message or its SSE events, and
 every error into Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`.
 
-Mapping: `system` and text blocks are messages; `tool_use` blocks are an assistant's tool
-calls and `tool_result` blocks the tool messages that answer them, so tools go through the
+Mapping: `system` and text blocks are messages, a user's `image` blocks its pictures
+(server/images.py: base64 sources, data: or file:// URLs); `tool_use` blocks are an assistant's
+tool calls and `tool_result` blocks the tool messages that answer them, so tools go through the
 same machinery (tools.py, the model's own tool template where it has one) as OpenAI's;
 `input_schema` is OpenAI's `parameters`; `thinking` is the reasoning budget. Fields that would
-change the answer and are not implemented here (images, documents, server tools, an
-assistant prefill) are refused; bookkeeping fields (metadata, service_tier, cache_control) are
-ignored.
+change the answer and are not implemented here (documents, server tools, an assistant
+prefill) are refused; bookkeeping fields (metadata, service_tier, cache_control) are ignored.
 """
 
 from __future__ import annotations
@@ -24,13 +24,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgechat.engine.request import ChatRequest, Finished
+from edgechat.engine.request import ChatRequest, Finished, ImageInput
 from edgechat.engine.schema_grammar import check_schema
 from edgechat.engine.tools import NAME, ToolCall, ToolCallParser, Tools, tool_grammar
 from edgechat.errors import EdgechatError
 from edgechat.server import responses
 from edgechat.server.bridge import abandon
 from edgechat.server.errors import ApiError, bad_request, from_engine_error
+from edgechat.server.images import ImageReader
+from edgechat.server.images import content as content_of
 from edgechat.server.keepalive import keep_alive_seconds
 from edgechat.server.responses import KEEPALIVE
 from edgechat.server.schemas import (
@@ -95,8 +97,10 @@ def _blocks(where: str, content: object) -> list[dict]:
 
 
 def _refuse_block(where: str, kind: object) -> ApiError:
-    if kind in ("image", "document"):
-        return bad_request(f"{where}: {kind} blocks are not supported here (the model reads text only)", param=where)
+    if kind == "image":
+        return bad_request(f"{where}: image blocks go in a user message's content, not here", param=where)
+    if kind == "document":
+        return bad_request(f"{where}: document blocks are not supported here (send the text)", param=where)
     return bad_request(f"{where}: unknown or misplaced content block type {_describe(kind)}", param=where)
 
 
@@ -124,7 +128,21 @@ def _tool_result_text(where: str, block: dict) -> str:
     return f"Error: {text}" if _opt_bool(block, "is_error") else text
 
 
-def _messages(body: dict, max_messages: int) -> list[dict]:
+def _image(where: str, block: dict, images: ImageReader) -> ImageInput:
+    """An image block's source: base64 data, or a URL (data: and file:// URLs; remote ones are refused)."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise _type_error(f"{where}.source", "an object", source)
+    kind = source.get("type")
+    if kind == "base64":
+        return images.base64(f"{where}.source.data", source.get("data"))
+    if kind == "url":
+        return images.url(f"{where}.source.url", source.get("url"))
+    raise bad_request(f"{where}.source.type must be base64 or url, got {_describe(kind)} (files are not stored here)",
+                      param=f"{where}.source.type")
+
+
+def _messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
     """Anthropic's messages -> the checked chat messages the OpenAI translator makes too
     (schemas._messages): {role, content[, tool_calls | tool_call_id]}."""
     raw = body.get("messages")
@@ -144,13 +162,15 @@ def _messages(body: dict, max_messages: int) -> list[dict]:
         role = message.get("role")
         if role not in ("user", "assistant"):
             raise bad_request(f"messages[{i}].role must be 'user' or 'assistant', got {_describe(role)}", param=f"messages[{i}].role")
-        text: list[str] = []
+        text: list = []  # the message's text and images so far, in order
         made: list[dict] = []
         answered = False
         for j, block in enumerate(_blocks(f"messages[{i}].content", message.get("content"))):
             kind, where = block.get("type"), f"messages[{i}].content[{j}]"
             if kind == "text":
                 text.append(_text(f"{where}.text", block.get("text")))
+            elif kind == "image" and role == "user":
+                text.append(_image(where, block, images))
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                 continue  # earlier thoughts are never given to the model again (the engine's rule)
             elif kind == "tool_use" and role == "assistant":
@@ -163,7 +183,7 @@ def _messages(body: dict, max_messages: int) -> list[dict]:
                         param=f"{where}.tool_use_id",
                     )
                 if text:  # text before a result stays before it
-                    out.append({"role": "user", "content": "".join(text)})
+                    out.append({"role": "user", "content": content_of(text)})
                     text = []
                 out.append({"role": "tool", "content": _tool_result_text(where, block), "tool_call_id": call_id})
                 answered = True
@@ -173,7 +193,7 @@ def _messages(body: dict, max_messages: int) -> list[dict]:
             out.append({"role": "assistant", "content": "".join(text), "tool_calls": made})
             calls.update(c["id"] for c in made)
         elif text or not answered:
-            out.append({"role": role, "content": "".join(text)})
+            out.append({"role": role, "content": content_of(text)})
     if out[-1]["role"] == "assistant":
         # the model always answers in a new turn here; continuing a written one is not built
         raise bad_request("messages: the last message must be the user's (an assistant prefill is not supported here)", param="messages")
@@ -287,7 +307,7 @@ def parse_messages(body: dict, settings: ServerSettings, sampling=None, counting
     _opt_float(body, "temperature", 0.0, 1.0)
     tools = _tools(body)
     active = tools if tools is not None and tools.active else None
-    messages = _messages(body, settings.max_messages)
+    messages = _messages(body, settings.max_messages, ImageReader(settings))
     system = _system(body)
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})

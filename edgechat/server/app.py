@@ -36,12 +36,14 @@ from edgechat.engine.prompt import Prepared
 from edgechat.engine.request import ChatRequest, Event, Finished, RequestStatus, SamplingParams, TextDelta
 from edgechat.engine.tools import RepeatStop, ToolCall, ToolCallParser, tool_grammar
 from edgechat.errors import EdgechatError, InvalidFieldError, ModelLoadError, NoRoomError
+from edgechat.models import find_projector
 from edgechat.server import anthropic_api, embeddings_api, llamacpp_api, ollama_api, openai_responses_api, responses
 from edgechat.server.auth import BearerAuth
 from edgechat.server.bridge import Generation, abandon
 from edgechat.server.cors import Cors
 from edgechat.server.degrade import DegradeSwitch
 from edgechat.server.errors import ApiError, bad_request, field_error, from_engine_error, overloaded, prompt_too_long
+from edgechat.server.images import ImageReader
 from edgechat.server.keepalive import keep_alive_seconds
 from edgechat.server.metrics import ServerMetrics
 from edgechat.server.priority import ClassFull, PriorityGate
@@ -73,6 +75,18 @@ class _Served:
     def engine(self):
         """The loaded engine (None while unloaded: read it under a lease, _Server.lease)."""
         return self.model.engine
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """What it reads besides text ("vision", ...): its projector's, loaded or not (then the
+        projector its config names or its file has beside it, without loading it)."""
+        if self.engine is not None:
+            return self.engine.modalities
+        config = self.model.config
+        try:
+            return ("vision",) if config is not None and find_projector(config.mmproj, self.model.info.path) else ()
+        except EdgechatError:
+            return ()  # a projector file gone since the server started: its load will say so
 
     @property
     def tool_family(self):
@@ -113,6 +127,8 @@ class _Served:
                 "unloads_in": None if m.unload_at is None else round(max(0.0, m.unload_at - time.monotonic()), 1),
                 "load_seconds": m.load_seconds,
                 "path": str(info.path),
+                # what it reads besides text: ["vision"] with an image projector
+                "modalities": list(self.modalities),
             },
         }
 
@@ -315,7 +331,8 @@ class _Server:
     async def chat(self, request: Request) -> Response:
         arrival = time.monotonic()
         body = await self.read_body(request)
-        parsed = parse_chat(body, self.settings.max_messages, self.defaults_for(body.get("model")), self.settings.reasoning_budget)
+        parsed = parse_chat(body, self.settings.max_messages, self.defaults_for(body.get("model")), self.settings.reasoning_budget,
+                            ImageReader(self.settings))
         parsed.request.split_reasoning = self.settings.reasoning_format != "none"
         parsed.keep_alive = keep_alive_seconds(body.get("keep_alive"))
         return await self.generate(request, parsed, "chat", arrival)

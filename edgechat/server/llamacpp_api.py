@@ -26,6 +26,7 @@ from edgechat.engine.tools import render_messages
 from edgechat.errors import UsageError
 from edgechat.server import responses
 from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.images import ImageReader
 from edgechat.server.schemas import (
     MAX_TOP_LOGPROBS,
     ParsedRequest,
@@ -176,7 +177,7 @@ class LlamaCppApi:
                 "model_path": str(engine.model_info.path),
                 "chat_template": engine.format.source or "",
                 "n_ctx": engine.n_ctx,
-                "modalities": {"vision": False, "audio": False},
+                "modalities": {kind: kind in engine.modalities for kind in ("vision", "audio")},
                 "build_info": f"edgechat {__version__}",
             })
 
@@ -210,7 +211,7 @@ class LlamaCppApi:
     @_llamacpp_errors
     async def apply_template(self, request: Request) -> Response:
         body = await self.server.read_body(request)
-        messages = render_messages(_messages(body, self.server.settings.max_messages), None)
+        messages = render_messages(_messages(body, self.server.settings.max_messages, ImageReader(self.server.settings)), None)
         generation_prompt = body.get("add_generation_prompt") is None or _opt_bool(body, "add_generation_prompt")
         # as a chat request's prompt is rendered: the thinking switch, the client's template variables
         chat = ChatRequest(messages=messages, template_kwargs=_template_kwargs(body),

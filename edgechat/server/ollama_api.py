@@ -2,7 +2,8 @@
 holding the engine's ChatRequest), engine events back into its JSON objects and NDJSON streams,
 and every error as Ollama writes it: `{"error": "..."}` with the status.
 
-What changes the answer and is not here (images, tools, a request's own template, suffix, an
+Images come as each message's (or generate's) `images`, base64 strings (server/images.py).
+What changes the answer and is not here (tools, a request's own template, suffix, an
 earlier `context`) is refused in one line; `keep_alive` says how long the model stays loaded
 after the request (an empty prompt with it loads or, at 0, unloads the model, as in Ollama);
 what only tunes how Ollama itself loads models (`num_ctx`, `num_gpu`, ...) is accepted and
@@ -26,11 +27,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgechat.engine.reasoning import reasoning_format
-from edgechat.engine.request import ChatRequest, Finished
+from edgechat.engine.request import ChatRequest, Finished, ImageInput
 from edgechat.errors import EdgechatError, ModelNotFoundError, UsageError
 from edgechat.models import hub
 from edgechat.server.embeddings_api import check_dimensions, embed
 from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.images import ImageReader
+from edgechat.server.images import content as content_of
 from edgechat.server.keepalive import keep_alive_seconds
 from edgechat.server.schemas import (
     REASONING_EFFORT,
@@ -156,36 +159,62 @@ def _stream(body: dict) -> bool:
     return body.get("stream") is None or _opt_bool(body, "stream")
 
 
+def _images(body: dict, where: str, images: ImageReader) -> list[ImageInput]:
+    """A message's or a generate body's `images`: base64 strings, read in order."""
+    value = body.get("images")
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _type_error(where, "a list of base64 strings", value)
+    return [images.base64(f"{where}[{k}]", v) for k, v in enumerate(value)]
+
+
 def parse_chat(body: dict, server) -> ParsedRequest:
     _refuse(body, "tools", "tool calling is served on /v1/chat/completions")
     _refuse(body, "logprobs", "log probabilities are served on /v1/chat/completions")
     messages = body.get("messages")
     if isinstance(messages, list):
         for i, m in enumerate(messages):
-            if isinstance(m, dict):
-                _refuse(m, "images", "this server has no vision model")
-                if m.get("tool_calls") or m.get("role") == "tool":
-                    raise bad_request(f"messages[{i}]: tool calls and results are served on /v1/chat/completions", param=f"messages[{i}]")
-    checked = _messages(body, server.settings.max_messages)
+            if isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool"):
+                raise bad_request(f"messages[{i}]: tool calls and results are served on /v1/chat/completions", param=f"messages[{i}]")
+    images = ImageReader(server.settings)
+    checked = _messages(body, server.settings.max_messages, images)
+    for i, (m, out) in enumerate(zip(body["messages"], checked, strict=True)):
+        pictures = _images(m, f"messages[{i}].images", images)
+        if pictures and out["role"] != "user":
+            raise bad_request(f"messages[{i}].images: images go in user messages", param=f"messages[{i}].images")
+        if pictures:
+            # before the text, where Ollama puts a message's images
+            out["content"] = content_of([*pictures, *(out["content"] if isinstance(out["content"], list) else [out["content"]])])
     request = _request(body, _options(body), server, messages=checked)
     return ParsedRequest(request, _model(body), _stream(body), False, messages=checked)
 
 
 def parse_generate(body: dict, server) -> ParsedRequest:
-    _refuse(body, "images", "this server has no vision model")
     _refuse(body, "template", "the model's own chat template is used")
     _refuse(body, "suffix", "fill-in-the-middle is not served")
     _refuse(body, "context", "send the conversation as messages to /api/chat")
     _refuse(body, "logprobs", "log probabilities are served on /v1/completions")
     prompt = _text("prompt", body.get("prompt", ""))
-    fields: dict[str, str | list[dict[str, str]]]
+    pictures = _images(body, "images", ImageReader(server.settings))
+    fields: dict[str, str | list[dict]]
     if _opt_bool(body, "raw"):
+        if pictures:
+            raise bad_request("'images' need the model's chat template: leave 'raw' out", param="images", code="invalid_value")
         fields = {"prompt": prompt}
     else:
         system = body.get("system")
-        messages = ([{"role": "system", "content": _text("system", system)}] if system else []) + [{"role": "user", "content": prompt}]
+        messages = ([{"role": "system", "content": _text("system", system)}] if system else []) + [
+            {"role": "user", "content": content_of([*pictures, prompt])}]
         fields = {"messages": messages}
     return ParsedRequest(_request(body, _options(body), server, **fields), _model(body), _stream(body), False)
+
+
+def _capabilities(served) -> list[str]:
+    """What Ollama's model listings say a model does: completion, and vision, thinking."""
+    engine = served.engine
+    thinks = engine.format.reasoning if engine is not None else reasoning_format(served.model.info.chat_template)
+    return ["completion", *(["vision"] if "vision" in served.modalities else []), *(["thinking"] if thinks else [])]
 
 
 def _tagged(name: str) -> str:
@@ -234,6 +263,7 @@ class OllamaApi:
         name = _tagged(name or served.id)
         return {
             "name": name,
+            "capabilities": _capabilities(served),
             "model": name,
             "modified_at": datetime.datetime.fromtimestamp(stat.st_mtime, datetime.timezone.utc).isoformat().replace("+00:00", "Z"),
             "size": info.size_bytes,
@@ -286,8 +316,6 @@ class OllamaApi:
                                 ("min_p", sampling.min_p), ("repeat_penalty", sampling.repeat_penalty), ("num_ctx", n_ctx))
         )
         template = engine.format.source if engine is not None else info.chat_template
-        thinks = engine.format.reasoning if engine is not None else reasoning_format(info.chat_template)
-        capabilities = ["completion"] + (["thinking"] if thinks else [])
         return JSONResponse({
             "modelfile": f"FROM {info.path}\n",
             "parameters": parameters,
@@ -303,7 +331,7 @@ class OllamaApi:
                 f"{arch}.attention.head_count": info.n_head,
                 f"{arch}.attention.head_count_kv": info.n_head_kv,
             },
-            "capabilities": capabilities,
+            "capabilities": entry["capabilities"],
             "modified_at": entry["modified_at"],
         })
 

@@ -8,10 +8,11 @@ items an assistant's tool calls, `function_call_output` the tool messages answer
 `reasoning` items are dropped, since earlier thoughts are never given to the model again), so
 tools go through the same machinery (tools.py) as chat's; `text.format` is response_format;
 `reasoning.effort` is reasoning_effort. A stored response (`store`, on by default as at OpenAI)
-keeps its whole context, so `previous_response_id` continues from it. Fields that would change
-the answer and are not built here (background runs, conversations, prompt templates, logprobs,
-images and files) are refused; bookkeeping fields (metadata echoed, user, service_tier,
-prompt_cache_key, include, truncation) are accepted.
+keeps its whole context, so `previous_response_id` continues from it. A user's `input_image`
+parts are its pictures (server/images.py). Fields that would change the answer and are not built
+here (background runs, conversations, prompt templates, logprobs, files) are refused;
+bookkeeping fields (metadata echoed, user, service_tier, prompt_cache_key, include, truncation)
+are accepted.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from edgechat.errors import StoreError
 from edgechat.server import responses
 from edgechat.server.bridge import abandon
 from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.images import DATA_URL_HINT, ImageReader
+from edgechat.server.images import content as content_of
 from edgechat.server.keepalive import keep_alive_seconds
 from edgechat.server.responses import KEEPALIVE
 from edgechat.server.schemas import (
@@ -76,24 +79,33 @@ class ResponsesRequest:
     store: bool
 
 
-def _content(where: str, content: object, part_type: str) -> str:
-    """A message's content: a string or a list of text parts of the role's type."""
+def _content(where: str, content: object, part_type: str, images: ImageReader | None = None) -> str | list:
+    """A message's content: a string or a list of parts of the role's type, and input_image
+    parts where `images` reads them (a user's: image_url a data: or file:// URL)."""
     if isinstance(content, str):
         return _text(where, content)
     if not isinstance(content, list):
         raise _type_error(where, "a string or a list of content parts", content)
-    texts = []
+    parts: list = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
         if not isinstance(part, dict):
             raise _type_error(at, "an object", part)
         kind = part.get("type")
-        if kind in ("input_image", "input_file", "input_audio"):
-            raise bad_request(f"{at}: {kind} parts are not supported here (the model reads text only)", param=f"{at}.type", code="unsupported_parameter")
+        if kind == "input_image":
+            if images is None:
+                raise bad_request(f"{at}: input_image parts go in user messages", param=f"{at}.type", code="invalid_value")
+            if part.get("image_url") is None and part.get("file_id") is not None:
+                raise bad_request(f"{at}.file_id: files are not stored here; {DATA_URL_HINT} in image_url",
+                                  param=f"{at}.file_id", code="unsupported_parameter")
+            parts.append(images.url(f"{at}.image_url", part.get("image_url")))
+            continue
+        if kind in ("input_file", "input_audio"):
+            raise bad_request(f"{at}: {kind} parts are not supported here (the model reads text and images)", param=f"{at}.type", code="unsupported_parameter")
         if kind != part_type:
             raise bad_request(f"{at}.type must be '{part_type}' here, got {_describe(kind)}", param=f"{at}.type", code="invalid_value")
-        texts.append(_text(f"{at}.text", part.get("text")))
-    return "".join(texts)
+        parts.append(_text(f"{at}.text", part.get("text")))
+    return content_of(parts)
 
 
 def _function_call(where: str, item: dict) -> dict:
@@ -112,7 +124,7 @@ def _function_call(where: str, item: dict) -> dict:
     return {"id": call_id, "name": name, "arguments": json.dumps(parsed, ensure_ascii=False)}
 
 
-def _messages(items: list[dict], first: int) -> list[dict]:
+def _messages(items: list[dict], first: int, images: ImageReader) -> list[dict]:
     """Input items -> the checked chat messages chat completions makes too (schemas._messages):
     {role, content[, tool_calls | tool_call_id]}. Items before `first` came from a stored
     response (checked when it was made); errors name the others by their place in `input`."""
@@ -128,7 +140,7 @@ def _messages(items: list[dict], first: int) -> list[dict]:
             role = item.get("role")
             if role not in _PARTS:
                 raise bad_request(f"{where}.role must be one of {', '.join(_PARTS)}, got {_describe(role)}", param=f"{where}.role", code="invalid_value")
-            text = _content(f"{where}.content", item.get("content"), _PARTS[role])
+            text = _content(f"{where}.content", item.get("content"), _PARTS[role], images if role == "user" else None)
             out.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             call = _function_call(where, item)
@@ -260,7 +272,7 @@ def parse_responses(body: dict, settings: ServerSettings, sampling=None, history
         instructions = _text("instructions", instructions)
     history = history or []
     context = history + _input(body)
-    messages = _messages(context, len(history))
+    messages = _messages(context, len(history), ImageReader(settings))
     if not messages:
         raise bad_request("'input' must hold at least one message", param="input", code="invalid_value")
     if len(messages) > settings.max_messages:

@@ -19,6 +19,8 @@ from edgechat.engine.schema_grammar import check_schema, schema_rules
 from edgechat.engine.tools import Tools, tool_grammar
 from edgechat.errors import InvalidFieldError
 from edgechat.server.errors import ApiError, bad_request, field_error
+from edgechat.server.images import ImageReader
+from edgechat.server.images import content as content_of
 from edgechat.server.settings import ServerSettings
 from edgechat.server.structured import check_gbnf, response_format_grammar
 from edgechat.server.tools import parse_tools
@@ -203,24 +205,43 @@ def _stop(body: dict) -> list[str]:
     return out
 
 
-def _content(index: int, content: object) -> str:
+#: image_url.detail's values: read and ignored, since a projector resizes every picture its own way
+_DETAILS = ("auto", "low", "high")
+
+
+def _content(index: int, content: object, role: str, images: ImageReader) -> str | list:
+    """A message's content: text, or (a user's) text and image parts, as the engine takes them."""
     name = f"messages[{index}].content"
     if content is None:
         return ""
     if isinstance(content, str):
         return _text(name, content)
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = _describe(part.get("type")) if isinstance(part, dict) else f"a {type(part).__name__}"
-                raise bad_request(f"{name}: only text parts are supported, got {kind}", param=name)
+    if not isinstance(content, list):
+        raise _type_error(name, "a string or a list of content parts", content)
+    parts: list = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
             parts.append(_text(f"{name}.text", part.get("text")))
-        return "".join(parts)
-    raise _type_error(name, "a string or a list of text parts", content)
+        elif kind == "image_url" and role == "user":
+            where = f"{name}[{j}].image_url"
+            ref = part.get("image_url")
+            # OpenAI's shape is {url, detail}; a bare URL string is accepted as llama-server does
+            if isinstance(ref, dict):
+                if ref.get("detail") not in (None, *_DETAILS):
+                    raise bad_request(f"{where}.detail must be one of {', '.join(_DETAILS)}", param=f"{where}.detail", code="invalid_value")
+                ref = ref.get("url")
+                where += ".url"
+            parts.append(images.url(where, ref))
+        elif kind == "image_url":
+            raise bad_request(f"{name}[{j}]: images go in user messages", param=f"{name}[{j}]", code="invalid_value")
+        else:
+            got = _describe(kind) if isinstance(part, dict) else f"a {type(part).__name__}"
+            raise bad_request(f"{name}[{j}]: only text and image_url parts are supported, got {got}", param=f"{name}[{j}]")
+    return content_of(parts)
 
 
-def _messages(body: dict, max_messages: int) -> list[dict]:
+def _messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
     messages = body.get("messages")
     if messages is None:
         raise bad_request("'messages' is required", param="messages", code="missing_required_parameter")
@@ -244,7 +265,7 @@ def _messages(body: dict, max_messages: int) -> list[dict]:
             raise bad_request(
                 f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got {_describe(role)}", param=f"messages[{i}].role"
             )
-        parsed: dict[str, object] = {"role": "system" if role == "developer" else role, "content": _content(i, message.get("content"))}
+        parsed: dict[str, object] = {"role": "system" if role == "developer" else role, "content": _content(i, message.get("content"), role, images)}
         if role == "assistant" and message.get("tool_calls"):
             tool_calls = _tool_calls(i, message["tool_calls"])
             parsed["tool_calls"] = tool_calls
@@ -399,7 +420,9 @@ def extension_grammar(body: dict) -> Grammar | None:
 
 
 def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages, sampling: SamplingParams | None = None,
-               reasoning_budget: int | None = None) -> ParsedRequest:
+               reasoning_budget: int | None = None, images: ImageReader | None = None) -> ParsedRequest:
+    """A chat completions body as the internal request; `images` reads its image parts (the
+    server's settings; default ones if not given)."""
     model, stream, include_usage, n = _common(body)
     tools = parse_tools(body)
     grammar = response_format_grammar(body.get("response_format"))
@@ -425,7 +448,7 @@ def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages, samp
         # a finished grammar allows only the end of text: ignoring it would repeat that to max_tokens
         raise bad_request("'ignore_eos' cannot be combined with response_format, grammar, json_schema or tools", param="ignore_eos",
                           code="invalid_value")
-    messages = _messages(body, max_messages)
+    messages = _messages(body, max_messages, images or ImageReader(ServerSettings()))
     request = ChatRequest(
         messages=messages,
         tools=tools if tools is not None and tools.active else None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from edgechat.server.priority import PriorityClass
 
@@ -32,8 +33,15 @@ class ServerSettings:
     reasoning_budget: int | None = None
     #: "auto": thoughts apart in reasoning_content; "none": left in the content as the model wrote them
     reasoning_format: str = "auto"
-    #: request bodies larger than this get 413
-    max_body_bytes: int = 8 * 1024 * 1024
+    #: request bodies larger than this get 413; room for a few images sent as base64 data URLs
+    max_body_bytes: int = 64 * 1024 * 1024
+    #: the folder whose files a request may name as file:// image URLs (None: no file URLs)
+    image_dir: Path | None = None
+    #: an image's bytes, its pixels (from its header) and the images in one request beyond
+    #: these get 400
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_megapixels: float = 33.2
+    max_images: int = 16
     #: chat requests with more messages get 400 before any templating. Chat templates frame each
     #: message with ~5 tokens, so 2,048 messages need over 10k tokens before any text: more than
     #: the default 4,096-token context holds, while building a prompt that size stays cheap.
