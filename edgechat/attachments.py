@@ -14,6 +14,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 from edgechat.errors import UsageError
+from edgechat.images import media_type, undecoded
 
 #: the most text one file may bring (a PDF: its extracted text); far beyond any small context
 MAX_FILE_BYTES = 512 * 1024
@@ -21,10 +22,9 @@ MAX_FILE_BYTES = 512 * 1024
 MAX_PDF_BYTES = 32 * 1024 * 1024
 #: the most bytes one picture may bring (a phone camera's JPEG is a few MB; the projector resizes it)
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
-#: picture files by suffix, and the magic bytes that tell them without one
+#: picture files by suffix (edgechat/images.py tells them by their first bytes without one)
 IMAGE_TYPES = {"png": "image/png", "jpg": "image/jpeg", "jpeg": "image/jpeg", "gif": "image/gif",
                "webp": "image/webp", "bmp": "image/bmp"}
-_IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"))
 #: the most files one /attach takes (a directory of thousands is a mistake, not a question)
 MAX_FILES = 50
 #: a paste longer than this (characters) becomes an attachment instead of filling the input
@@ -209,14 +209,9 @@ def image_type(path: Path) -> str | None:
         return by_suffix
     try:
         with open(path, "rb") as fh:
-            head = fh.read(12)
+            return media_type(fh.read(12))
     except OSError:
         return None
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "image/webp"
-    if head[:2] == b"BM" and head[6:10] == b"\0\0\0\0":  # "BM" alone starts text files too
-        return "image/bmp"
-    return next((kind for magic, kind in _IMAGE_MAGIC if head.startswith(magic)), None)
 
 
 def read_image(path: Path, name: str | None = None) -> ImageAttachment:
@@ -232,7 +227,12 @@ def read_image(path: Path, name: str | None = None) -> ImageAttachment:
         raise UsageError("a folder, not an image file") from None
     except OSError as exc:
         raise UsageError(exc.strerror or str(exc)) from None
-    return ImageAttachment(name or path.name, data, image_type(path) or "application/octet-stream")
+    kind = media_type(data[:12])
+    if kind is None:
+        raise UsageError("not a PNG, JPEG, GIF or BMP picture")
+    if (why := undecoded(kind)) is not None:
+        raise UsageError(why)
+    return ImageAttachment(name or path.name, data, kind)
 
 
 def _pdf_text(path: Path) -> str:

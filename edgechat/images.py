@@ -8,13 +8,38 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["image_size"]
+__all__ = ["DECODED", "image_size", "media_type", "undecoded"]
 
 _PNG = b"\x89PNG\r\n\x1a\n"
 #: JPEG markers that start a frame (SOF0-SOF15 less DHT, JPG and DAC): they carry the size
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 #: JPEG markers with no length after them
 _STANDALONE = frozenset([0x01, *range(0xD0, 0xD9)])
+#: what llama.cpp's image loader (stb_image, in libmtmd) decodes: a WebP's size is read here,
+#: but the model could not see it
+DECODED = frozenset({"image/png", "image/jpeg", "image/gif", "image/bmp"})
+
+
+def media_type(head: bytes) -> str | None:
+    """The picture format of a file from its first 12 bytes; None for anything else."""
+    if head.startswith(_PNG):
+        return "image/png"
+    if head.startswith(b"\xff\xd8"):
+        return "image/jpeg"
+    if head[:6] in (b"GIF87a", b"GIF89a"):
+        return "image/gif"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "image/webp"
+    if head[:2] == b"BM" and head[6:10] == b"\0\0\0\0":  # reserved, zero: "BM" alone starts text files too
+        return "image/bmp"
+    return None
+
+
+def undecoded(kind: str) -> str | None:
+    """Why a picture of media type `kind` cannot go to the model (one line), None when it can."""
+    if kind in DECODED:
+        return None
+    return f"llama.cpp cannot decode {kind.split('/')[-1].upper()} pictures: convert it to PNG or JPEG"
 
 
 def image_size(data: bytes) -> tuple[str, int, int]:
@@ -30,28 +55,29 @@ def image_size(data: bytes) -> tuple[str, int, int]:
 
 
 def _read(data: bytes) -> tuple[str, int, int]:
-    if data.startswith(_PNG):
+    kind = media_type(data[:12])
+    if kind == "image/png":
         width, height = struct.unpack(">II", data[16:24])
         if data[12:16] != b"IHDR":
             raise ValueError("the PNG is corrupt: it has no IHDR header where one belongs")
-        return "image/png", width, height
-    if data.startswith(b"\xff\xd8"):
-        return ("image/jpeg", *_jpeg(data))
-    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return kind, width, height
+    if kind == "image/jpeg":
+        return (kind, *_jpeg(data))
+    if kind == "image/gif":
         width, height = struct.unpack("<HH", data[6:10])
-        return "image/gif", width, height
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return ("image/webp", *_webp(data))
-    if data[:2] == b"BM":
+        return kind, width, height
+    if kind == "image/webp":
+        return (kind, *_webp(data))
+    if kind == "image/bmp":
         header = struct.unpack("<I", data[14:18])[0]
         if header == 12:  # the old OS/2 header: 16-bit sizes
             width, height = struct.unpack("<HH", data[18:22])
         else:
             width, height = struct.unpack("<ii", data[18:26])
-        return "image/bmp", width, abs(height)  # a negative height is a top-down bitmap
+        return kind, width, abs(height)  # a negative height is a top-down bitmap
     if not data:
         raise ValueError("the image is empty")
-    raise ValueError("not an image this server reads: send a PNG, JPEG, GIF, WebP or BMP")
+    raise ValueError("not an image this server reads: send a PNG, JPEG, GIF or BMP")
 
 
 def _jpeg(data: bytes) -> tuple[int, int]:

@@ -167,7 +167,9 @@ def test_remote_urls_and_bad_data_are_refused_in_one_line(base_url):
     assert error.status_code == 400 and error.param == "messages[0].content[0].image_url.url"
     assert "offline" in error.message and "data:image/png;base64" in error.message and "\n" not in error.message
     for url, words in (("data:image/png;base64,not base64!", "base64"), (data_url(b"GIF89a"), "cut short"),
-                       (data_url(b"plain text"), "not an image"), (data_url(GRADIENT[:20]), "cut short")):
+                       (data_url(b"plain text"), "not an image"), (data_url(GRADIENT[:20]), "cut short"),
+                       # a WebP's header reads, but llama.cpp's loader would not decode it: refused before it
+                       (data_url(b"RIFF\x16\0\0\0WEBPVP8L\x05\0\0\0\x2f\xff\xff\x07\0"), "convert it to PNG")):
         error = refused(lambda u=url: chat(base_url, asking(u)))
         assert words in error.message and error.param == "messages[0].content[0].image_url.url", error.message
     # images are a user's: elsewhere they are refused by place

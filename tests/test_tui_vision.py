@@ -165,6 +165,12 @@ def test_run_image_changes_the_greedy_answer(isolated_dirs, smollm2_path, mmproj
 def test_run_image_bad_input_is_one_line(isolated_dirs, smollm2_path, mmproj, tmp_path):
     missing = edgechat("run", "-m", str(smollm2_path), "--mmproj", str(mmproj), "--image", str(tmp_path / "nowhere.png"), QUESTION)
     assert_one_line_error(missing, "cannot read --image", "nowhere.png", "no such file")
+    # a WebP (llama.cpp's loader reads PNG, JPEG, GIF, BMP) and a text file are refused before the model loads
+    (tmp_path / "w.webp").write_bytes(b"RIFF\x16\0\0\0WEBPVP8L\x05\0\0\0\x2f\xff\xff\x07\0")
+    (tmp_path / "notes.png").write_text("not a picture")
+    for name, words in (("w.webp", "convert it to PNG"), ("notes.png", "not a PNG, JPEG, GIF or BMP")):
+        refused = edgechat("run", "-m", str(smollm2_path), "--mmproj", str(mmproj), "--image", str(tmp_path / name), QUESTION)
+        assert_one_line_error(refused, f"cannot read --image {tmp_path / name}", words)
     (tmp_path / "g.png").write_bytes(GRADIENT)
     text_only = edgechat("run", "-m", str(smollm2_path), "--image", str(tmp_path / "g.png"), QUESTION)
     assert_one_line_error(text_only, "reads text only", "edgechat pull gemma3-4b-it")

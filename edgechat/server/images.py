@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from edgechat.engine.request import ImageInput
-from edgechat.images import image_size
+from edgechat.images import image_size, undecoded
 from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.settings import ServerSettings
 
@@ -132,6 +132,8 @@ class ImageReader:
             media_type, width, height = image_size(data)
         except ValueError as exc:
             raise bad_request(f"{where}: {exc}", param=where, code="invalid_image") from None
+        if (why := undecoded(media_type)) is not None:
+            raise bad_request(f"{where}: {why}", param=where, code="invalid_image")
         megapixels = width * height / 1e6
         if megapixels > s.max_image_megapixels:
             raise bad_request(f"{where}: the image is {width}x{height} ({megapixels:.1f} megapixels), more than the "
