@@ -113,7 +113,7 @@ def test_the_planner_counts_the_projector(folder, mmproj, smollm2_path, isolated
     assert planner.choose_context(info, available=room).n_ctx == 1024
     assert planner.choose_context(info, available=room, projector=size).n_ctx == 512
     assert planner.max_context_that_fits(info, available=room) >= 1024 > planner.max_context_that_fits(info, available=room, projector=size)
-    with pytest.raises(ModelTooLargeError, match=r"vision projector 0 MiB\) but only"):
+    with pytest.raises(ModelTooLargeError, match=r"KV cache \d+ MiB, vision projector \d+ MiB\) but only"):
         planner.choose_context(info, 1024, available=room, projector=size)
     # the engine finds the one beside its model, and its plan counts it
     (folder / "mmproj-smol-f16.gguf").symlink_to(mmproj)
