@@ -315,11 +315,11 @@ def cached_projector(text: str, paths: Paths) -> Path | None:
     return None
 
 
-def pull_projector(text: str, paths: Paths, list_repo: bool = True, progress: Progress | None = None) -> Path | None:
+def pull_projector(text: str, paths: Paths, list_repo: bool = True) -> Path | None:
     """The projector of what `text` pulls, downloaded unless cached (checked like the model:
     the listing's size and sha256, then its header must be a projector's): a catalog entry's
     mmproj, or the one pick_projector finds in a Hub repo's listing (only when `list_repo`).
-    None when it has none."""
+    None when it has none; HubUnreachableError when it must come and cannot."""
     from edgechat.models.ggufinfo import read_projector_info
 
     if found := cached_projector(text, paths):
@@ -330,16 +330,11 @@ def pull_projector(text: str, paths: Paths, list_repo: bool = True, progress: Pr
         repo, file = entry[0].repo, entry[0].mmproj.file
     else:
         ref = parse_hub_ref(text)
-        if ref is None or not list_repo:
+        picked = pick_projector(_list_repo_files(ref)) if ref is not None and list_repo else None
+        if ref is None or picked is None:
             return None
-        if offline():
-            raise _unreachable(text)
-        repo, file = ref.repo, pick_projector(_list_repo_files(ref))
-        if file is None:
-            return None
-    if offline():
-        raise _unreachable(text)
-    path = _download(repo, file, text, paths, progress)
+        repo, file = ref.repo, picked
+    path = _download(repo, file, text, paths)
     try:
         read_projector_info(path)
     except ModelFormatError:
