@@ -7,6 +7,8 @@ the local stand-in Hub of test_hub.py. Nothing here reads what a picture shows."
 from __future__ import annotations
 
 import logging
+import shutil
+from pathlib import Path
 
 import gguf
 import pytest
@@ -139,6 +141,30 @@ def test_doctor_and_models_say_vision(isolated_dirs, smollm2_path, mmproj, monke
         assert "llama, vision" in row, (command, row)
         text_only = next(line for line in lines(command) if line.startswith("smollm2-135m-instruct "))
         assert "vision" not in text_only
+
+
+def test_models_rm_takes_the_projector_with_the_last_model_of_its_repo(isolated_dirs, smollm2_path, mmproj, tmp_path):
+    """`rm` removes a link and the file it resolves to: every blob here is a copy, never the
+    embedded model or the module's projector."""
+    def cache(repo: str, name: str, source) -> Path:
+        copy = tmp_path / "blobs" / f"{repo.replace('/', '--')}--{name}"
+        copy.parent.mkdir(exist_ok=True)
+        shutil.copyfile(source, copy)
+        return add_to_hub_cache(isolated_dirs, repo, name, copy)
+
+    rm = lambda name: CliRunner().invoke(cli, ["models", "rm", name, "--yes", "--url", "http://127.0.0.1:9"])  # noqa: E731
+    model = cache(ENTRY.repo, ENTRY.default.file, smollm2_path)
+    projector = cache(ENTRY.repo, ENTRY.mmproj.file, mmproj)
+    assert rm(VISION).exit_code == 0
+    assert not model.is_symlink() and not projector.is_symlink()
+    # two quants of a Hub repo: the first to go leaves the projector to the other
+    repo = "edgetest/vision-GGUF"
+    cache(repo, "smol-Q4_1.gguf", smollm2_path)
+    cache(repo, "smol-Q8_0.gguf", smollm2_path)
+    projector = cache(repo, "mmproj-smol-f16.gguf", mmproj)
+    assert rm(f"{repo}:Q4_1").exit_code == 0 and projector.is_symlink()
+    assert rm(f"{repo}:Q8_0").exit_code == 0 and not projector.is_symlink()
+    assert smollm2_path.is_file() and mmproj.is_file()
 
 
 # --- pull --------------------------------------------------------------------------------------------

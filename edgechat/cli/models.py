@@ -187,6 +187,12 @@ def _cached_files(name: str, paths) -> list[Path]:
         raise UsageError(f"{name} is not downloaded: there is nothing to remove (see: edgechat models)")
     # the Hub cache's file is a link to its blob: both go
     links = [path.parent / part for part in split_part_names(path.name)]
+    # a vision projector serves every quant of its repo: it goes with the last of them
+    projector = hub.cached_projector(name, paths)
+    others = [snapshot / n for snapshot, names in hub.cached_revisions(ref.repo, paths) for n in names
+              if not hub.is_projector_name(n) and snapshot / n not in links]
+    if projector is not None and not others:
+        links.append(projector)
     return [p for link in links for p in (link, link.resolve()) if p.exists() or p.is_symlink()]
 
 

@@ -185,7 +185,7 @@ def _quants_in(file: str) -> list[str]:
     return [t.upper() for t in re.split(r"[-.]", file.rsplit("/", 1)[-1][: -len(".gguf")]) if QUANT_RE.match(t.upper())]
 
 
-def _cached_revisions(repo: str, paths: Paths) -> list[tuple[Path, list[str]]]:
+def cached_revisions(repo: str, paths: Paths) -> list[tuple[Path, list[str]]]:
     """The cached revisions of `repo` (refs/main's first, then the newest) that hold GGUF files,
     each with those files' paths within it."""
     from huggingface_hub.file_download import repo_folder_name
@@ -205,8 +205,8 @@ def _cached_revisions(repo: str, paths: Paths) -> list[tuple[Path, list[str]]]:
 
 
 def _cached_snapshot(repo: str, paths: Paths) -> tuple[Path, list[str]] | None:
-    """The first of _cached_revisions, if any."""
-    return next(iter(_cached_revisions(repo, paths)), None)
+    """The first of cached_revisions, if any."""
+    return next(iter(cached_revisions(repo, paths)), None)
 
 
 def is_projector_name(file: str) -> bool:
@@ -309,7 +309,7 @@ def cached_projector(text: str, paths: Paths) -> Path | None:
             repo = ref.repo
         else:
             return None
-        for snapshot, names in _cached_revisions(repo, paths):
+        for snapshot, names in cached_revisions(repo, paths):
             if picked := pick_projector(names) if file is None else (file if file in names else None):
                 return snapshot / picked
     return None
