@@ -204,11 +204,6 @@ def cached_revisions(repo: str, paths: Paths) -> list[tuple[Path, list[str]]]:
     return [(snapshot, names) for snapshot, names in found if names]
 
 
-def _cached_snapshot(repo: str, paths: Paths) -> tuple[Path, list[str]] | None:
-    """The first of cached_revisions, if any."""
-    return next(iter(cached_revisions(repo, paths)), None)
-
-
 def is_projector_name(file: str) -> bool:
     """A vision (or audio) projector by the Hub repos' naming: mmproj in a .gguf file's name."""
     name = file.rsplit("/", 1)[-1].lower()
@@ -260,7 +255,7 @@ def resolve_hub(ref: HubRef, paths: Paths, progress: Progress | None = None) -> 
 
 def _cached_pick(ref: HubRef, paths: Paths) -> Path | None:
     """The cached file for a reference without one (picked by quant), every part of it here."""
-    if cached := _cached_snapshot(ref.repo, paths):
+    if cached := next(iter(cached_revisions(ref.repo, paths)), None):
         snapshot, names = cached
         # only other quants of this repo (or some parts of a split one) are cached: the Hub's listing decides
         with contextlib.suppress(ModelNotFoundError):
