@@ -89,15 +89,22 @@ def test_the_projector_header_says_what_it_reads(mmproj, tmp_path):
     assert read_projector_info(ears).modalities == ("audio",)
 
 
-def test_a_catalog_pull_is_found_in_the_cache_where_it_landed(isolated_dirs, smollm2_path, mmproj):
-    """The projector came in an older revision of the repo than the model: not beside it, found all the same."""
-    add_to_hub_cache(isolated_dirs, ENTRY.repo, ENTRY.mmproj.file, mmproj, commit=OLDER)
-    model = add_to_hub_cache(isolated_dirs, ENTRY.repo, ENTRY.default.file, smollm2_path)
-    assert resolve_model(VISION, isolated_dirs) == model
+@pytest.mark.parametrize("projector_first", [True, False])
+def test_a_catalog_pull_is_found_in_the_cache_where_it_landed(isolated_dirs, smollm2_path, mmproj, projector_first):
+    """The repo changed between the model's download and its projector's: each sits in its own
+    revision's folder (the later one is refs/main), and both are found offline all the same."""
+    first, second = ((ENTRY.mmproj.file, mmproj), (ENTRY.default.file, smollm2_path))[:: 1 if projector_first else -1]
+    add_to_hub_cache(isolated_dirs, ENTRY.repo, *first, commit=OLDER)
+    add_to_hub_cache(isolated_dirs, ENTRY.repo, *second)
+    model = resolve_model(VISION, isolated_dirs)
+    assert model.name == ENTRY.default.file and model.resolve() == smollm2_path.resolve()
     assert not (model.parent / ENTRY.mmproj.file).exists()
     found = find_projector(None, model, VISION, isolated_dirs)
-    assert found is not None and found.parent.name == OLDER and found.resolve() == mmproj.resolve()
+    assert found is not None and found.parent != model.parent and found.resolve() == mmproj.resolve()
     assert find_projector(None, model) is None  # without the reference: nothing beside it
+    # a Hub reference to the same repo finds both too
+    ref = f"{ENTRY.repo}:Q4_K_M"
+    assert resolve_model(ref, isolated_dirs) == model and find_projector(None, model, ref, isolated_dirs) == found
 
 
 # --- the planner -----------------------------------------------------------------------------------

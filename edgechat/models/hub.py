@@ -238,8 +238,13 @@ def cached(ref: HubRef, paths: Paths) -> Path | None:
     if file is None:
         return _cached_pick(ref, paths)
     # a split model's parts, all of them, side by side in one snapshot: llama.cpp opens them by name
-    parts = [cached_file(ref.repo, part, paths) for part in split_part_names(file)]
-    return parts[0] if all(parts) else None
+    names = split_part_names(file)
+    parts = [cached_file(ref.repo, part, paths) for part in names]
+    if all(parts):
+        return parts[0]
+    # a later download of another file of the repo (its projector, another quant) moved refs/main
+    # to a revision without this one: an older revision has it
+    return next((snapshot / file for snapshot, have in cached_revisions(ref.repo, paths) if set(names) <= set(have)), None)
 
 
 def resolve_hub(ref: HubRef, paths: Paths, progress: Progress | None = None) -> Path:
@@ -255,8 +260,7 @@ def resolve_hub(ref: HubRef, paths: Paths, progress: Progress | None = None) -> 
 
 def _cached_pick(ref: HubRef, paths: Paths) -> Path | None:
     """The cached file for a reference without one (picked by quant), every part of it here."""
-    if cached := next(iter(cached_revisions(ref.repo, paths)), None):
-        snapshot, names = cached
+    for snapshot, names in cached_revisions(ref.repo, paths):
         # only other quants of this repo (or some parts of a split one) are cached: the Hub's listing decides
         with contextlib.suppress(ModelNotFoundError):
             picked = _pick(ref, names)
