@@ -3,6 +3,7 @@ files are the embedded SmolLM2 GGUF, resolved with HF_HUB_OFFLINE=1 and loaded b
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -24,18 +25,19 @@ TEST_FILE = "SmolLM2-135M-Instruct-Q4_1.gguf"
 CATALOG_NAME = "smollm2-360m-instruct"
 
 
-def add_to_hub_cache(paths, repo: str, filename: str, target: Path) -> Path:
-    """Lay out repo/filename as huggingface_hub stores a download: blob, snapshot link, refs/main."""
+def add_to_hub_cache(paths, repo: str, filename: str, target: Path, commit: str = COMMIT) -> Path:
+    """Lay out repo/filename as huggingface_hub stores a download: blob, snapshot link, refs/main
+    (pointing at `commit`, the revision downloaded last)."""
     root = hub.hub_cache(paths) / f"models--{repo.replace('/', '--')}"
-    blob = root / "blobs" / ("b" * 64)
+    blob = root / "blobs" / hashlib.sha256(str(target).encode()).hexdigest()  # one blob per file
     blob.parent.mkdir(parents=True, exist_ok=True)
     if not blob.exists():
         blob.symlink_to(target)
-    snap = root / "snapshots" / COMMIT / filename
+    snap = root / "snapshots" / commit / filename
     snap.parent.mkdir(parents=True, exist_ok=True)
     snap.symlink_to(os.path.relpath(blob, snap.parent))
     (root / "refs").mkdir(exist_ok=True)
-    (root / "refs" / "main").write_text(COMMIT)
+    (root / "refs" / "main").write_text(commit)
     return snap
 
 
@@ -107,7 +109,8 @@ def test_catalog_sizes_are_the_listed_ones_and_drive_the_fit_column(isolated_dir
     listing = {line.split()[0]: line for line in CliRunner().invoke(cli, ["models"]).output.splitlines() if line.strip()}
     for name, entry in entries.items():
         row = catalog.catalog_row(entry)
-        assert row.fits == planner.weights_fit(entry.default.size)
+        # a vision model's verdict counts the projector pulled with it
+        assert row.fits == planner.weights_fit(entry.default.size + (entry.mmproj.size if entry.mmproj else 0))
         assert picker[name].fits == row.fits and picker[name].detail.startswith(f"{row.size} · {row.quant}")
         assert row.size in listing[name] and row.fit_text in listing[name]
     assert picker["qwen3-0.6b"].fits and not picker["qwen3-4b"].fits and not picker["gemma3-4b-it"].fits
@@ -260,7 +263,6 @@ class FakeHub:
     makes it describe a file as another one (what a tampered or truncated download looks like)."""
 
     def __init__(self, files: dict[tuple[str, str], Path], listed: dict[tuple[str, str], Path] | None = None):
-        import hashlib
         import http.server
         import json
         import threading

@@ -14,6 +14,7 @@ from edgechat.cli.common import (
     draft_model_option,
     gpu_layers_note,
     gpu_layers_option,
+    mmproj_for,
     mmproj_option,
     rpc_option,
     run_guarded,
@@ -33,7 +34,7 @@ from edgechat.cli.common import (
 @data_dir_option
 @click.pass_context
 def cli(ctx: click.Context, model: str | None, url: str | None, api_key: str | None, gpu_layers, rpc, draft_model,
-        mmproj: str | None, deterministic: bool | None, data_dir: str | None) -> None:
+        mmproj: dict[str | None, str], deterministic: bool | None, data_dir: str | None) -> None:
     """Offline LLM chat on your own machine. With no command, opens the chat app."""
     if ctx.invoked_subcommand is not None:
         return
@@ -43,7 +44,7 @@ def cli(ctx: click.Context, model: str | None, url: str | None, api_key: str | N
     if url is None:
         gpu_layers_note(gpu_layers, rpc)
     open_app(model=model, url=url, api_key=api_key, data_dir=data_dir,
-             engine_options={"n_gpu_layers": gpu_layers, "rpc_servers": rpc, "draft_model": draft_model, "mmproj": mmproj,
+             engine_options={"n_gpu_layers": gpu_layers, "rpc_servers": rpc, "draft_model": draft_model, "mmproj": mmproj_for(mmproj, [model]).get(model),
                              "deterministic": deterministic_setting(deterministic, get_paths(data_dir))})
 
 

@@ -130,11 +130,6 @@ rpc_option = click.option(
 )
 
 
-mmproj_option = click.option("--mmproj", "mmproj", type=click.Path(), default=None,
-                             help="The model's vision projector (an mmproj GGUF) so it reads images "
-                             "(default: the one mmproj*.gguf beside the model file, if any).")
-
-
 chat_template_option = click.option(
     "--chat-template",
     default=None,
@@ -142,6 +137,67 @@ chat_template_option = click.option(
     help="A Jinja chat template to use instead of the model's own (for a GGUF whose template is missing or "
     "wrong; per model: chat_template = \"FILE\" under [models.\"NAME\"] in config.toml).",
 )
+
+
+def _mmproj(ctx, param, value: tuple[str, ...]) -> dict[str | None, str]:
+    """--mmproj FILE / MODEL=FILE, repeatable -> {MODEL (None for a plain FILE): FILE}, every
+    file checked now to be a projector's GGUF."""
+    from pathlib import Path
+
+    from edgechat.errors import EdgechatError
+    from edgechat.models.ggufinfo import read_projector_info
+
+    chosen: dict[str | None, str] = {}
+    for item in value:
+        model, sep, file = item.partition("=")
+        name: str | None = model.strip()
+        if not sep or not name or Path(item).expanduser().is_file():  # a file whose name holds '='
+            name, file = None, item
+        if name in chosen:
+            raise click.BadParameter("give one FILE (for the first model) or MODEL=FILE for each model"
+                                     if name is None else f"{name} is given two projectors")
+        try:
+            read_projector_info(Path(file).expanduser())
+        except EdgechatError as exc:
+            raise click.BadParameter(str(exc)) from None
+        chosen[name] = str(Path(file).expanduser())
+    return chosen
+
+
+#: `--mmproj FILE` for the model (the first one, where a command takes several), `MODEL=FILE`
+#: for another; give the value to mmproj_for with the command's models
+mmproj_option = click.option(
+    "--mmproj",
+    multiple=True,
+    metavar="FILE|MODEL=FILE",
+    callback=_mmproj,
+    help="The model's vision projector (its mmproj GGUF), where none is beside the model file or was pulled with it; "
+    "with several models, MODEL=FILE for each (per model: mmproj = \"FILE\" under [models.\"NAME\"] in config.toml).",
+)
+
+
+def mmproj_for(chosen: dict[str | None, str], refs: list[str | None]) -> dict[str | None, str]:
+    """Which of `refs` (the models as given with -m, None for the default one) each --mmproj
+    value goes to: a plain FILE to the first, MODEL=FILE to the one typed as MODEL (or whose
+    file's name is MODEL); a one-line error for a MODEL not among them."""
+    from pathlib import Path
+
+    from edgechat.errors import UsageError
+    from edgechat.models import DEFAULT_MODEL
+
+    out: dict[str | None, str] = {}
+    for name, file in chosen.items():
+        if name is None:
+            matches = refs[:1] or [None]
+        else:
+            matches = [r for r in refs if name in (r or DEFAULT_MODEL, Path(r or DEFAULT_MODEL).stem)]
+        if not matches:
+            given = ", ".join(r or DEFAULT_MODEL for r in refs)
+            raise UsageError(f"--mmproj {name}=FILE: {name} is not a model given here ({given}); name one of those")
+        if matches[0] in out:
+            raise UsageError(f"--mmproj: {matches[0] or DEFAULT_MODEL} is given two projectors; give it one")
+        out[matches[0]] = file
+    return out
 
 
 def gpu_layers_note(value, rpc: list[str] | None = None) -> None:

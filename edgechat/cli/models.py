@@ -16,8 +16,9 @@ from edgechat.engine import planner
 from edgechat.engine.params import KVType
 from edgechat.engine.reasoning import reasoning_format
 from edgechat.errors import EdgechatError, UsageError
-from edgechat.models import known_model_names, resolve_model
+from edgechat.models import find_projector, known_model_names, resolve_model
 from edgechat.models.catalog import catalog_row, format_size, load_catalog
+from edgechat.models.ggufinfo import read_projector_info
 from edgechat.models.hub import is_downloaded
 from edgechat.models.onnxinfo import is_onnx_folder, read_info
 
@@ -32,24 +33,31 @@ def _model_rows(paths, kv_type: KVType = KVType.F16, names: list[str] | None = N
         try:
             path = resolve_model(name, paths)
             info = read_info(path)
+            own = own_settings(paths, name)
+            # the projector `edgechat run -m NAME` would load: config.toml's, beside the file, or pulled with it
+            projector = find_projector(str(own["mmproj"]) if own.get("mmproj") else None, path, name, paths)
+            reads = read_projector_info(projector).modalities if projector else ()
         except EdgechatError as exc:
             rows.append({"name": name, "error": str(exc)})
             continue
-        fits = planner.max_context_that_fits(info, kv_type)
+        projector_bytes = planner.projector_bytes(projector)
+        fits = planner.max_context_that_fits(info, kv_type, projector=projector_bytes)
         if is_onnx_folder(path):
             device = "onnxruntime (--ep)"
         else:
             # the split `edgechat run -m NAME` would use: the model's gpu_layers setting (else
             # auto) at the default context
-            plan = planner.plan_for(info, min(max(info.context_length, planner.MIN_CTX), planner.DEFAULT_CTX_CAP), 1, kv_type)
-            device = planner.gpu_split(info, plan, own_settings(paths, name).get("gpu_layers"), gpus).describe()
+            plan = planner.plan_for(info, min(max(info.context_length, planner.MIN_CTX), planner.DEFAULT_CTX_CAP), 1, kv_type,
+                                    projector=projector_bytes)
+            device = planner.gpu_split(info, plan, own.get("gpu_layers"), gpus).describe()
         rows.append(
             {
                 "name": name,
                 "size": format_size(info.size_bytes),
                 "quant": info.quant,
-                # a reasoning model says so: its template opens a thinking block (run --think)
-                "arch": info.architecture + (", thinks" if reasoning_format(info.chat_template) else ""),
+                # a reasoning model says so: its template opens a thinking block (run --think);
+                # a model with a projector, what it reads besides text
+                "arch": ", ".join([info.architecture, *(["thinks"] if reasoning_format(info.chat_template) else []), *reads]),
                 "trained_ctx": info.context_length,
                 # as the planner counts it: every layer, sliding ones included (full SWA cache)
                 "kv_per_token": info.kv_cache_bytes(1, planner.kv_bytes(info, kv_type), swa_full=True),
@@ -97,7 +105,8 @@ def _table(headers: list[str], rows: list[list[str]], drop: tuple[str, ...] = ()
 def _catalog_table(paths) -> str:
     rows = []
     for e in load_catalog().values():
-        quants = ", ".join(f"{q} {format_size(f.size)}" for q, f in e.files.items())
+        quants = ", ".join([f"{q} {format_size(f.size)}" for q, f in e.files.items()]
+                           + ([f"vision projector {format_size(e.mmproj.size)}"] if e.mmproj else []))
         have = ", ".join(q for q, f in e.files.items() if is_downloaded(e, f, paths)) or "-"
         rows.append([e.name, "yes" if e.thinks else "-", quants, have, e.licence, str(e.context), e.repo, e.description])
     return _table(["NAME", "THINKS", "QUANTS (about)", "DOWNLOADED", "LICENCE", "TRAINED CTX", "HUB REPO", "DESCRIPTION"], rows,
@@ -147,7 +156,7 @@ def models_list(refs, show_catalog, rpc, data_dir):
     for e in [] if refs else load_catalog().values():
         if e.name not in listed:
             row = catalog_row(e)
-            arch = row.architecture + (", thinks" if e.thinks else "")
+            arch = ", ".join([row.architecture, *(["thinks"] if e.thinks else []), *(["vision"] if e.mmproj else [])])
             rows.append([row.name, row.size, row.quant, arch, str(row.context), row.fit_text, "-"])
     click.echo(_table(["NAME", "SIZE", "QUANT", "ARCH", "TRAINED CTX", "FITS HERE", "LAYERS ON"], rows))
     if len(rows) > len(listed):
@@ -178,6 +187,12 @@ def _cached_files(name: str, paths) -> list[Path]:
         raise UsageError(f"{name} is not downloaded: there is nothing to remove (see: edgechat models)")
     # the Hub cache's file is a link to its blob: both go
     links = [path.parent / part for part in split_part_names(path.name)]
+    # a vision projector serves every quant of its repo: it goes with the last of them
+    projector = hub.cached_projector(name, paths)
+    others = [snapshot / n for snapshot, names in hub.cached_revisions(ref.repo, paths) for n in names
+              if not hub.is_projector_name(n) and snapshot / n not in links]
+    if projector is not None and not others:
+        links.append(projector)
     return [p for link in links for p in (link, link.resolve()) if p.exists() or p.is_symlink()]
 
 

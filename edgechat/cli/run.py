@@ -23,6 +23,7 @@ from edgechat.cli.common import (
     flash_attn_option,
     gpu_layers_note,
     kv_type_option,
+    mmproj_for,
     mmproj_option,
     model_options,
     sampling_options,
@@ -125,7 +126,7 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
     cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers, rpc_servers=rpc, kv_type=kv_type,
                        flash_attn=flash_attn, swa_cache=swa_cache, speculative=speculative, draft_model=draft_model, ep=ep, paths=paths,
                        deterministic=deterministic_setting(deterministic, paths), chat_template=read_chat_template(chat_template),
-                       mmproj=mmproj)
+                       mmproj=mmproj_for(mmproj, [model]).get(model))
     # the model's own gpu_layers and chat_template from config.toml, where the options gave none
     cfg = with_model_settings(cfg)
     if session is not None:

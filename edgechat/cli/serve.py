@@ -17,6 +17,8 @@ from edgechat.cli.common import (
     flash_attn_option,
     gpu_layers_note,
     kv_type_option,
+    mmproj_for,
+    mmproj_option,
     model_options,
     speculative_option,
     swa_cache_option,
@@ -122,6 +124,7 @@ def _models_dir(ctx, param, value: str | None) -> list[str]:
 @click.option("--max-images", type=click.IntRange(min=1), default=ServerSettings.max_images, show_default=True,
               help="The most images one request may hold; more get 400.")
 @chat_template_option
+@mmproj_option
 @click.option("--reasoning-budget", type=click.IntRange(min=-1), default=-1, show_default=True,
               help="Reasoning models: the most tokens a request may think when it names no budget (-1: no limit, 0: no thinking).")
 @click.option("--reasoning-format", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
@@ -147,6 +150,7 @@ def serve_cmd(
     draft_model: str | None,
     deterministic: bool | None,
     chat_template: str | None,
+    mmproj: dict[str | None, str],
     reasoning_budget: int,
     reasoning_format: str,
     api_key: str | None,
@@ -192,6 +196,8 @@ def serve_cmd(
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     log = logging.getLogger("edgechat.server")
     template = read_chat_template(chat_template)
+    refs = list(models or ([] if models_dir else [DEFAULT_MODEL])) + models_dir
+    projectors = mmproj_for(mmproj, [*refs, *([fallback_model] if fallback_model else [])])
     # before the model loads: an address that cannot be had fails at once
     sockets = listen.bind(hosts, port)
     for h in hosts:
@@ -225,9 +231,9 @@ def serve_cmd(
             paths=paths,
             deterministic=deterministic,
             chat_template=template if first else None,
+            mmproj=projectors.get(name),
         ))
 
-    refs = list(models or ([] if models_dir else [DEFAULT_MODEL])) + models_dir
     pool = ModelPool(memory_budget << 20 if memory_budget is not None else None)
     fallback = None
     try:
@@ -265,7 +271,9 @@ def serve_cmd(
         )
         urls = ", ".join(f"http://{listen.url_host(h)}:{s.getsockname()[1]}/v1" for h, s in zip(hosts, sockets, strict=False))
         others = f" (and {', '.join(list(pool.models)[1:])}, loaded when asked)" if len(pool.models) > 1 else ""
-        log.info("serving %s%s: %d sequences of %d tokens on %s", engine.model_name, others, engine.config.n_parallel, engine.n_ctx, urls)
+        reads = f" (reads {' and '.join(engine.modalities)})" if engine.modalities else ""
+        log.info("serving %s%s%s: %d sequences of %d tokens on %s", engine.model_name, reads, others, engine.config.n_parallel,
+                 engine.n_ctx, urls)
         del engine  # the pool's to unload: nothing else may hold it
         listen.serve(create_app(settings, fallback=fallback, pool=pool), sockets)
     finally:

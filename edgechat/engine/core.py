@@ -89,7 +89,7 @@ class EngineConfig:
     #: a smaller model of the same vocabulary that guesses tokens for the model to verify
     draft_model: str | None = None
     #: the model's projector (an mmproj GGUF) that lets it read images (engine/media.py); None:
-    #: the one the catalog pulled with the model, or an mmproj*.gguf beside its file, if any
+    #: an mmproj*.gguf beside its file, or the one `edgechat pull` fetched with it, if any
     mmproj: str | None = None
     #: a GGUF that computes embeddings (engine/embeddings.py) instead of the model itself
     embedding_model: str | None = None
@@ -205,7 +205,10 @@ class Engine(PromptQueries):
         """A GGUF file through llama.cpp: the memory plan, the GPU split and the context."""
         cfg = self.config
         self.model_info = info = read_model_info(self.model_path)
-        plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, cfg.kv_type, swa=cfg.swa_cache, label=self.model_name)
+        # found before the plan: its weights count there, and a wrong file fails before loading
+        mmproj = find_projector(cfg.mmproj, self.model_path, cfg.model, self.paths)
+        plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, cfg.kv_type, swa=cfg.swa_cache, label=self.model_name,
+                                      projector=planner.projector_bytes(mmproj))
         self.plan, self.n_ctx = plan, plan.n_ctx
         if cfg.rpc_servers:
             devices.add_rpc_servers(cfg.rpc_servers)
@@ -222,7 +225,6 @@ class Engine(PromptQueries):
             on_progress=cfg.on_load_progress,
         )
         self.projector = None
-        mmproj = find_projector(cfg.mmproj, self.model_path)
         if mmproj is None:
             return
         try:

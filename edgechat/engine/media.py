@@ -91,9 +91,10 @@ class Projector:
 
     @property
     def memory_bytes(self) -> int:
-        """Its weights' size, the file's (a first count: the encoder's compute buffer is small
-        beside them for the projectors that ship)."""
-        return self.path.stat().st_size
+        """What the planner counts for it (planner.projector_bytes)."""
+        from edgechat.engine.planner import projector_bytes
+
+        return projector_bytes(self.path)
 
     @property
     def marker(self) -> str:

@@ -1,8 +1,9 @@
 """Memory planning: will this model fit here, and with how much context?
 
 weights (the file, memory-mapped) + KV cache (2 x layers x KV heads x head dim x cells x bytes,
-GQA- and sliding-window-aware, see ModelInfo.kv_cache_bytes) + compute buffers, against the memory
-the OS says is available. Runs before llama.cpp is asked to load anything.
+GQA- and sliding-window-aware, see ModelInfo.kv_cache_bytes; an image's cells count like tokens)
++ compute buffers + the vision projector (its file's size), against the memory the OS says is
+available. Runs before llama.cpp is asked to load anything.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import platform
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from edgechat.engine.params import KVType, SwaCache, choice
 from edgechat.errors import ModelTooLargeError, UsageError
@@ -83,10 +85,12 @@ class Plan:
     available: int
     #: llama.cpp's full-size sliding-window cache (False: the small one, for SWA models only)
     swa_full: bool = True
+    #: the vision projector's weights (projector_bytes), 0 for a text-only model
+    projector: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.compute
+        return self.weights + self.kv_cache + self.compute + self.projector
 
     @property
     def fits(self) -> bool:
@@ -100,13 +104,19 @@ def _compute_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int = 512) -> int:
     return 4 * n_ubatch * (16 * info.n_embd + info.n_head * n_ctx) + 4 * n_vocab_guess * 8
 
 
+def projector_bytes(path: Path | None) -> int:
+    """What a projector (mmproj GGUF) takes once loaded: its file's size (its weights; the
+    encoder's compute buffer is small beside them for the projectors that ship); 0 for none."""
+    return path.stat().st_size if path is not None else 0
+
+
 def plan_for(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: KVType | str = KVType.F16, available: int | None = None,
-             swa_full: bool = True) -> Plan:
+             swa_full: bool = True, projector: int = 0) -> Plan:
     avail = available_memory() if available is None else available
     swa_full = swa_full or not info.n_swa_layers
     kv = int(info.kv_cache_bytes(n_ctx * n_seq, kv_bytes(info, kv_type), swa_full=swa_full, n_seq=n_seq))
     weights = info.resident_bytes or info.size_bytes
-    return Plan(n_ctx, n_seq, weights, kv, _compute_bytes(info, n_ctx * n_seq), avail, swa_full)
+    return Plan(n_ctx, n_seq, weights, kv, _compute_bytes(info, n_ctx * n_seq), avail, swa_full, projector)
 
 
 def kv_bytes(info: ModelInfo, kv_type: KVType | str = KVType.F16) -> float:
@@ -114,14 +124,14 @@ def kv_bytes(info: ModelInfo, kv_type: KVType | str = KVType.F16) -> float:
     return info.kv_element_bytes or KV_BYTES[kv_type]
 
 
-def _plans(info: ModelInfo, n_ctx: int, n_seq: int, kv_type: str, available: int | None, swa: str):
+def _plans(info: ModelInfo, n_ctx: int, n_seq: int, kv_type: str, available: int | None, swa: str, projector: int = 0):
     """The plans to try for one context, preferred first. The full cache can shift and rewind
     anywhere; the small one (sliding layers keep only their window: Gemma 3 needs 3-5x less KV)
     cannot shift, so its conversations truncate."""
     if swa is not SwaCache.SMALL:
-        yield plan_for(info, n_ctx, n_seq, kv_type, available, swa_full=True)
+        yield plan_for(info, n_ctx, n_seq, kv_type, available, swa_full=True, projector=projector)
     if swa is not SwaCache.FULL and info.n_swa_layers:
-        yield plan_for(info, n_ctx, n_seq, kv_type, available, swa_full=False)
+        yield plan_for(info, n_ctx, n_seq, kv_type, available, swa_full=False, projector=projector)
 
 
 def choose_context(
@@ -132,10 +142,12 @@ def choose_context(
     available: int | None = None,
     swa: SwaCache | str = SwaCache.AUTO,
     label: str | None = None,
+    projector: int = 0,
 ) -> Plan:
     """The context to run with: the requested one if it fits, else the largest that fits, capped;
     for sliding-window models with `swa` auto, the small SWA cache where the full one would not fit.
-    `label` is what messages call the model (the name the user typed; else the file's own name).
+    `label` is what messages call the model (the name the user typed; else the file's own name);
+    `projector` the bytes of its vision projector (projector_bytes).
 
     Raises ModelTooLargeError (before llama.cpp loads anything) when not even MIN_CTX fits.
     """
@@ -146,13 +158,13 @@ def choose_context(
             raise UsageError(
                 f"--ctx {requested} is more than {label or info.name} was trained for ({trained} tokens); use --ctx {trained} or less"
             )
-        for plan in _plans(info, requested, n_seq, kv_type, available, swa):
+        for plan in _plans(info, requested, n_seq, kv_type, available, swa, projector):
             if plan.fits:
                 return plan
         raise ModelTooLargeError(_too_large(label or info.name, plan))
     n = min(trained, DEFAULT_CTX_CAP)
     while True:
-        for plan in _plans(info, n, n_seq, kv_type, available, swa):
+        for plan in _plans(info, n, n_seq, kv_type, available, swa, projector):
             if plan.fits:
                 return plan
         if n <= MIN_CTX:
@@ -172,11 +184,13 @@ def weights_fit(size_bytes: int, available: int | None = None) -> bool:
     return size_bytes * (1 + _UNKNOWN_OVERHEAD) <= avail * headroom()
 
 
-def max_context_that_fits(info: ModelInfo, kv_type: KVType | str = KVType.F16, available: int | None = None) -> int:
-    """For `edgechat doctor`: the largest power-of-two context (up to the trained one) that fits; 0 if none."""
+def max_context_that_fits(info: ModelInfo, kv_type: KVType | str = KVType.F16, available: int | None = None,
+                          projector: int = 0) -> int:
+    """For `edgechat doctor`: the largest power-of-two context (up to the trained one) that fits,
+    the projector's `projector` bytes counted; 0 if none."""
     best, n = 0, MIN_CTX
     while n <= info.context_length:
-        if not any(p.fits for p in _plans(info, n, 1, kv_type, available, SwaCache.AUTO)):
+        if not any(p.fits for p in _plans(info, n, 1, kv_type, available, SwaCache.AUTO, projector)):
             break
         best, n = n, n * 2
     return best
@@ -252,9 +266,10 @@ def _mib(n: float) -> str:
 
 
 def _too_large(name: str, plan: Plan) -> str:
+    projector = f", vision projector {_mib(plan.projector)}" if plan.projector else ""
     return (
         f"{name} needs about {_mib(plan.total)} with a {plan.n_ctx}-token context "
-        f"(weights {_mib(plan.weights)}, KV cache {_mib(plan.kv_cache)}) but only "
+        f"(weights {_mib(plan.weights)}, KV cache {_mib(plan.kv_cache)}{projector}) but only "
         f"{_mib(plan.available * headroom())} is free; close other programs, use a smaller --ctx "
         f"or --kv-type q8_0, or pick a smaller model (edgechat models)"
     )

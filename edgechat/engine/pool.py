@@ -101,7 +101,7 @@ def plan_model(name: str | None, config, idle_unload: float | None = None) -> Po
     its memory planned as the engine will plan it, nothing loaded (raises the resolver's or the
     planner's one-line errors)."""
     from edgechat.config import get_paths
-    from edgechat.models import display_name, resolve_model
+    from edgechat.models import display_name, find_projector, resolve_model
     from edgechat.models.onnxinfo import read_info
 
     paths = config.paths or get_paths()
@@ -109,7 +109,8 @@ def plan_model(name: str | None, config, idle_unload: float | None = None) -> Po
     info = read_info(path)
     label = display_name(config.model, path)
     n_seq = config.n_parallel + config.hot_sessions
-    plan = planner.choose_context(info, config.n_ctx, n_seq, config.kv_type, swa=config.swa_cache, label=label)
+    projector = planner.projector_bytes(find_projector(config.mmproj, path, config.model, paths))
+    plan = planner.choose_context(info, config.n_ctx, n_seq, config.kv_type, swa=config.swa_cache, label=label, projector=projector)
     return PoolModel(name or path.stem, replace(config, keep_prompts=True), info, label, plan.total, plan.n_ctx, config.n_parallel, idle_unload)
 
 

@@ -46,6 +46,8 @@ class CatalogEntry:
     draft: str | None = None
     #: a reasoning model: it thinks before it answers (its template opens a thinking block)
     thinks: bool = False
+    #: the vision projector (mmproj GGUF) in the same repo, pulled with the model (quant "mmproj")
+    mmproj: CatalogFile | None = None
 
     @property
     def default(self) -> CatalogFile:
@@ -78,7 +80,7 @@ def parse_catalog(data: dict) -> dict[str, CatalogEntry]:
         for field, kind in _FIELDS.items():
             if not isinstance(raw.get(field), kind) or raw.get(field) in ("", 0):
                 problems.append(f"{where}: {field} missing or not a {kind.__name__}")
-        unknown = set(raw) - set(_FIELDS) - {"files", "draft", "thinks"}
+        unknown = set(raw) - set(_FIELDS) - {"files", "draft", "thinks", "mmproj"}
         if unknown:
             problems.append(f"{where}: unknown fields {sorted(unknown)}")
         name, repo = str(raw.get("name", "")), str(raw.get("repo", ""))
@@ -109,6 +111,15 @@ def parse_catalog(data: dict) -> dict[str, CatalogEntry]:
             if spec["size"] <= 0:
                 problems.append(f"{where}: files.{quant} size must be positive")
             files[quant] = CatalogFile(quant, spec["file"], spec["size"])
+        mmproj = None
+        if "mmproj" in raw:
+            spec = raw["mmproj"]
+            if not isinstance(spec, dict) or not isinstance(spec.get("file"), str) or not isinstance(spec.get("size"), int):
+                problems.append(f"{where}: mmproj needs file (string) and size (bytes)")
+            elif not spec["file"].endswith(".gguf") or "mmproj" not in spec["file"].lower() or spec["size"] <= 0:
+                problems.append(f"{where}: mmproj must be an mmproj*.gguf file of a positive size")
+            else:
+                mmproj = CatalogFile("mmproj", spec["file"], spec["size"])
         if name and files and name not in entries:
             entries[name] = CatalogEntry(
                 name=name,
@@ -120,6 +131,7 @@ def parse_catalog(data: dict) -> dict[str, CatalogEntry]:
                 files=files,
                 draft=draft if isinstance(draft, str) else None,
                 thinks=raw.get("thinks") is True,
+                mmproj=mmproj,
             )
     for entry in entries.values():
         if entry.draft is not None and entry.draft not in entries and entry.draft not in EMBEDDED:
@@ -164,8 +176,10 @@ def catalog_row(entry: CatalogEntry, cfile: CatalogFile | None = None, available
     from edgechat.engine import planner
 
     cfile = cfile or entry.default
+    # a vision model runs with its projector, pulled with it
+    weights = cfile.size + (entry.mmproj.size if entry.mmproj else 0)
     return CatalogRow(entry.name, f"~{format_size(cfile.size)}", cfile.quant, entry.architecture, entry.context,
-                      entry.description, planner.weights_fit(cfile.size, available))
+                      entry.description, planner.weights_fit(weights, available))
 
 
 def lookup(ref: str) -> tuple[CatalogEntry, CatalogFile] | None:

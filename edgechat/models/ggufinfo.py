@@ -275,6 +275,42 @@ def read_model_info(path: str | Path) -> ModelInfo:
     )
 
 
+@dataclass(frozen=True)
+class ProjectorInfo:
+    """What a projector (mmproj) GGUF says of itself, read like a model's header: nothing loaded."""
+
+    path: Path
+    size_bytes: int
+    #: clip.projector_type, or its encoders' own (clip.vision.projector_type, clip.audio...): "gemma3", "mlp", ...
+    projector_type: str
+    vision: bool
+    audio: bool
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """("vision",), ("vision", "audio"), ...: as doctor and the model list say it."""
+        return tuple(word for word, has in (("vision", self.vision), ("audio", self.audio)) if has)
+
+
+def read_projector_info(path: str | Path) -> ProjectorInfo:
+    """The header of the projector at `path`; a one-line error for a file that is missing, not a
+    GGUF, damaged, or a GGUF of something else (a model given as --mmproj)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"projector file not found: {path}; give the model's mmproj GGUF")
+    with open(path, "rb") as fh:
+        is_gguf = fh.read(4) == GGUF_MAGIC
+    fields = _read_part(path) if is_gguf else {}
+    if fields.get("general.architecture") != "clip":
+        raise ModelFormatError(f"{path} is not a projector (mmproj) GGUF; give the mmproj file made for the model")
+    # llama.cpp's older projectors are vision-only and predate the has_vision_encoder key
+    audio = fields.get("clip.has_audio_encoder") is True
+    vision = fields.get("clip.has_vision_encoder", not audio) is True
+    kinds = dict.fromkeys(str(fields[k]) for k in ("clip.projector_type", "clip.vision.projector_type", "clip.audio.projector_type")
+                          if fields.get(k))
+    return ProjectorInfo(path, path.stat().st_size, "+".join(kinds) or "?", vision, audio)
+
+
 #: GGUF's general.sampling keys (llama.cpp reads them as its defaults too) and the SamplingParams
 #: field each sets
 _SAMPLING_KEYS = {

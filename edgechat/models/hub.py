@@ -185,25 +185,38 @@ def _quants_in(file: str) -> list[str]:
     return [t.upper() for t in re.split(r"[-.]", file.rsplit("/", 1)[-1][: -len(".gguf")]) if QUANT_RE.match(t.upper())]
 
 
-def _cached_snapshot(repo: str, paths: Paths) -> tuple[Path, list[str]] | None:
-    """The cached revision of `repo` holding GGUF files (refs/main's first, else the newest) and
-    those files' paths within it."""
+def cached_revisions(repo: str, paths: Paths) -> list[tuple[Path, list[str]]]:
+    """The cached revisions of `repo` (refs/main's first, then the newest) that hold GGUF files,
+    each with those files' paths within it."""
     from huggingface_hub.file_download import repo_folder_name
 
     root = hub_cache(paths) / repo_folder_name(repo_id=repo, repo_type="model")
     snapshots = root / "snapshots"
     if not snapshots.is_dir():
-        return None
+        return []
     main = root / "refs" / "main"
     order = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
     if main.is_file():
         head = snapshots / main.read_text().strip()
         order = [head] + [p for p in order if p != head]
-    for snapshot in order:
-        found = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf") if p.is_file()]
-        if found:
-            return snapshot, found
-    return None
+    found = [(snapshot, [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf") if p.is_file()])
+             for snapshot in order]
+    return [(snapshot, names) for snapshot, names in found if names]
+
+
+def is_projector_name(file: str) -> bool:
+    """A vision (or audio) projector by the Hub repos' naming: mmproj in a .gguf file's name."""
+    name = file.rsplit("/", 1)[-1].lower()
+    return name.endswith(".gguf") and "mmproj" in name
+
+
+def pick_projector(files) -> str | None:
+    """The projector among a repo's (or a folder's) file names: the only one, else the f16 one
+    (repos ship f16, bf16, f32 or quantized copies of the same encoder); None otherwise."""
+    found = sorted(f for f in files if is_projector_name(f))
+    if len(found) > 1:
+        found = [f for f in found if re.search(r"(?<![a-z0-9])f16(?![a-z0-9])", f.rsplit("/", 1)[-1].lower())]
+    return found[0] if len(found) == 1 else None
 
 
 def _catalog_file_for(ref: HubRef) -> str | None:
@@ -225,8 +238,13 @@ def cached(ref: HubRef, paths: Paths) -> Path | None:
     if file is None:
         return _cached_pick(ref, paths)
     # a split model's parts, all of them, side by side in one snapshot: llama.cpp opens them by name
-    parts = [cached_file(ref.repo, part, paths) for part in split_part_names(file)]
-    return parts[0] if all(parts) else None
+    names = split_part_names(file)
+    parts = [cached_file(ref.repo, part, paths) for part in names]
+    if all(parts):
+        return parts[0]
+    # a later download of another file of the repo (its projector, another quant) moved refs/main
+    # to a revision without this one: an older revision has it
+    return next((snapshot / file for snapshot, have in cached_revisions(ref.repo, paths) if set(names) <= set(have)), None)
 
 
 def resolve_hub(ref: HubRef, paths: Paths, progress: Progress | None = None) -> Path:
@@ -242,8 +260,7 @@ def resolve_hub(ref: HubRef, paths: Paths, progress: Progress | None = None) -> 
 
 def _cached_pick(ref: HubRef, paths: Paths) -> Path | None:
     """The cached file for a reference without one (picked by quant), every part of it here."""
-    if cached := _cached_snapshot(ref.repo, paths):
-        snapshot, names = cached
+    for snapshot, names in cached_revisions(ref.repo, paths):
         # only other quants of this repo (or some parts of a split one) are cached: the Hub's listing decides
         with contextlib.suppress(ModelNotFoundError):
             picked = _pick(ref, names)
@@ -275,6 +292,54 @@ def resolve_catalog(entry: CatalogEntry, cfile: CatalogFile, paths: Paths, progr
 
 def is_downloaded(entry: CatalogEntry, cfile: CatalogFile, paths: Paths) -> bool:
     return cached(HubRef(entry.repo, cfile.file, cfile.quant, entry.name), paths) is not None
+
+
+def cached_projector(text: str, paths: Paths) -> Path | None:
+    """The projector a pull of `text` put in the cache, asking no network: a catalog entry's
+    mmproj, a Hub repo's (pick_projector) in its newest cached revision that has one. A later
+    pull of the same repo can land in another revision's folder than the model's."""
+    with contextlib.suppress(ModelNotFoundError):
+        file: str | None = None  # the catalog's, else picked from what the cache holds
+        if found := lookup(text):
+            if found[0].mmproj is None:
+                return None
+            repo, file = found[0].repo, found[0].mmproj.file
+        elif ref := parse_hub_ref(text):
+            repo = ref.repo
+        else:
+            return None
+        for snapshot, names in cached_revisions(repo, paths):
+            if picked := pick_projector(names) if file is None else (file if file in names else None):
+                return snapshot / picked
+    return None
+
+
+def pull_projector(text: str, paths: Paths, list_repo: bool = True) -> Path | None:
+    """The projector of what `text` pulls, downloaded unless cached (checked like the model:
+    the listing's size and sha256, then its header must be a projector's): a catalog entry's
+    mmproj, or the one pick_projector finds in a Hub repo's listing (only when `list_repo`).
+    None when it has none; HubUnreachableError when it must come and cannot."""
+    from edgechat.models.ggufinfo import read_projector_info
+
+    if found := cached_projector(text, paths):
+        return found
+    if entry := lookup(text):
+        if entry[0].mmproj is None:
+            return None
+        repo, file = entry[0].repo, entry[0].mmproj.file
+    else:
+        ref = parse_hub_ref(text)
+        picked = pick_projector(_list_repo_files(ref)) if ref is not None and list_repo else None
+        if ref is None or picked is None:
+            return None
+        repo, file = ref.repo, picked
+    path = _download(repo, file, text, paths)
+    try:
+        read_projector_info(path)
+    except ModelFormatError:
+        _drop(path)
+        raise ModelFormatError(f"{text}: the Hub's {file} is not a projector (mmproj) GGUF; it was not kept") from None
+    return path
 
 
 def _list_repo_files(ref: HubRef) -> list[str]:

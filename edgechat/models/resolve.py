@@ -10,7 +10,7 @@ from edgechat.config import Paths
 from edgechat.errors import ModelNotFoundError
 from edgechat.models import catalog, hub
 from edgechat.models.embedded import ALIASES, EMBEDDED, GEMMA3_FILE
-from edgechat.models.ggufinfo import model_stem, split_part_names
+from edgechat.models.ggufinfo import model_stem, read_projector_info, split_part_names
 from edgechat.models.onnxinfo import is_onnx_folder
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -89,16 +89,16 @@ def catalog_draft(ref: str | None, paths: Paths) -> str | None:
     return draft if hub.is_downloaded(entry, entry.default, paths) else None
 
 
-def find_projector(given: str | None, model_path: Path) -> Path | None:
+def find_projector(given: str | None, model_path: Path, ref: str | None = None, paths: Paths | None = None) -> Path | None:
     """The projector (mmproj GGUF) that lets the model at `model_path` read images: the file
-    given (--mmproj), else the one mmproj*.gguf beside the model file (the Hub repos' layout,
-    and where a catalog pull puts it), else None (a text-only model)."""
+    given (--mmproj, checked to be a projector), else the mmproj*.gguf beside the model file (the
+    Hub repos' layout; the f16 one where there are several), else the one a pull of `ref` put in
+    the cache (beside the model too, unless the repo changed between the two downloads), else
+    None (a text-only model)."""
     if given:
-        path = Path(given).expanduser()
-        if not path.is_file():
-            raise ModelNotFoundError(f"projector file not found: {given}; give the model's mmproj GGUF")
-        return path.absolute()
+        return read_projector_info(Path(given).expanduser()).path.absolute()
     if model_path.is_dir():
         return None
-    beside = sorted(model_path.parent.glob("mmproj*.gguf"))
-    return beside[0].absolute() if len(beside) == 1 else None
+    if beside := hub.pick_projector(p.name for p in model_path.parent.glob("*.gguf")):
+        return (model_path.parent / beside).absolute()
+    return hub.cached_projector(ref, paths) if ref is not None and paths is not None else None

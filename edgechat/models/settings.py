@@ -5,9 +5,12 @@ resolved values and reads no settings file."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from edgechat.config import Paths, get_paths, load_settings, model_settings, read_chat_template
 from edgechat.engine.planner import parse_gpu_layers
+from edgechat.errors import EdgechatError, UsageError
+from edgechat.models.ggufinfo import read_projector_info
 from edgechat.models.resolve import display_name, resolve_model
 
 
@@ -21,8 +24,8 @@ def own_settings(paths: Paths, ref: str | None) -> dict:
 
 def with_model_settings(config):
     """`config` (an EngineConfig) with what its model's table sets where the front end set
-    nothing: `gpu_layers` (checked now: a bad value fails before anything loads) and
-    `chat_template` (the file's text)."""
+    nothing: `gpu_layers` (checked now: a bad value fails before anything loads), `chat_template`
+    (the file's text) and `mmproj` (a projector's path, checked to be one)."""
     paths = config.paths or get_paths()
     own = own_settings(paths, config.model)
     changes = {}
@@ -30,4 +33,19 @@ def with_model_settings(config):
         changes["n_gpu_layers"] = parse_gpu_layers(own["gpu_layers"])
     if config.chat_template is None and own.get("chat_template") is not None:
         changes["chat_template"] = read_chat_template(own["chat_template"])
+    if config.mmproj is None and own.get("mmproj") is not None:
+        changes["mmproj"] = _own_projector(own["mmproj"], config.model, paths)
     return replace(config, **changes) if changes else config
+
+
+def _own_projector(value, model: str | None, paths: Paths) -> str:
+    """A model's `mmproj` in config.toml, checked to be a projector's GGUF."""
+    where = f"{paths.config_file}: mmproj for {model or 'the default model'}"
+    if not isinstance(value, str) or not value.strip():
+        raise UsageError(f"{where} must be the path of its mmproj GGUF, not {value!r}")
+    path = Path(value).expanduser()
+    try:
+        read_projector_info(path)
+    except EdgechatError as exc:
+        raise UsageError(f"{where}: {exc}") from None
+    return str(path)

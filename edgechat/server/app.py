@@ -37,6 +37,7 @@ from edgechat.engine.request import ChatRequest, Event, Finished, RequestStatus,
 from edgechat.engine.tools import RepeatStop, ToolCall, ToolCallParser, tool_grammar
 from edgechat.errors import EdgechatError, InvalidFieldError, ModelLoadError, NoRoomError
 from edgechat.models import find_projector
+from edgechat.models.ggufinfo import read_projector_info
 from edgechat.server import anthropic_api, embeddings_api, llamacpp_api, ollama_api, openai_responses_api, responses
 from edgechat.server.auth import BearerAuth
 from edgechat.server.bridge import Generation, abandon
@@ -84,7 +85,8 @@ class _Served:
             return self.engine.modalities
         config = self.model.config
         try:
-            return ("vision",) if config is not None and find_projector(config.mmproj, self.model.info.path) else ()
+            path = find_projector(config.mmproj, self.model.info.path, config.model, config.paths) if config else None
+            return read_projector_info(path).modalities if path else ()
         except EdgechatError:
             return ()  # a projector file gone since the server started: its load will say so
 
