@@ -8,9 +8,10 @@ import threading
 import time
 
 import pytest
-from test_hub import CATALOG_NAME, fake_hub  # noqa: F401  (fake_hub: the stand-in Hub fixture)
+from test_hub import CATALOG_NAME, FakeHub, fake_hub  # noqa: F401  (fake_hub: the stand-in Hub fixture)
 from test_tui_layout import ScriptedClient
 from textual.widgets import Button, Label, ProgressBar
+from tiny_mmproj import text_embedding_width, write_tiny_mmproj
 
 from edgechat.engine import planner
 from edgechat.models import catalog, hub
@@ -92,16 +93,16 @@ def scripted_app(paths, asked: list) -> EdgechatApp:
     return EdgechatApp(paths, model=client.model_name, client_factory=factory)
 
 
-async def open_download(pilot) -> DownloadScreen:
-    """Ctrl+O, then Enter on the catalog's not-downloaded SmolLM2 360M."""
+async def open_download(pilot, name: str = CATALOG_NAME) -> DownloadScreen:
+    """Ctrl+O, then Enter on a catalog model not downloaded (SmolLM2 360M unless `name`)."""
     app = pilot.app
     await until(pilot, lambda: app.client is not None, what="the first model")
     await pilot.press("ctrl+o")
     picker = app.screen
     assert isinstance(picker, ModelPickerScreen)
     listing = picker.query_one("#model-list")
-    await until(pilot, lambda: CATALOG_NAME in picker._rows, what="the model list")
-    listing.highlighted = listing.get_option_index(CATALOG_NAME)
+    await until(pilot, lambda: name in picker._rows, what="the model list")
+    listing.highlighted = listing.get_option_index(name)
     listing.focus()
     await pilot.press("enter")
     await until(pilot, lambda: isinstance(app.screen, DownloadScreen), what="the download dialog")
@@ -172,6 +173,42 @@ async def test_confirming_downloads_with_progress_then_loads_the_model(held, iso
             assert asked[-1] == CATALOG_NAME and not isinstance(app.screen, (DownloadScreen, ModelPickerScreen))
             assert hub.is_downloaded(ENTRY, ENTRY.default, isolated_dirs)
     finally:
+        for client in clients:
+            client.close()
+
+
+async def test_a_vision_model_comes_with_its_projector(online, isolated_dirs, smollm2_path, tmp_path, monkeypatch):
+    """The catalog's vision model: the dialog counts its projector, downloads it after the model
+    (as `edgechat pull` does), and the model loads reading images. The stand-in Hub serves
+    SmolLM2 and the tiny projector under the catalog's names."""
+    vision = catalog.load_catalog()["gemma3-4b-it"]
+    assert vision.mmproj is not None
+    mmproj = write_tiny_mmproj(tmp_path / "tiny-mmproj.gguf", text_embedding_width(smollm2_path))
+    server = FakeHub({(vision.repo, vision.default.file): smollm2_path, (vision.repo, vision.mmproj.file): mmproj})
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    clients = []
+
+    def factory(ref):
+        clients.append(LocalClient(ref, isolated_dirs))
+        return clients[-1]
+
+    app = EdgechatApp(isolated_dirs, client_factory=factory)
+    try:
+        async with app.run_test(size=(80, 24)) as pilot:
+            dialog = await open_download(pilot, vision.name)
+            whole = vision.default.size + vision.mmproj.size
+            assert f"+ vision projector {catalog.format_size(vision.mmproj.size)}" in text(dialog, "#download-about")
+            button = dialog.query_one("#download", Button)
+            assert str(button.label) == f"Download {catalog.format_size(whole)}"
+            bar = dialog.query_one("#download-progress", ProgressBar)
+            await until(pilot, lambda: not button.disabled, what="the Hub check")
+            await pilot.press("enter")
+            await until(pilot, lambda: len(clients) == 2 and app.client is clients[-1], timeout=120, what="the load")
+            assert bar.progress == bar.total == smollm2_path.stat().st_size + mmproj.stat().st_size
+            assert hub.cached_projector(vision.name, isolated_dirs).read_bytes() == mmproj.read_bytes()
+            assert clients[-1].engine.modalities == ("vision",)
+    finally:
+        server.close()
         for client in clients:
             client.close()
 

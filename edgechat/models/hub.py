@@ -314,7 +314,7 @@ def cached_projector(text: str, paths: Paths) -> Path | None:
     return None
 
 
-def pull_projector(text: str, paths: Paths, list_repo: bool = True) -> Path | None:
+def pull_projector(text: str, paths: Paths, list_repo: bool = True, progress: Progress | None = None) -> Path | None:
     """The projector of what `text` pulls, downloaded unless cached (checked like the model:
     the listing's size and sha256, then its header must be a projector's): a catalog entry's
     mmproj, or the one pick_projector finds in a Hub repo's listing (only when `list_repo`).
@@ -333,7 +333,7 @@ def pull_projector(text: str, paths: Paths, list_repo: bool = True) -> Path | No
         if ref is None or picked is None:
             return None
         repo, file = ref.repo, picked
-    path = _download(repo, file, text, paths)
+    path = _download(repo, file, text, paths, progress)
     try:
         read_projector_info(path)
     except ModelFormatError:

@@ -46,7 +46,9 @@ class DownloadScreen(ModalScreen[bool]):
         self.cfile = cfile
         self.paths = paths
         self.ref = entry.name if cfile is entry.default else f"{entry.name}:{cfile.quant}"
-        self.fits = planner.weights_fit(cfile.size)
+        #: a vision model's projector comes with it (as `edgechat pull` brings it), counted in the fit
+        self.download_size = cfile.size + (entry.mmproj.size if entry.mmproj else 0)
+        self.fits = planner.weights_fit(self.download_size)
         self._download_worker: Worker | None = None
 
     def compose(self):
@@ -54,13 +56,14 @@ class DownloadScreen(ModalScreen[bool]):
         fit = f"fits this machine ({free} free)" if self.fits else f"will not fit in the memory free here ({free})"
         with Vertical(classes="dialog download-dialog"):
             yield Label(f"Download {self.ref}?", classes="dialog-title", markup=False)
-            yield Label(f"{format_size(self.cfile.size)} · {self.cfile.quant} · licence {self.entry.licence} · "
+            projector = f" + vision projector {format_size(self.entry.mmproj.size)}" if self.entry.mmproj else ""
+            yield Label(f"{format_size(self.cfile.size)}{projector} · {self.cfile.quant} · licence {self.entry.licence} · "
                         f"from {self.entry.repo}", id="download-about", markup=False)
             yield Label(fit, id="download-fit", classes="fits" if self.fits else "no-fit", markup=False)
             yield Label("asking the Hub…", id="download-status", markup=False)
-            yield ProgressBar(total=self.cfile.size, show_eta=False, id="download-progress")
+            yield ProgressBar(total=self.download_size, show_eta=False, id="download-progress")
             with Horizontal(classes="dialog-buttons"):
-                yield Button(f"Download {format_size(self.cfile.size)}", id="download", variant="primary",
+                yield Button(f"Download {format_size(self.download_size)}", id="download", variant="primary",
                              compact=True, disabled=True)
                 yield Button("Cancel", id="cancel", compact=True)
 
@@ -106,19 +109,26 @@ class DownloadScreen(ModalScreen[bool]):
     def _download(self) -> None:
         worker = get_current_worker()
 
+        # one bar for the model and then its projector: `fetched` is what the model brought
+        fetched = 0
+
         def report(done: int, total: int | None) -> None:
             if worker.is_cancelled:
                 raise _Cancelled
-            self.post_message(self.Progress(done, total))
+            still = 0 if fetched else self.download_size - self.cfile.size  # the projector, while the model comes
+            self.post_message(self.Progress(fetched + done, None if total is None else fetched + total + still))
 
         try:
-            hub.resolve_catalog(self.entry, self.cfile, self.paths, progress=report)
+            model = hub.resolve_catalog(self.entry, self.cfile, self.paths, progress=report)
+            if self.entry.mmproj is not None:
+                fetched = model.stat().st_size
+                hub.pull_projector(self.ref, self.paths, progress=report)
         except _Cancelled:
             pass  # the dialog is gone; huggingface_hub never leaves a partial file in the cache's place
 
     @on(Progress)
     def _progress(self, event: Progress) -> None:
-        total = event.total or self.cfile.size
+        total = event.total or self.download_size
         self.query_one("#download-progress", ProgressBar).update(total=total, progress=event.done)
         self.query_one("#download-status", Label).update(f"{format_size(event.done)} of {format_size(total)}")
 
