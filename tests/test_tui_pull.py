@@ -196,6 +196,7 @@ async def test_a_vision_model_comes_with_its_projector(online, isolated_dirs, sm
     try:
         async with app.run_test(size=(80, 24)) as pilot:
             dialog = await open_download(pilot, vision.name)
+            assert ", vision · " in app.screen_stack[-2]._rows[vision.name].detail  # the picker, not downloaded
             whole = vision.default.size + vision.mmproj.size
             assert f"+ vision projector {catalog.format_size(vision.mmproj.size)}" in text(dialog, "#download-about")
             button = dialog.query_one("#download", Button)
@@ -207,6 +208,11 @@ async def test_a_vision_model_comes_with_its_projector(online, isolated_dirs, sm
             assert bar.progress == bar.total == smollm2_path.stat().st_size + mmproj.stat().st_size
             assert hub.cached_projector(vision.name, isolated_dirs).read_bytes() == mmproj.read_bytes()
             assert clients[-1].engine.modalities == ("vision",)
+            # the picker now describes the downloaded model with what its projector reads
+            await pilot.press("ctrl+o")
+            picker = app.screen
+            await until(pilot, lambda: vision.name in getattr(picker, "_rows", {}), what="the model list")
+            assert "llama, vision" in picker._rows[vision.name].detail and "fits" in picker._rows[vision.name].detail
     finally:
         server.close()
         for client in clients:

@@ -16,7 +16,7 @@ from edgechat.engine import planner
 from edgechat.engine.params import KVType
 from edgechat.engine.reasoning import reasoning_format
 from edgechat.errors import EdgechatError, UsageError
-from edgechat.models import find_projector, known_model_names, resolve_model
+from edgechat.models import known_model_names, resolve_model
 from edgechat.models.catalog import catalog_row, format_size, load_catalog
 from edgechat.models.ggufinfo import read_projector_info
 from edgechat.models.hub import is_downloaded
@@ -25,7 +25,7 @@ from edgechat.models.onnxinfo import is_onnx_folder, read_info
 
 def _model_rows(paths, kv_type: KVType = KVType.F16, names: list[str] | None = None) -> list[dict]:
     from edgechat.engine import devices
-    from edgechat.models.settings import own_settings
+    from edgechat.models.settings import own_settings, projector_for
 
     gpus = devices.gpu_devices()
     rows = []
@@ -34,8 +34,7 @@ def _model_rows(paths, kv_type: KVType = KVType.F16, names: list[str] | None = N
             path = resolve_model(name, paths)
             info = read_info(path)
             own = own_settings(paths, name)
-            # the projector `edgechat run -m NAME` would load: config.toml's, beside the file, or pulled with it
-            projector = find_projector(str(own["mmproj"]) if own.get("mmproj") else None, path, name, paths)
+            projector = projector_for(paths, name, path)  # what `edgechat run -m NAME` would load
             reads = read_projector_info(projector).modalities if projector else ()
         except EdgechatError as exc:
             rows.append({"name": name, "error": str(exc)})

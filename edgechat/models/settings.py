@@ -11,7 +11,7 @@ from edgechat.config import Paths, get_paths, load_settings, model_settings, rea
 from edgechat.engine.planner import parse_gpu_layers
 from edgechat.errors import EdgechatError, UsageError
 from edgechat.models.ggufinfo import read_projector_info
-from edgechat.models.resolve import display_name, resolve_model
+from edgechat.models.resolve import display_name, find_projector, resolve_model
 
 
 def own_settings(paths: Paths, ref: str | None) -> dict:
@@ -20,6 +20,13 @@ def own_settings(paths: Paths, ref: str | None) -> dict:
     if not load_settings(paths).get("models"):
         return {}  # no table at all: nothing to resolve the model's file for
     return model_settings(paths, ref) or model_settings(paths, display_name(ref, resolve_model(ref, paths)))
+
+
+def projector_for(paths: Paths, ref: str | None, path: Path) -> Path | None:
+    """The projector `edgechat run -m REF` loads for the model file `path`: its `mmproj` in
+    config.toml, else the one beside the file or pulled with it; None for a text-only model."""
+    own = own_settings(paths, ref)
+    return find_projector(str(own["mmproj"]) if own.get("mmproj") else None, path, ref, paths)
 
 
 def with_model_settings(config):

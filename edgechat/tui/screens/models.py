@@ -30,19 +30,24 @@ class ModelRow:
     path: object | None = None
 
 
-def describe(ref: str, path, note: str = "") -> ModelRow:
-    """Size, quant, architecture, and whether the planner says it fits here."""
-    from edgechat.engine.planner import choose_context
+def describe(ref: str, path, paths: Paths, note: str = "") -> ModelRow:
+    """Size, quant, architecture (and what its projector reads), and whether the planner says it
+    fits here, its projector counted."""
+    from edgechat.engine.planner import choose_context, projector_bytes
     from edgechat.models.catalog import format_size
+    from edgechat.models.ggufinfo import read_projector_info
     from edgechat.models.onnxinfo import read_info
+    from edgechat.models.settings import projector_for
 
     try:
         info = read_info(path)
+        projector = projector_for(paths, ref, path)
+        reads = read_projector_info(projector).modalities if projector else ()
     except EdgechatError as exc:
         return ModelRow(ref, f"unreadable: {exc}", False)
-    detail = f"{format_size(info.size_bytes)} · {info.quant} · {info.architecture}"
+    detail = f"{format_size(info.size_bytes)} · {info.quant} · {', '.join([info.architecture, *reads])}"
     try:
-        plan = choose_context(info)
+        plan = choose_context(info, projector=projector_bytes(projector))
         fits, detail = True, detail + f" · fits (ctx {plan.n_ctx})"
     except EdgechatError:
         fits, detail = False, detail + " · too large for free memory"
@@ -62,14 +67,14 @@ def local_models(paths: Paths) -> list[ModelRow]:
             rows.append(ModelRow(name, f"{model.description} · assembled on first use"))
             continue
         try:
-            rows.append(describe(name, model.locate(paths), model.description))
+            rows.append(describe(name, model.locate(paths), paths, model.description))
         except EdgechatError as exc:
             rows.append(ModelRow(name, str(exc), False))
     if paths.models_cache.is_dir():
         for path in sorted(paths.models_cache.glob("*.gguf")):
             if path.name != GEMMA3_FILE:
-                rows.append(describe(path.stem, path))
-        rows += [describe(path.name, path) for path in sorted(paths.models_cache.iterdir()) if is_onnx_folder(path)]
+                rows.append(describe(path.stem, path, paths))
+        rows += [describe(path.name, path, paths) for path in sorted(paths.models_cache.iterdir()) if is_onnx_folder(path)]
     return rows
 
 
@@ -84,10 +89,11 @@ def catalog_models(paths: Paths) -> list[ModelRow]:
         cfile = entry.default
         path = cached_file(entry.repo, cfile.file, paths)
         if path is not None:
-            rows.append(describe(entry.name, path, entry.description))
+            rows.append(describe(entry.name, path, paths, entry.description))
         else:
             row = catalog_row(entry, cfile)
-            rows.append(ModelRow(entry.name, f"{row.size} · {row.quant} · {row.architecture} · {row.description} · "
+            arch = ", ".join([row.architecture, *(["vision"] if entry.mmproj else [])])
+            rows.append(ModelRow(entry.name, f"{row.size} · {row.quant} · {arch} · {row.description} · "
                                              f"not downloaded (edgechat pull {entry.name})", row.fits, True))
     return rows
 
