@@ -1,7 +1,7 @@
 """The tiny M-RoPE pair's own tests (tests/tiny_qwen2vl.py), and what llama.cpp does with an
 M-RoPE image's positions, as docs/mrope-notes.md records them for lifting the engine's refusal of
 such projectors (engine/core.py). Driven at the low level (LlamaBackend, Projector), as
-tests/test_vision.py drives the LLaVA-layout projector; the engine itself is not used.
+tests/test_vision.py drives the LLaVA-layout projector; the engine only for its refusal.
 
 Random weights: these tests prove the files load, the image is cut and decoded, and where its
 cells land; never anything about what a picture shows.
@@ -13,13 +13,16 @@ import struct
 
 import llama_cpp
 import pytest
+from conftest import GREEDY
 from test_vision import greedy, prefill
 from tiny_mmproj import GRADIENT, png
 from tiny_qwen2vl import tokens_per_side, write_tiny_qwen2vl, write_tiny_qwen2vl_mmproj
 
+from edgechat.engine import ChatRequest, Engine, EngineConfig
 from edgechat.engine.llama import DecodeError, LlamaBackend, Vocabulary
 from edgechat.engine.media import Projector
 from edgechat.engine.planner import default_threads
+from edgechat.errors import UsageError
 
 #: 48x16 pixels: 6x2 image tokens, which take max(6, 2) positions
 WIDE = png(48, 16, lambda x, y: (x * 5, y * 15, 64))
@@ -40,8 +43,13 @@ def backend(model):
 
 
 @pytest.fixture(scope="module")
-def projector(backend, tmp_path_factory):
-    proj = Projector(backend, write_tiny_qwen2vl_mmproj(tmp_path_factory.mktemp("qwen2vl-mmproj") / "mmproj.gguf"))
+def mmproj(tmp_path_factory):
+    return write_tiny_qwen2vl_mmproj(tmp_path_factory.mktemp("qwen2vl-mmproj") / "mmproj.gguf")
+
+
+@pytest.fixture(scope="module")
+def projector(backend, mmproj):
+    proj = Projector(backend, mmproj)
     yield proj
     proj.close()
 
@@ -175,3 +183,13 @@ def test_tiny_qwen2vl_what_llama_cpp_allows_around_an_image(backend, projector):
     with pytest.raises(RuntimeError):
         backend.seq_cell_positions(1)
     backend.seq_rm(1)
+
+
+def test_tiny_qwen2vl_the_engine_refuses_the_projector_in_one_line_and_chats_without_it(model, mmproj, models_root):
+    with pytest.raises(UsageError, match=r"^the projector mmproj.gguf uses M-RoPE positions [^\n]+$"):
+        Engine(EngineConfig(model=str(model), paths=models_root, n_ctx=256, mmproj=str(mmproj)))
+    # text alone needs no position map: each token takes the position of its mirror index
+    with Engine(EngineConfig(model=str(model), paths=models_root, n_ctx=256)) as engine:
+        assert engine.modalities == ()
+        events = list(engine.submit(ChatRequest(messages=[{"role": "user", "content": "hi"}], sampling=GREEDY, max_tokens=4)))
+        assert events[-1].error is None
