@@ -365,8 +365,12 @@ def test_four_sequences_together_outrun_one_at_a_time(runners):
             return time.perf_counter() - start
 
         decode([0])  # warm-up
-        alone = sum(decode([seq]) for seq in range(4))
-        together = decode([0, 1, 2, 3])
+        # the best of three of each, alternating: a neighbour's burst of load (another test, a
+        # build) then slows one try, not the ratio
+        alone, together = float("inf"), float("inf")
+        for _ in range(3):
+            alone = min(alone, sum(decode([seq]) for seq in range(4)))
+            together = min(together, decode([0, 1, 2, 3]))
     finally:
         runner.close()
     ratio = alone / together
