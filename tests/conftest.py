@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,37 @@ def gemma3_path(models_root):
 
 #: the model's own top token at every step: what tests comparing answers run with (`from conftest import GREEDY`)
 GREEDY = SamplingParams(temperature=0)
+
+#: a real vision model and its projector, where one is at hand (a device machine, a user's cache):
+#: the vision tests written for the embedded SmolLM2 with the tiny random projector run on it unchanged
+VISION_MODEL_ENV, VISION_MMPROJ_ENV = "EDGECHAT_TEST_VISION_MODEL", "EDGECHAT_TEST_VISION_MMPROJ"
+
+
+@dataclass(frozen=True)
+class VisionPair:
+    model: Path
+    mmproj: Path
+    #: the cells one picture takes (the projectors supported resize every picture to one size)
+    image_tokens: int
+
+
+@pytest.fixture(scope="session")
+def vision_pair(smollm2_path, models_root, tmp_path_factory) -> VisionPair:
+    """The text model and projector the vision tests run on: $EDGECHAT_TEST_VISION_MODEL and
+    $EDGECHAT_TEST_VISION_MMPROJ when both are set, else SmolLM2 with tests/tiny_mmproj.py's."""
+    from tiny_mmproj import GRADIENT, N_IMAGE_TOKENS, text_embedding_width, write_tiny_mmproj
+
+    model, mmproj = os.environ.get(VISION_MODEL_ENV), os.environ.get(VISION_MMPROJ_ENV)
+    if bool(model) != bool(mmproj):
+        raise pytest.UsageError(f"set both {VISION_MODEL_ENV} and {VISION_MMPROJ_ENV} (a vision model and its mmproj GGUF), or neither")
+    if not model or not mmproj:
+        tiny = write_tiny_mmproj(tmp_path_factory.mktemp("mmproj") / "tiny-mmproj.gguf", text_embedding_width(smollm2_path))
+        return VisionPair(smollm2_path, tiny, N_IMAGE_TOKENS)
+    from edgechat.engine import ChatRequest, Engine, EngineConfig, ImageInput
+
+    with Engine(EngineConfig(model=model, paths=models_root, n_ctx=4096, mmproj=mmproj)) as engine:
+        tokens = engine.prompt_tokens(ChatRequest(messages=[{"role": "user", "content": [ImageInput(GRADIENT), "?"]}]))
+    return VisionPair(Path(model), Path(mmproj), sum(t < 0 for t in tokens))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Images through the server's APIs (OpenAI chat completions and Responses, Anthropic Messages,
 Ollama chat and generate) with their official clients, on the embedded SmolLM2 with the tiny
-projector tests/tiny_mmproj.py writes (16 cells a picture, random weights).
+projector tests/tiny_mmproj.py writes (16 cells a picture, random weights), or the real pair
+conftest.py's `vision_pair` is given.
 
 What it proves: a picture sent as each API sends one reaches the model (the greedy answer
 changes, and is the same for the same picture whichever API sent it), usage counts its cells,
@@ -52,9 +53,10 @@ def mmproj(smollm2_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def vision(smollm2_path, models_root, mmproj):
+def vision(vision_pair, models_root):
     # deterministic: every prompt prefilled from an empty cache, so equal answers mean equal inputs
-    config = EngineConfig(model=str(smollm2_path), paths=models_root, n_ctx=1024, mmproj=str(mmproj), deterministic=True)
+    config = EngineConfig(model=str(vision_pair.model), paths=models_root, n_ctx=1024 + vision_pair.image_tokens - N_IMAGE_TOKENS,
+                          mmproj=str(vision_pair.mmproj), deterministic=True)
     with Engine(config) as engine:
         yield engine
 
@@ -112,15 +114,15 @@ def refused(call, error=openai.BadRequestError):
     return info.value
 
 
-def test_a_data_url_reaches_the_model_and_usage_counts_its_cells(base_url, answers):
+def test_a_data_url_reaches_the_model_and_usage_counts_its_cells(base_url, answers, vision_pair):
     text, gradient, checks = answers
     assert gradient.choices[0].message.content != text.choices[0].message.content
     assert checks.choices[0].message.content != gradient.choices[0].message.content
     assert chat(base_url, asking(data_url(GRADIENT))).choices[0].message.content == gradient.choices[0].message.content
     # the image's cells are prompt tokens (and the text around it, the projector's own, none here)
-    assert gradient.usage.prompt_tokens == text.usage.prompt_tokens + N_IMAGE_TOKENS
+    assert gradient.usage.prompt_tokens == text.usage.prompt_tokens + vision_pair.image_tokens
     two = chat(base_url, asking(data_url(GRADIENT), data_url(CHECKS)))
-    assert two.usage.prompt_tokens == text.usage.prompt_tokens + 2 * N_IMAGE_TOKENS
+    assert two.usage.prompt_tokens == text.usage.prompt_tokens + 2 * vision_pair.image_tokens
 
 
 def test_each_api_sends_a_picture_to_the_same_answer(base_url, answers):
@@ -178,7 +180,7 @@ def test_remote_urls_and_bad_data_are_refused_in_one_line(base_url):
     assert error.param == "messages[0].content[0]"
 
 
-def test_limits_on_bytes_pixels_and_count_are_400s_naming_the_field(small_limits):
+def test_limits_on_bytes_pixels_and_count_are_400s_naming_the_field(small_limits, vision_pair):
     big = GRADIENT + bytes(2 * len(GRADIENT))  # a valid header, then more bytes than the limit
     error = refused(lambda: chat(small_limits, asking(data_url(big))))
     assert error.code == "image_too_large" and error.param == "messages[0].content[0].image_url.url" and "--max-image-mib" in error.message
@@ -187,7 +189,7 @@ def test_limits_on_bytes_pixels_and_count_are_400s_naming_the_field(small_limits
     assert error.code == "image_too_large" and "50x50" in error.message and "--max-image-megapixels" in error.message
     error = refused(lambda: chat(small_limits, asking(*[data_url(GRADIENT)] * 3)))
     assert error.code == "too_many_images" and error.param == "messages[0].content[2].image_url.url"
-    assert chat(small_limits, asking(data_url(GRADIENT), data_url(CHECKS))).usage.prompt_tokens > 2 * N_IMAGE_TOKENS
+    assert chat(small_limits, asking(data_url(GRADIENT), data_url(CHECKS))).usage.prompt_tokens > 2 * vision_pair.image_tokens
 
     # the other APIs' fields, in their own error shapes
     r = httpx.post(f"{small_limits}/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [

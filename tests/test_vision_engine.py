@@ -8,7 +8,9 @@ it again (counted on the projector), while another picture of the same size neve
 image leaves the context with its message, is saved and restored with its conversation's
 snapshot and the prompt cache, and is re-encoded when its cells must be recomputed; the encode
 runs on the encoder thread; the KV mirrors agree with llama.cpp's cells throughout. It says
-nothing of what a picture shows: no test reads meaning into the answers.
+nothing of what a picture shows: no test reads meaning into the answers. With
+$EDGECHAT_TEST_VISION_MODEL and $EDGECHAT_TEST_VISION_MMPROJ set (conftest.py `vision_pair`), the
+tests written for the tiny pair run on that model and projector instead.
 """
 
 from __future__ import annotations
@@ -27,14 +29,14 @@ QUESTION = "What is in this picture?"
 ANSWER_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def mmproj(smollm2_path, tmp_path_factory):
-    return write_tiny_mmproj(tmp_path_factory.mktemp("mmproj") / "tiny-mmproj.gguf", text_embedding_width(smollm2_path))
+def vision_config(pair, n_ctx: int, **kw) -> EngineConfig:
+    # a context sized for the tiny projector's 16 cells grows by a real projector's extra cells
+    return EngineConfig(model=str(pair.model), mmproj=str(pair.mmproj), n_ctx=n_ctx + pair.image_tokens - N_IMAGE_TOKENS, **kw)
 
 
 @pytest.fixture(scope="module")
-def vision(smollm2_path, models_root, mmproj):
-    with Engine(EngineConfig(model=str(smollm2_path), paths=models_root, n_ctx=1024, n_parallel=2, mmproj=str(mmproj))) as engine:
+def vision(vision_pair, models_root):
+    with Engine(vision_config(vision_pair, 1024, paths=models_root, n_parallel=2)) as engine:
         yield engine
 
 
@@ -61,9 +63,9 @@ def sentinel_runs(tokens: list[int]) -> list[int]:
     return runs
 
 
-def test_an_image_changes_the_answer_and_the_same_image_gives_the_same_one(smollm2_path, models_root, mmproj):
+def test_an_image_changes_the_answer_and_the_same_image_gives_the_same_one(vision_pair, models_root):
     # deterministic: each prompt prefilled from an empty cache, so equal answers mean equal inputs
-    config = EngineConfig(model=str(smollm2_path), paths=models_root, n_ctx=1024, mmproj=str(mmproj), deterministic=True)
+    config = vision_config(vision_pair, 1024, paths=models_root, deterministic=True)
     with Engine(config) as engine:
         text, _ = ask(engine, [{"role": "user", "content": QUESTION}])
         first, _ = ask(engine, [user(ImageInput(GRADIENT, "image/png"), QUESTION)])
@@ -73,23 +75,23 @@ def test_an_image_changes_the_answer_and_the_same_image_gives_the_same_one(smoll
         assert first.token_ids != text.token_ids
         assert other.token_ids != first.token_ids
         # usage counts the image's cells as prompt tokens
-        assert first.metrics.prompt_tokens == text.metrics.prompt_tokens + N_IMAGE_TOKENS
+        assert first.metrics.prompt_tokens == text.metrics.prompt_tokens + vision_pair.image_tokens
         assert engine.projector.encodes == 3
         assert engine.kv_problems() == []
 
 
-def test_the_next_turn_reuses_the_image_cells_without_encoding_it_again(vision):
+def test_the_next_turn_reuses_the_image_cells_without_encoding_it_again(vision, vision_pair):
     before = vision.projector.encodes
     messages = [user(ImageInput(GRADIENT), QUESTION)]
     first, _ = ask(vision, messages, session="reuse")
     assert vision.projector.encodes == before + 1
     slot = vision.kv.slot_of("reuse")
-    assert sentinel_runs(slot.tokens) == [N_IMAGE_TOKENS]
+    assert sentinel_runs(slot.tokens) == [vision_pair.image_tokens]
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Say more."}]
     second, _ = ask(vision, messages, session="reuse")
     assert vision.projector.encodes == before + 1  # not encoded again
     start = slot.tokens.index(next(t for t in slot.tokens if t < 0))
-    assert second.metrics.cached_tokens >= start + N_IMAGE_TOKENS  # the cache covers the image
+    assert second.metrics.cached_tokens >= start + vision_pair.image_tokens  # the cache covers the image
     assert second.metrics.cached_tokens >= first.metrics.prompt_tokens
     assert vision.kv_problems() == []
 
@@ -105,13 +107,13 @@ def test_a_different_image_of_the_same_size_never_matches_a_cached_one(vision):
     assert vision.kv_problems() == []
 
 
-def test_images_sit_where_their_parts_are_and_two_are_encoded_in_order(vision):
+def test_images_sit_where_their_parts_are_and_two_are_encoded_in_order(vision, vision_pair):
     before = vision.projector.encodes
     done, _ = ask(vision, [user("Compare", ImageInput(GRADIENT), "with", ImageInput(CHECKS), "please.")])
-    assert done.metrics.prompt_tokens >= 2 * N_IMAGE_TOKENS
+    assert done.metrics.prompt_tokens >= 2 * vision_pair.image_tokens
     assert vision.projector.encodes == before + 2
     tokens = vision.prompt_tokens(ChatRequest(messages=[user("Compare", ImageInput(GRADIENT), "with", ImageInput(CHECKS), "please.")]))
-    assert sentinel_runs(tokens) == [N_IMAGE_TOKENS, N_IMAGE_TOKENS]
+    assert sentinel_runs(tokens) == [vision_pair.image_tokens, vision_pair.image_tokens]
     assert vision.kv_problems() == []
 
 
@@ -131,8 +133,8 @@ def test_the_encode_runs_on_the_encoder_thread_while_another_answer_streams(visi
     assert vision.kv_problems() == []
 
 
-def test_an_image_leaves_the_context_with_its_message(smollm2_path, models_root, mmproj):
-    config = EngineConfig(model=str(smollm2_path), paths=models_root, n_ctx=256, mmproj=str(mmproj))
+def test_an_image_leaves_the_context_with_its_message(vision_pair, models_root):
+    config = vision_config(vision_pair, 256, paths=models_root)
     with Engine(config) as engine:
         messages = [{"role": "system", "content": "You are brief."}, user(ImageInput(GRADIENT), QUESTION)]
         evicted = []
@@ -141,7 +143,7 @@ def test_an_image_leaves_the_context_with_its_message(smollm2_path, models_root,
             evicted += [e for e in events if isinstance(e, Evicted)]
             slot = engine.kv.slot_of("long")
             # the image is in the cache whole, or not at all
-            assert sentinel_runs(slot.tokens) in ([N_IMAGE_TOKENS], [])
+            assert sentinel_runs(slot.tokens) in ([vision_pair.image_tokens], [])
             assert engine.kv_problems() == []
             if evicted and not sentinel_runs(slot.tokens):
                 break
@@ -152,9 +154,9 @@ def test_an_image_leaves_the_context_with_its_message(smollm2_path, models_root,
         assert engine.prepare(ChatRequest(messages=messages, session="long")).media == {}
 
 
-def test_a_recompute_after_truncation_encodes_the_image_again(smollm2_path, models_root, mmproj):
+def test_a_recompute_after_truncation_encodes_the_image_again(vision_pair, models_root):
     # the truncate policy recomputes what follows a cut: a later message's image is re-encoded
-    config = EngineConfig(model=str(smollm2_path), paths=models_root, n_ctx=192, mmproj=str(mmproj))
+    config = vision_config(vision_pair, 192, paths=models_root)
     with Engine(config) as engine:
         messages = [{"role": "user", "content": "Hello there, how are you today?"},
                     {"role": "assistant", "content": "I am fine, thank you."},
@@ -162,12 +164,12 @@ def test_a_recompute_after_truncation_encodes_the_image_again(smollm2_path, mode
         done, events = ask(engine, messages, session="cut", n=150, context_policy=ContextPolicy.TRUNCATE, ignore_eos=True)
         assert any(isinstance(e, Evicted) for e in events)
         assert engine.projector.encodes >= 2
-        assert sentinel_runs(engine.kv.slot_of("cut").tokens) in ([N_IMAGE_TOKENS], [])
+        assert sentinel_runs(engine.kv.slot_of("cut").tokens) in ([vision_pair.image_tokens], [])
         assert engine.kv_problems() == []
 
 
-def test_a_snapshot_restores_the_image_cells(smollm2_path, models_root, mmproj):
-    config = EngineConfig(model=str(smollm2_path), paths=models_root, n_ctx=1024, mmproj=str(mmproj))
+def test_a_snapshot_restores_the_image_cells(vision_pair, models_root):
+    config = vision_config(vision_pair, 1024, paths=models_root)
     messages = [user(ImageInput(GRADIENT), QUESTION)]
     with Engine(config) as engine:
         first, _ = ask(engine, messages, session="snap")
@@ -177,12 +179,12 @@ def test_a_snapshot_restores_the_image_cells(smollm2_path, models_root, mmproj):
         second, _ = ask(engine, messages, session="snap")
         assert engine.projector.encodes == 0
         assert second.metrics.cached_tokens >= first.metrics.prompt_tokens
-        assert sentinel_runs(engine.kv.slot_of("snap").tokens) == [N_IMAGE_TOKENS]
+        assert sentinel_runs(engine.kv.slot_of("snap").tokens) == [vision_pair.image_tokens]
         assert engine.kv_problems() == []
 
 
-def test_the_prompt_cache_keeps_an_image_prompt_taken_over_by_another(smollm2_path, models_root, mmproj):
-    config = EngineConfig(model=str(smollm2_path), paths=models_root, n_ctx=512, mmproj=str(mmproj), prompt_cache_budget=64 << 20)
+def test_the_prompt_cache_keeps_an_image_prompt_taken_over_by_another(vision_pair, models_root):
+    config = vision_config(vision_pair, 512, paths=models_root, prompt_cache_budget=64 << 20)
     with Engine(config) as engine:
         image_prompt = [{"role": "system", "content": "Look closely."}, user(ImageInput(GRADIENT), QUESTION)]
         first, _ = ask(engine, image_prompt)
