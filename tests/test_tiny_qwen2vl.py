@@ -1,7 +1,7 @@
 """The tiny M-RoPE pair's own tests (tests/tiny_qwen2vl.py), and what llama.cpp does with an
-M-RoPE image's positions, as docs/mrope-notes.md records them for lifting the engine's refusal of
-such projectors (engine/core.py). Driven at the low level (LlamaBackend, Projector), as
-tests/test_vision.py drives the LLaVA-layout projector; the engine only for its refusal.
+M-RoPE image's positions, as docs/mrope-notes.md records them (the KV manager's position map is
+built on them; tests/test_vision_mrope.py runs the pair through the engine). Driven at the low
+level (LlamaBackend, Projector), as tests/test_vision.py drives the LLaVA-layout projector.
 
 Random weights: these tests prove the files load, the image is cut and decoded, and where its
 cells land; never anything about what a picture shows.
@@ -18,7 +18,7 @@ from test_vision import greedy, prefill
 from tiny_mmproj import GRADIENT, png
 from tiny_qwen2vl import tokens_per_side, write_tiny_qwen2vl, write_tiny_qwen2vl_mmproj
 
-from edgechat.engine import ChatRequest, Engine, EngineConfig
+from edgechat.engine import ChatRequest, Engine, EngineConfig, ImageInput
 from edgechat.engine.llama import DecodeError, LlamaBackend, Vocabulary
 from edgechat.engine.media import Projector
 from edgechat.engine.planner import default_threads
@@ -57,7 +57,7 @@ def projector(backend, mmproj):
 def cells(backend: LlamaBackend, seq: int) -> list[Cell]:
     """The sequence's cells in cache order. An M-RoPE cache writes each cell's 2-D extension
     (llama_kv_cell_ext: x, y, token) between its sequence count and its sequence ids
-    (llama_kv_cache::state_write_meta), a layout LlamaBackend.seq_cell_positions does not read."""
+    (llama_kv_cache::state_write_meta); LlamaBackend.seq_cell_positions reads the positions."""
     data = backend.state_seq_get(seq)
     _magic, seq_read, n_stream, n_cells = struct.unpack_from("<IiII", data, 0)
     assert (seq_read, n_stream) == (seq, 1)
@@ -179,17 +179,22 @@ def test_tiny_qwen2vl_what_llama_cpp_allows_around_an_image(backend, projector):
     backend.seq_rm(1)
     assert backend.state_seq_set(1, backend.state_seq_get(0))
     assert cells(backend, 1) == restored
-    # the engine's own reader of cell positions (KVManager.check) does not know this layout
-    with pytest.raises(RuntimeError):
-        backend.seq_cell_positions(1)
+    # the engine's own reader of cell positions (KVManager.check) reads this layout
+    assert backend.cell_ext
+    assert backend.seq_cell_positions(1) == sorted(c[0] for c in restored) == list(range(start)) + [start] * media.n_tokens
     backend.seq_rm(1)
 
 
-def test_tiny_qwen2vl_the_engine_refuses_the_projector_in_one_line_and_chats_without_it(model, mmproj, models_root):
-    with pytest.raises(UsageError, match=r"^the projector mmproj.gguf uses M-RoPE positions [^\n]+$"):
-        Engine(EngineConfig(model=str(model), paths=models_root, n_ctx=256, mmproj=str(mmproj)))
+def test_tiny_qwen2vl_the_engine_loads_the_projector_and_chats_with_or_without_it(model, mmproj, models_root):
+    image = {"role": "user", "content": [ImageInput(GRADIENT), "What is in this picture?"]}
+    with Engine(EngineConfig(model=str(model), paths=models_root, n_ctx=256, mmproj=str(mmproj))) as engine:
+        assert engine.modalities == ("vision",)
+        events = list(engine.submit(ChatRequest(messages=[image], sampling=GREEDY, max_tokens=4)))
+        assert events[-1].error is None and engine.kv_problems() == []
     # text alone needs no position map: each token takes the position of its mirror index
     with Engine(EngineConfig(model=str(model), paths=models_root, n_ctx=256)) as engine:
         assert engine.modalities == ()
         events = list(engine.submit(ChatRequest(messages=[{"role": "user", "content": "hi"}], sampling=GREEDY, max_tokens=4)))
-        assert events[-1].error is None
+        assert events[-1].error is None and engine.kv_problems() == []
+        with pytest.raises(UsageError):
+            engine.submit(ChatRequest(messages=[image]))

@@ -171,7 +171,8 @@ class Engine(PromptQueries):
         budget = 0 if cfg.deterministic else cfg.prompt_cache_budget
         self.prompt_cache = PromptCache(budget, lambda: self._snapshot_store().tags)
         self.kv = KVManager(
-            be, self.n_slots, self._snapshot_store, self._saved_state, self._restored_state, self.prompt_cache
+            be, self.n_slots, self._snapshot_store, self._saved_state, self._restored_state, self.prompt_cache,
+            mrope=self.projector is not None and self.projector.mrope,
         )
         if cfg.keep_prompts and self.prompt_cache.enabled:
             self._reload_prompts()
@@ -229,10 +230,6 @@ class Engine(PromptQueries):
             return
         try:
             projector = Projector(be, mmproj)
-            if projector.mrope:
-                # the KV mirror keeps cell i at position i; M-RoPE images take fewer positions
-                projector.close()
-                raise UsageError(f"the projector {mmproj.name} uses M-RoPE positions (Qwen2-VL family), not supported yet")
         except BaseException:
             be.close()
             raise

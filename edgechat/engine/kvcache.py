@@ -1,13 +1,16 @@
 """The KV manager: the one owner of the llama.cpp KV cache.
 
-A slot is one llama.cpp sequence. Its `tokens` list mirrors exactly what its cells hold, at
-positions 0..len-1, so reuse is a token comparison. An image's cells are mirrored by a run of
+A slot is one llama.cpp sequence. Its `tokens` list mirrors exactly what its cells hold, in
+position order, so reuse is a token comparison. Cell i sits at position i, except after an M-RoPE
+image (Qwen2-VL family): all of its cells sit at one position P and what follows starts at
+P + n_pos, fewer positions than cells; the slot records such images (`Slot.runs`) and maps an
+index to its position (`Slot.position`). An image's cells are mirrored by a run of
 negative sentinels drawn from its hash (engine/media.py): the same picture matches as a cached
 prefix, another never does, and no cut keeps part of a run. Every cache operation (remove, shift, share,
 snapshot save and restore) goes through `KVManager`, which keeps the mirrors and records which
 slots share which cells, and maintains the invariant by construction:
 
-    each sequence's cells hold exactly its mirror, at positions 0..n-1.
+    each sequence's cells hold exactly its mirror, at positions Slot.position(0..n-1).
 
 With a unified cache, `llama_memory_seq_cp` does not copy: the same cell then belongs to several
 sequences, and `llama_memory_seq_add` on one of them moves the cell for all. So before the cells
@@ -73,6 +76,40 @@ class Slot:
     cache_restored: int | None = None
     #: the logits after its first next_logits.n tokens, while those tokens are unchanged
     next_logits: NextLogits | None = None
+    #: the images whose cells take fewer positions than cells (M-RoPE: every cell at the image's
+    #: first position), as (start index, n_tokens, n_pos) in mirror order. Empty for every other
+    #: model: its cell i sits at position i
+    runs: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def position(self, i: int) -> int:
+        """The position of mirror entry i (len(tokens): the next one's); inside an image, the
+        image's own position."""
+        pos = i
+        for start, n_tokens, n_pos in self.runs:
+            if i < start + n_tokens:
+                return pos - max(i - start, 0)
+            pos -= n_tokens - n_pos
+        return pos
+
+    @property
+    def next_pos(self) -> int:
+        """Where the next token or image goes."""
+        return self.position(len(self.tokens))
+
+    def cell_positions(self) -> list[int]:
+        """The position of every mirror entry, in order: what llama.cpp's cells should hold."""
+        out: list[int] = []
+        pos = i = 0
+        for start, n_tokens, n_pos in self.runs:
+            out += range(pos, pos + start - i)
+            pos += start - i
+            out += [pos] * n_tokens
+            pos, i = pos + n_pos, start + n_tokens
+        out += range(pos, pos + len(self.tokens) - i)
+        return out
+
+    def runs_before(self, n: int) -> list[tuple[int, int, int]]:
+        return [run for run in self.runs if run[0] < n]
 
 
 def is_sentinel(entry: int) -> bool:
@@ -117,6 +154,29 @@ def find_realign(cache: list[int], prompt: list[int], start: int) -> tuple[int, 
     return best_b, best_n
 
 
+def image_runs(tokens: list[int], cells: list[int]) -> list[tuple[int, int, int]] | None:
+    """An M-RoPE mirror's `Slot.runs` read back from its sequence's sorted cell positions (a
+    restored state: sentinels do not tell an image's n_pos, its grid does): an image's cells
+    share one position, and the next cell's position is n_pos after it. None where the cells do
+    not fit the mirror, or an image is last (nothing then gives its n_pos)."""
+    if len(cells) != len(tokens):
+        return None
+    runs, i, n = [], 0, len(tokens)
+    while i < n:
+        if not is_sentinel(tokens[i]):
+            i += 1
+            continue
+        j = i
+        while j < n and is_sentinel(tokens[j]) and cells[j] == cells[i]:
+            j += 1
+        if j == n:
+            return None
+        if cells[j] - cells[i] != j - i:
+            runs.append((i, j - i, cells[j] - cells[i]))
+        i = j
+    return runs
+
+
 def short_prefix(n: int, total: int) -> bool:
     """A cached prefix of n tokens this short (a BOS, a one-line system prompt) saves under 1/32
     of a batch of `total`, while a batch that starts at position 0 runs llama.cpp's tiled
@@ -146,6 +206,7 @@ class KVManager:
         session_state: Callable[[str], dict],
         restored: Callable[[str, dict], None],
         prompt_cache: PromptCache,
+        mrope: bool = False,
     ):
         self.backend = backend
         self.prompt_cache = prompt_cache
@@ -158,6 +219,9 @@ class KVManager:
         #: False once the memory refused to drop part of a sequence (recurrent and hybrid
         #: models): rewinding then means recomputing, so nothing should be guessed ahead
         self.can_rewind = True
+        #: images take fewer positions than cells (a Qwen2-VL projector): restored states have
+        #: their runs read back from their cells
+        self.mrope = mrope
 
     @property
     def can_shift(self) -> bool:
@@ -183,10 +247,11 @@ class KVManager:
         problems = []
         for slot in self.slots:
             n = len(slot.tokens)
+            last = slot.position(n - 1) if n else -1
             lo, hi = self.backend.seq_pos_range(slot.seq)
-            want = (0, n - 1) if n else (-1, -1)
+            want = (0, last) if n else (-1, -1)
             window = self.backend.swa_window
-            if window and n and hi == n - 1 and 0 <= lo <= max(n - window, 0):
+            if window and n and hi == last and 0 <= lo <= max(n - window, 0):
                 # a sliding-window model reports its sliding layers' oldest cell, which moves on
                 # past the window in a small cache or a restored state; the full-attention
                 # layers' cells are checked below
@@ -198,9 +263,9 @@ class KVManager:
                 continue
             if n:
                 cells = self.backend.seq_cell_positions(slot.seq)
-                if cells != list(range(n)):
+                if cells != slot.cell_positions():
                     extra = len(cells) - n
-                    problems.append(f"seq {slot.seq}: {len(cells)} cells ({extra:+d}) do not sit at positions 0..{n - 1}")
+                    problems.append(f"seq {slot.seq}: {len(cells)} cells ({extra:+d}) do not sit at positions 0..{last}")
         for a in self.slots:
             for b in self.slots:
                 s = self._shared[a.seq][b.seq]
@@ -209,8 +274,11 @@ class KVManager:
         return problems
 
     # ------------------------------------------------------------------ operations
-    def extend(self, slot: Slot, tokens: list[int]) -> None:
-        """The caller put these tokens in a batch at positions len(mirror).. of the slot."""
+    def extend(self, slot: Slot, tokens: list[int], n_pos: int | None = None) -> None:
+        """The caller put these tokens in a batch at positions slot.next_pos.., or an image's
+        cells (`n_pos`: the positions the image took)."""
+        if n_pos is not None and n_pos != len(tokens):
+            slot.runs.append((len(slot.tokens), len(tokens), n_pos))
         slot.tokens.extend(tokens)
 
     def truncate(self, slot: Slot, n: int) -> int:
@@ -224,7 +292,8 @@ class KVManager:
             # never part of an image (a run of sentinels): finishing
             # it would need its embeddings again, and a non-causal image's cells saw each other
             n -= 1
-        if not self.backend.seq_rm(slot.seq, n if n else -1, -1):
+        # an M-RoPE image's cells all sit at its position: a cut there drops it whole
+        if not self.backend.seq_rm(slot.seq, slot.position(n) if n else -1, -1):
             if not self.backend.seq_rm(slot.seq, -1, -1):
                 raise KVInvariantError(f"llama.cpp refused to clear sequence {slot.seq}")
             n = 0
@@ -234,6 +303,7 @@ class KVManager:
             if not self.backend.swa_window:
                 self.can_rewind = False
         del slot.tokens[n:]
+        slot.runs = slot.runs_before(n)
         if slot.next_logits is not None and slot.next_logits.n > n:
             slot.next_logits = None
         self._limit_sharing(slot, n)
@@ -246,8 +316,9 @@ class KVManager:
         """dst takes src's first n cells (unified cache: the same cells, no copy; a runner whose
         memory cannot share cells copies them, and nothing is shared after)."""
         self.clear(dst)
-        self.backend.seq_cp(src.seq, dst.seq, 0, n)
-        dst.tokens = src.tokens[:n]
+        n = next((start for start, k, _ in src.runs if start < n < start + k), n)  # never part of an image
+        self.backend.seq_cp(src.seq, dst.seq, 0, src.position(n))
+        dst.tokens, dst.runs = src.tokens[:n], src.runs_before(n)
         if src.next_logits is not None and src.next_logits.n <= n:
             dst.next_logits = src.next_logits
         if not self.backend.shares_cells:
@@ -397,10 +468,9 @@ class KVManager:
             return False
         if snap is None or len(snap.tokens) > n_ctx:
             return False
-        if not self.backend.state_seq_set(slot.seq, snap.data):
+        if not self.backend.state_seq_set(slot.seq, snap.data) or not self._restored_mirror(slot, snap.tokens):
             self.clear(slot)
             return False
-        slot.tokens = list(snap.tokens)
         slot.dirty = False
         self._restored(session, snap.session_state)
         return True
@@ -432,14 +502,28 @@ class KVManager:
         (their oldest cell is then past 0)."""
         self.clear(slot)
         n = len(entry.tokens)
-        if not self.backend.state_seq_set(slot.seq, entry.data) or self.backend.seq_pos_range(slot.seq) != (0, n - 1):
+        if not self.backend.state_seq_set(slot.seq, entry.data) or not self._restored_mirror(slot, entry.tokens, check=True):
             log.info("a prompt cache entry of %d tokens could not be used; it is dropped", n)
             self.clear(slot)
             self.prompt_cache.drop(entry)
             return False
-        slot.tokens = list(entry.tokens)
         slot.next_logits = entry.next_logits
         self.prompt_cache.touch(entry)
+        return True
+
+    def _restored_mirror(self, slot: Slot, tokens: list[int], check: bool = False) -> bool:
+        """A state was loaded into the slot: take its mirror, and for M-RoPE images their runs from
+        the cells. False where the cells do not fit (`check`: their range is tested for any model)."""
+        if self.mrope and any(is_sentinel(t) for t in tokens):
+            cells = self.backend.seq_cell_positions(slot.seq)
+            runs = image_runs(tokens, cells)
+            if runs is None or Slot(slot.seq, list(tokens), runs=runs).cell_positions() != cells:
+                return False
+            slot.tokens, slot.runs = list(tokens), runs
+            return True
+        if check and self.backend.seq_pos_range(slot.seq) != (0, len(tokens) - 1):
+            return False
+        slot.tokens, slot.runs = list(tokens), []
         return True
 
     def forget(self, slot: Slot) -> None:

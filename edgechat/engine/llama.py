@@ -288,6 +288,9 @@ class LlamaBackend:
         self.n_batch = L.llama_n_batch(ctx)
         self.n_seq_max = n_seq_max
         self.can_shift = bool(L.llama_memory_can_shift(self.mem))
+        #: positions in several sections (M-RoPE): each cell's state carries its 2-D extension
+        #: (llama_kv_cache::has_cell_ext)
+        self.cell_ext = L.llama_model_rope_type(model) in (L.LLAMA_ROPE_TYPE_MROPE, L.LLAMA_ROPE_TYPE_IMROPE)
         #: the sliding layers' window (0: no sliding layers). Their cells older than the window
         #: may be missing even from a full cache: llama.cpp's sequence states leave them out
         self.swa_window = max(L.llama_model_n_swa(model), 0)
@@ -443,9 +446,9 @@ class LlamaBackend:
         """The positions of every cell the sequence holds, sorted, read from its serialized state
         (llama.cpp has no other way to list them). Layout: a u32 magic and the i32 sequence id,
         then llama_kv_cache::state_write's u32 stream count, per stream a u32 cell count and per
-        cell an i32 position, a u32 count of sequence ids and those ids; then the tensors, which
-        are not read. With a sliding-window model the full-attention cache comes first, and it
-        is the one read."""
+        cell an i32 position, a u32 count of sequence ids, (M-RoPE) the cell's extension x, y,
+        token (3 x i32) and the ids; then the tensors, which are not read. With a
+        sliding-window model the full-attention cache comes first, and it is the one read."""
         data = self.state_seq_get(seq)
         if len(data) < 16:
             return []
@@ -453,13 +456,14 @@ class LlamaBackend:
         if seq_read != seq or n_stream != 1:
             raise RuntimeError(f"unexpected state layout for sequence {seq} (seq {seq_read}, {n_stream} streams)")
         off, positions = 16, []
+        ext = 12 if self.cell_ext else 0
         for _ in range(n_cells):
             pos, n_ids = struct.unpack_from("<iI", data, off)
-            ids = struct.unpack_from(f"<{n_ids}i", data, off + 8)
+            ids = struct.unpack_from(f"<{n_ids}i", data, off + 8 + ext)
             if ids != (seq,):
                 raise RuntimeError(f"unexpected sequence ids {ids} in the state of sequence {seq}")
             positions.append(pos)
-            off += 8 + 4 * n_ids
+            off += 8 + ext + 4 * n_ids
         return sorted(positions)
 
     def state_seq_set(self, seq: int, data: bytes | bytearray) -> bool:

@@ -336,7 +336,7 @@ class Scheduler:
             assert run.slot is not None  # started: every phase after WAITING has its sequence
             if len(run.slot.tokens) >= self.n_ctx:
                 self._make_room(run)
-            run.out_index = batch.add(run.next_token, len(run.slot.tokens), run.slot.seq, True)
+            run.out_index = batch.add(run.next_token, run.slot.next_pos, run.slot.seq, True)
             kv.extend(run.slot, [run.next_token])
             run.next_token, run.phase = -1, Phase.SAMPLING
             plan.decoding.append(run)
@@ -357,7 +357,7 @@ class Scheduler:
                     continue
             room = _text_run(run.pending, room)
             chunk, run.pending = run.pending[:room], run.pending[room:]
-            base = len(run.slot.tokens)
+            base = run.slot.next_pos
             for i, tok in enumerate(chunk):
                 last = not run.pending and i == len(chunk) - 1
                 idx = batch.add(tok, base + i, run.slot.seq, last)
@@ -382,8 +382,8 @@ class Scheduler:
             self.finish(run, RequestStatus.FINISHED_ERROR, error=str(exc) or type(exc).__name__)
             return False
         chunk = run.prep.media[first]
-        plan.media = MediaStep(run, chunk, embeddings, len(run.slot.tokens))
-        self.kv.extend(run.slot, run.pending[: chunk.n_tokens])
+        plan.media = MediaStep(run, chunk, embeddings, run.slot.next_pos)
+        self.kv.extend(run.slot, run.pending[: chunk.n_tokens], chunk.n_pos)
         run.pending = run.pending[chunk.n_tokens :]
         return True
 
@@ -455,7 +455,7 @@ class Scheduler:
             run.draft = self._guess(run, room, width, len(decoding))
             if not run.draft:
                 continue
-            base = len(slot.tokens)
+            base = slot.next_pos
             run.draft_indices = [run.out_index] + [batch.add(tok, base + i, slot.seq, True) for i, tok in enumerate(run.draft)]
             self.kv.extend(slot, run.draft)
             width += len(run.draft)
@@ -680,15 +680,16 @@ class Scheduler:
                     chunk = (media or {}).get(tokens[i])
                     if chunk is None or self.projector is None:
                         raise ValueError("an image's cells must be recomputed, and its picture is not at hand")
-                    self.projector.eval(chunk, slot.seq, len(slot.tokens))
-                    self.kv.extend(slot, tokens[i : i + chunk.n_tokens])
+                    self.projector.eval(chunk, slot.seq, slot.next_pos)
+                    self.kv.extend(slot, tokens[i : i + chunk.n_tokens], chunk.n_pos)
                     i += chunk.n_tokens
                     continue
                 batch.clear()
                 chunk_tokens = tokens[i : i + _text_run(tokens[i:], self.runner.n_batch)]
+                base = slot.next_pos
                 for j, tok in enumerate(chunk_tokens):
                     last = logits_last and i + j == len(tokens) - 1
-                    idx = batch.add(tok, len(slot.tokens) + j, slot.seq, last)
+                    idx = batch.add(tok, base + j, slot.seq, last)
                 self.kv.extend(slot, chunk_tokens)
                 self.runner.decode(batch)
                 i += len(chunk_tokens)
