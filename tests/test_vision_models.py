@@ -270,6 +270,23 @@ def test_a_hub_repo_pulled_by_name_brings_its_f16_projector(online, isolated_dir
     assert result.exception is None and "projector" not in result.output and fetched(server) == ["smol-Q4_1.gguf"]
 
 
+def test_a_hub_repos_projector_counts_in_the_fit_question_before_the_download(online, isolated_dirs, smollm2_path,
+                                                                               mmproj, monkeypatch):
+    repo = "edgetest/vision-GGUF"
+    server = online({(repo, "smol-Q4_1.gguf"): smollm2_path, (repo, "mmproj-smol-f16.gguf"): mmproj})
+    asked: list[int] = []
+    monkeypatch.setattr(planner, "weights_fit", lambda size, available=None: asked.append(size) or False)
+    monkeypatch.setattr("sys.stdin.isatty", lambda: False)  # no terminal to ask on: refused
+    result = CliRunner().invoke(cli, ["pull", f"{repo}:Q4_1"], standalone_mode=False)
+    both = smollm2_path.stat().st_size + mmproj.stat().st_size
+    assert isinstance(result.exception, UsageError) and asked == [both], (result.exception, asked)
+    assert f"({catalog.format_size(both)}) will not fit" in str(result.exception)
+    assert fetched(server) == []  # nothing downloaded before the question
+    # text only: the model's own size
+    result = CliRunner().invoke(cli, ["pull", "--no-mmproj", f"{repo}:Q4_1"], standalone_mode=False)
+    assert isinstance(result.exception, UsageError) and asked[-1] == smollm2_path.stat().st_size
+
+
 def test_pull_offline_of_a_model_here_without_its_projector_says_what_to_do(isolated_dirs, smollm2_path):
     add_to_hub_cache(isolated_dirs, ENTRY.repo, ENTRY.default.file, smollm2_path)
     line = one_line_error(edgechat("pull", "--yes", VISION))

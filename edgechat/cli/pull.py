@@ -65,8 +65,8 @@ def _pull(ref: str, hub_ref: hub.HubRef, was_here: bool, yes: bool, no_mmproj: b
             if not yes and not planner.weights_fit(size):
                 _confirm_too_large(ref, size)
     else:
-        # any Hub file: the listing gives its size before a byte is downloaded
-        if not yes and not hub.offline() and (size := hub.download_size(hub_ref, paths)) and not planner.weights_fit(size):
+        # any Hub file: the listing gives its size (and its repo's projector's) before a byte is downloaded
+        if not yes and not hub.offline() and (size := hub.download_size(hub_ref, paths, with_projector=not no_mmproj)) and not planner.weights_fit(size):
             _confirm_too_large(ref, size)
     return hub.resolve_hub(hub_ref, paths)
 

@@ -269,15 +269,22 @@ def _cached_pick(ref: HubRef, paths: Paths) -> Path | None:
     return None
 
 
-def download_size(ref: HubRef, paths: Paths) -> int | None:
+def download_size(ref: HubRef, paths: Paths, with_projector: bool = False) -> int | None:
     """The bytes resolve_hub would download for ref, from the Hub's listing (every part of a
-    split model); None when the file is already here or the listing does not give them."""
+    split model; `with_projector`: and the projector pull_projector would bring with it); None
+    when the file is already here or the listing does not give them."""
     file = ref.file or _catalog_file_for(ref)
+    names: list[str] | None = None
     if file is None:
         if _cached_pick(ref, paths):
             return None  # here already: no Hub call
-        file = _pick(ref, _list_repo_files(ref))
+        names = _list_repo_files(ref)
+        file = _pick(ref, names)
     missing = [part for part in split_part_names(file) if cached_file(ref.repo, part, paths) is None]
+    if missing and with_projector and cached_projector(ref.text, paths) is None:
+        # it runs beside the model: the two must fit together
+        if projector := pick_projector(_list_repo_files(ref) if names is None else names):
+            missing.append(projector)
     listed = [listed_file(ref.repo, part, ref.text) for part in missing]
     sizes = [entry.size for entry in listed if entry is not None]
     if not missing or len(sizes) < len(listed):
