@@ -42,11 +42,8 @@ def text_embedding_width(model: Path) -> int:
     return int(reader.fields[f"{arch}.embedding_length"].contents())
 
 
-def write_tiny_mmproj(dest: Path, n_embd_text: int, projector: str = "mlp", seed: int = 0) -> Path:
-    """Write a `projector` ("mlp" or "gemma3") to `dest` with output width `n_embd_text`;
-    returns `dest`."""
-    patch = PATCH_SIZE[projector]
-    n_patches = (IMAGE_SIZE // patch) ** 2
+def random_weights(seed: int):
+    """A maker of random float32 tensors from a fixed seed, each scaled as an initializer would."""
     rng = np.random.default_rng(seed)
 
     def weight(*shape: int, scale: float | None = None) -> np.ndarray:
@@ -54,12 +51,16 @@ def write_tiny_mmproj(dest: Path, n_embd_text: int, projector: str = "mlp", seed
         scale = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    writer = gguf.GGUFWriter(str(dest), "clip")
-    writer.add_name("edgechat tiny test projector (random weights)")
+    return weight
+
+
+def clip_header(writer: gguf.GGUFWriter, name: str, projector: str, image_size: int, patch: int, n_embd_text: int) -> None:
+    """The keys llama.cpp's clip loader reads for a vision projector of this module's ViT size."""
+    writer.add_name(name)
     writer.add_bool("clip.has_vision_encoder", True)
     writer.add_string("clip.projector_type", projector)
     writer.add_bool("clip.use_gelu", True)
-    writer.add_uint32("clip.vision.image_size", IMAGE_SIZE)
+    writer.add_uint32("clip.vision.image_size", image_size)
     writer.add_uint32("clip.vision.patch_size", patch)
     writer.add_uint32("clip.vision.embedding_length", N_EMBD)
     writer.add_uint32("clip.vision.feed_forward_length", N_FF)
@@ -69,14 +70,11 @@ def write_tiny_mmproj(dest: Path, n_embd_text: int, projector: str = "mlp", seed
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
     writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    if projector == "gemma3":
-        writer.add_uint32("clip.vision.projector.scale_factor", GEMMA3_POOL)
 
-    tensors = {
-        "v.patch_embd.weight": weight(N_EMBD, 3, patch, patch, scale=1.0 / np.sqrt(3 * patch * patch)),
-        "v.patch_embd.bias": np.zeros(N_EMBD, np.float32),
-        "v.position_embd.weight": weight(n_patches, N_EMBD, scale=0.1),
-    }
+
+def vit_blocks(weight) -> dict[str, np.ndarray]:
+    """The ViT blocks' tensors (attention and FFN with biases, layer norms), from `weight`."""
+    tensors = {}
     for il in range(N_LAYER):
         for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
             tensors[f"v.blk.{il}.{name}.weight"] = weight(N_EMBD, N_EMBD)
@@ -88,6 +86,37 @@ def write_tiny_mmproj(dest: Path, n_embd_text: int, projector: str = "mlp", seed
         tensors[f"v.blk.{il}.ffn_up.bias"] = np.zeros(N_FF, np.float32)
         tensors[f"v.blk.{il}.ffn_down.weight"] = weight(N_EMBD, N_FF)
         tensors[f"v.blk.{il}.ffn_down.bias"] = np.zeros(N_EMBD, np.float32)
+    return tensors
+
+
+def write_gguf(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
+    """Add `tensors` and write the file out."""
+    for name, data in tensors.items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_tiny_mmproj(dest: Path, n_embd_text: int, projector: str = "mlp", seed: int = 0) -> Path:
+    """Write a `projector` ("mlp" or "gemma3") to `dest` with output width `n_embd_text`;
+    returns `dest`."""
+    patch = PATCH_SIZE[projector]
+    n_patches = (IMAGE_SIZE // patch) ** 2
+    weight = random_weights(seed)
+
+    writer = gguf.GGUFWriter(str(dest), "clip")
+    clip_header(writer, "edgechat tiny test projector (random weights)", projector, IMAGE_SIZE, patch, n_embd_text)
+    if projector == "gemma3":
+        writer.add_uint32("clip.vision.projector.scale_factor", GEMMA3_POOL)
+
+    tensors = {
+        "v.patch_embd.weight": weight(N_EMBD, 3, patch, patch, scale=1.0 / np.sqrt(3 * patch * patch)),
+        "v.patch_embd.bias": np.zeros(N_EMBD, np.float32),
+        "v.position_embd.weight": weight(n_patches, N_EMBD, scale=0.1),
+    }
+    tensors |= vit_blocks(weight)
     # outputs of about a text embedding's size, so the picture weighs in the next-token choice
     if projector == "mlp":
         tensors["mm.0.weight"] = weight(MM_HIDDEN, N_EMBD)
@@ -98,13 +127,7 @@ def write_tiny_mmproj(dest: Path, n_embd_text: int, projector: str = "mlp", seed
         tensors["mm.soft_emb_norm.weight"] = np.ones(N_EMBD, np.float32)
         # ggml's ne [text width, N_EMBD]: the graph multiplies by its transpose
         tensors["mm.input_projection.weight"] = weight(N_EMBD, n_embd_text, scale=0.05)
-    for name, data in tensors.items():
-        writer.add_tensor(name, data)
-
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(writer, tensors)
     return dest
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from tiny_mmproj import MM_HIDDEN, N_EMBD, N_FF, N_HEAD, N_LAYER
+from tiny_mmproj import MM_HIDDEN, N_EMBD, clip_header, random_weights, vit_blocks, write_gguf
 
 TEXT_EMBD = 64
 TEXT_HEADS = 4
@@ -38,32 +38,12 @@ def tokens_per_side(side: int) -> int:
     return side // (2 * PATCH_SIZE)
 
 
-def _weights(seed: int):
-    rng = np.random.default_rng(seed)
-
-    def weight(*shape: int, scale: float | None = None) -> np.ndarray:
-        # numpy shapes are ggml's ne reversed: (rows = outputs, columns = inputs)
-        scale = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    return weight
-
-
-def _write(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
-    for name, data in tensors.items():
-        writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def write_tiny_qwen2vl(dest: Path, tokenizer_from: Path, seed: int = 0) -> Path:
     """Write the text model to `dest`, its tokenizer (every `tokenizer.*` key) and vocabulary size
     taken from the GGUF `tokenizer_from` (SmolLM2's); returns `dest`."""
     source = gguf.GGUFReader(str(tokenizer_from))
     n_vocab = len(source.fields["tokenizer.ggml.tokens"].data)
-    weight = _weights(seed)
+    weight = random_weights(seed)
     head = TEXT_EMBD // TEXT_HEADS
     assert sum(ROPE_SECTIONS) * 2 == head, "Qwen2-VL's sections cover the rotated half of a head"
 
@@ -101,29 +81,17 @@ def write_tiny_qwen2vl(dest: Path, tokenizer_from: Path, seed: int = 0) -> Path:
             f"blk.{il}.ffn_up.weight": weight(TEXT_FF, TEXT_EMBD),
             f"blk.{il}.ffn_down.weight": weight(TEXT_EMBD, TEXT_FF),
         }
-    _write(writer, tensors)
+    write_gguf(writer, tensors)
     return dest
 
 
 def write_tiny_qwen2vl_mmproj(dest: Path, n_embd_text: int = TEXT_EMBD, seed: int = 0) -> Path:
     """Write the `qwen2vl_merger` projector with output width `n_embd_text` to `dest`; returns it."""
-    weight = _weights(seed)
+    weight = random_weights(seed)
     writer = gguf.GGUFWriter(str(dest), "clip")
-    writer.add_name("edgechat tiny M-RoPE test projector (random weights)")
-    writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_string("clip.projector_type", "qwen2vl_merger")
-    writer.add_bool("clip.use_gelu", True)
     # the merger's preprocessing sizes a picture by its own pixels; image_size is only read
-    writer.add_uint32("clip.vision.image_size", 8 * PATCH_SIZE)
-    writer.add_uint32("clip.vision.patch_size", PATCH_SIZE)
-    writer.add_uint32("clip.vision.embedding_length", N_EMBD)
-    writer.add_uint32("clip.vision.feed_forward_length", N_FF)
-    writer.add_uint32("clip.vision.block_count", N_LAYER)
-    writer.add_uint32("clip.vision.projection_dim", n_embd_text)
-    writer.add_uint32("clip.vision.attention.head_count", N_HEAD)
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    clip_header(writer, "edgechat tiny M-RoPE test projector (random weights)", "qwen2vl_merger", 8 * PATCH_SIZE,
+                PATCH_SIZE, n_embd_text)
 
     # the patch embedding is a convolution per frame of a two-frame pair; a still image goes
     # through both and the results are summed
@@ -132,21 +100,11 @@ def write_tiny_qwen2vl_mmproj(dest: Path, n_embd_text: int = TEXT_EMBD, seed: in
         "v.patch_embd.weight": weight(N_EMBD, 3, PATCH_SIZE, PATCH_SIZE, scale=conv_scale),
         "v.patch_embd.weight.1": weight(N_EMBD, 3, PATCH_SIZE, PATCH_SIZE, scale=conv_scale),
     }
-    for il in range(N_LAYER):
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            tensors[f"v.blk.{il}.{name}.weight"] = weight(N_EMBD, N_EMBD)
-            tensors[f"v.blk.{il}.{name}.bias"] = np.zeros(N_EMBD, np.float32)
-        for name in ("ln1", "ln2"):
-            tensors[f"v.blk.{il}.{name}.weight"] = np.ones(N_EMBD, np.float32)
-            tensors[f"v.blk.{il}.{name}.bias"] = np.zeros(N_EMBD, np.float32)
-        tensors[f"v.blk.{il}.ffn_up.weight"] = weight(N_FF, N_EMBD)
-        tensors[f"v.blk.{il}.ffn_up.bias"] = np.zeros(N_FF, np.float32)
-        tensors[f"v.blk.{il}.ffn_down.weight"] = weight(N_EMBD, N_FF)
-        tensors[f"v.blk.{il}.ffn_down.bias"] = np.zeros(N_EMBD, np.float32)
+    tensors |= vit_blocks(weight)
     # the merger: 2x2 neighbouring patches (4 * N_EMBD) -> one text embedding
     tensors["mm.0.weight"] = weight(MM_HIDDEN, 4 * N_EMBD)
     tensors["mm.0.bias"] = np.zeros(MM_HIDDEN, np.float32)
     tensors["mm.2.weight"] = weight(n_embd_text, MM_HIDDEN)
     tensors["mm.2.bias"] = np.zeros(n_embd_text, np.float32)
-    _write(writer, tensors)
+    write_gguf(writer, tensors)
     return dest
