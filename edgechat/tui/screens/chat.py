@@ -980,25 +980,26 @@ class ChatScreen(Screen):
         if not arg.strip():
             self.app.push_screen(AttachPickerScreen(Path.cwd()), lambda picked: picked and self.action_attach(picked))
             return
-        try:
-            found = attachments.gather(arg)
-        except UsageError as exc:
-            self.notify(str(exc), severity="warning")
-            return
-        self._add_attachments(found)
+        if (found := self._gather(arg)) is not None:
+            self._add_attachments(found)
 
     def action_image(self, arg: str = "") -> None:
         if not arg.strip():
-            self.notify("Name a picture: /image PATH (PNG, JPEG, GIF, WebP, BMP)", severity="warning")
+            self.notify("Name a picture: /image PATH (PNG, JPEG, GIF, BMP)", severity="warning")
             return
-        try:
-            found = attachments.gather(arg)
-        except UsageError as exc:
-            self.notify(str(exc), severity="warning")
+        if (found := self._gather(arg)) is None:
             return
         found.skipped += [(a.name, "not an image; /attach sends text files") for a in found.attachments]
         found.attachments = []
         self._add_attachments(found)
+
+    def _gather(self, arg: str) -> attachments.Gathered | None:
+        """The files `arg` names (paths, globs, folders); None, said in a notification, when it names none."""
+        try:
+            return attachments.gather(arg)
+        except UsageError as exc:
+            self.notify(str(exc), severity="warning")
+            return None
 
     def _image_refusal(self) -> str | None:
         """The loaded model's one line for pictures when it reads none (None: it does, or no
