@@ -34,7 +34,7 @@ def _model_rows(paths, kv_type: KVType = KVType.F16, names: list[str] | None = N
             path = resolve_model(name, paths)
             info = read_info(path)
             own = own_settings(paths, name)
-            projector = projector_for(paths, name, path)  # what `edgechat run -m NAME` would load
+            projector = projector_for(paths, name, path, own)  # what `edgechat run -m NAME` would load
             reads = read_projector_info(projector).modalities if projector else ()
         except EdgechatError as exc:
             rows.append({"name": name, "error": str(exc)})

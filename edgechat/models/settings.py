@@ -22,10 +22,11 @@ def own_settings(paths: Paths, ref: str | None) -> dict:
     return model_settings(paths, ref) or model_settings(paths, display_name(ref, resolve_model(ref, paths)))
 
 
-def projector_for(paths: Paths, ref: str | None, path: Path) -> Path | None:
+def projector_for(paths: Paths, ref: str | None, path: Path, own: dict | None = None) -> Path | None:
     """The projector `edgechat run -m REF` loads for the model file `path`: its `mmproj` in
-    config.toml, else the one beside the file or pulled with it; None for a text-only model."""
-    own = own_settings(paths, ref)
+    config.toml (`own`: its table, where the caller read it already), else the one beside the
+    file or pulled with it; None for a text-only model."""
+    own = own_settings(paths, ref) if own is None else own
     return find_projector(str(own["mmproj"]) if own.get("mmproj") else None, path, ref, paths)
 
 
