@@ -26,7 +26,7 @@ from edgechat.engine.toolfamilies import (
     family_for,
     native_messages,
 )
-from edgechat.engine.tools import ToolCallParser, _trigger, render_messages, tool_grammar
+from edgechat.engine.tools import ToolCallParser, _trigger, fallback_triggers, render_messages, tool_grammar
 from edgechat.server import ServerSettings, create_app
 from edgechat.server.schemas import parse_chat
 from edgechat.server.tools import parse_tools
@@ -242,9 +242,21 @@ def test_lazy_triggers_are_each_familys_opener():
         (PHI4, "functools[{", "functool"),
     ):
         triggers = tool_grammar(parse_tools({"tools": [WEATHER]}), family).triggers
-        assert triggers == tuple(_trigger(s) for s in family.syntaxes)
+        assert triggers == tuple(_trigger(s) for s in family.syntaxes) + fallback_triggers(["get_weather"])
         assert any(re.fullmatch(t, fires) for t in triggers), family.name
         assert not any(re.fullmatch(t, quiet) for t in triggers), family.name
+
+
+def test_the_json_calls_small_models_write_trigger_the_grammar_at_a_line_start_in_the_preamble():
+    """Any family: a bare or fenced call object (or a list) naming an offered function, at the
+    start of a line within the preamble, starts the tools' grammar; JSON mid-sentence, after a
+    long answer, or naming a function nobody offered does not."""
+    triggers = fallback_triggers(["get_weather", "get_time"])
+    call = '"name": "get_time"'
+    for fires in ("{" + call, '```json\n{\n  "name" : "get_weather"', "Sure, here it is:\n```json\n{" + call, "[{" + call, "Hi.\n{ " + call):
+        assert any(re.fullmatch(t, fires) for t in triggers), fires
+    for quiet in ("Hi {" + call, '{"city":', "x" * 500 + "\n{" + call, '{"name": "hello"', '{"name": "get_'):
+        assert not any(re.fullmatch(t, quiet) for t in triggers), quiet
 
 
 @pytest.fixture(scope="module")

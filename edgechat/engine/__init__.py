@@ -2,7 +2,7 @@
 
     engine = Engine(EngineConfig(model="smollm2-135m-instruct"))
     handle = engine.submit(ChatRequest(messages=[{"role": "user", "content": "hi"}]))
-    for event in handle: ...   # TextDelta, Evicted, Metrics, then Finished
+    for event in handle: ...   # TextDelta, ToolCallEvent, Evicted, Metrics, then Finished
 
 Engine and EngineConfig load llama.cpp on first use, so front ends can import the request and
 event types (and start drawing) without paying for it.
@@ -22,6 +22,8 @@ from edgechat.engine.request import (
     RequestStatus,
     SamplingParams,
     TextDelta,
+    ToolCall,
+    ToolCallEvent,
 )
 
 __all__ = [
@@ -40,6 +42,8 @@ __all__ = [
     "RequestStatus",
     "SamplingParams",
     "TextDelta",
+    "ToolCall",
+    "ToolCallEvent",
     "open_engine",
 ]
 

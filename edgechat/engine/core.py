@@ -184,7 +184,7 @@ class Engine(PromptQueries):
         self.scheduler = Scheduler(
             be, self.kv, self.states, self.n_ctx, 1 if cfg.deterministic else cfg.n_parallel, self._policy, self._speculative,
             self.draft, deterministic=cfg.deterministic, reasoning=self.format.reasoning,
-            projector=self.projector, wake=lambda: self._inbox.put(None),
+            projector=self.projector, wake=lambda: self._inbox.put(None), tool_family=self.format.tool_family,
         )
         self.prompts = PromptBuilder(
             self.format,

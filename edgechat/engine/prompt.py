@@ -233,7 +233,24 @@ class PromptBuilder:
         llama-server's /apply-template gives."""
         if request.messages is None:
             raise UsageError("a raw prompt has no chat template to apply; send messages")
-        return self.format.render(self._split_images(request.messages), generation_prompt, **self._variables(request))
+        msgs, variables = self._chat_messages(request)
+        return self.format.render(msgs, generation_prompt, **variables)
+
+    def _chat_messages(self, request: ChatRequest) -> tuple[list[dict], dict]:
+        """The messages and template variables a chat request renders: earlier thoughts left
+        out, tools, calls and results as the template takes them."""
+        msgs = validate_messages(self._split_images(request.messages or []))
+        fmt = self.format.reasoning
+        if fmt is not None:
+            # earlier thoughts are not sent again: they would fill the context with old reasoning
+            msgs = [{**m, "content": fmt.strip_thoughts(m["content"])} if m["role"] == "assistant" else m for m in msgs]
+        variables = self._variables(request)
+        if request.tools is not None or any(m["role"] == "tool" or "tool_calls" in m for m in msgs):
+            # the tools, calls and results as the template takes them (or in the generic format),
+            # still one message each, so eviction keeps to message boundaries
+            msgs, tool_variables = tool_messages(msgs, request.tools, self.format.tool_family)
+            variables.update(tool_variables)
+        return msgs, variables
 
     def _variables(self, request: ChatRequest) -> dict:
         """The template's variables: the request's own, and the thinking switch where the
@@ -246,17 +263,8 @@ class PromptBuilder:
         return variables
 
     def _prepare_chat(self, request: ChatRequest, policy: ContextPolicy, limit: int) -> Prepared:
-        msgs = validate_messages(self._split_images(request.messages or []))
+        msgs, variables = self._chat_messages(request)
         fmt = self.format.reasoning
-        if fmt is not None:
-            # earlier thoughts are not sent again: they would fill the context with old reasoning
-            msgs = [{**m, "content": fmt.strip_thoughts(m["content"])} if m["role"] == "assistant" else m for m in msgs]
-        variables = self._variables(request)
-        if request.tools is not None or any(m["role"] == "tool" or "tool_calls" in m for m in msgs):
-            # the tools, calls and results as the template takes them (or in the generic format),
-            # still one message each, so eviction keeps to message boundaries
-            msgs, tool_variables = tool_messages(msgs, request.tools, self.format.tool_family)
-            variables.update(tool_variables)
         # the pinned prefix: leading system messages and leading pinned ones
         keep_msgs = 0
         while keep_msgs < len(msgs) - 1 and (msgs[keep_msgs]["role"] == "system" or keep_msgs in request.pinned):

@@ -55,6 +55,10 @@ class Grammar:
     gbnf: str
     root: str = "root"
     triggers: tuple[str, ...] = ()
+    #: the JSON Schema the grammar was made from, for an answer that is one JSON value: before
+    #: max_tokens cuts it, the engine writes the shortest text that ends it validly
+    #: (jsonvalue.JsonPrefix.closing), so a structured answer always parses (reason still "length")
+    json_schema: dict | None = field(default=None, compare=False, hash=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -210,6 +214,27 @@ class TextDelta:
 
 
 @dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def body(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class ToolCallEvent:
+    """A call the answer made, whole: with tools declared, the output processor reads calls out
+    of the answer's text (tools.ToolCallParser, in the model family's syntaxes and the JSON
+    small models write), and none of their text reaches a TextDelta. A call comes whole because
+    its arguments are checked against the tool's schema before it counts as a call."""
+
+    index: int  # the call's place in the answer, from 0
+    call: ToolCall
+
+
+@dataclass
 class Evicted:
     """Part of a conversation left the KV cache (never the stored history)."""
 
@@ -240,9 +265,11 @@ class Finished:
     reasoning: str = ""
     #: the stop string that ended it (reason "stop"; None: end of text or none asked for)
     stop_sequence: str | None = None
+    #: with tools declared: the calls the answer made (`text` is then the content without them)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
-Event = TextDelta | Evicted | Metrics | Finished
+Event = TextDelta | ToolCallEvent | Evicted | Metrics | Finished
 
 
 class RequestHandle:

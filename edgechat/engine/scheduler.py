@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edgechat.engine.draft import DraftModel
+from edgechat.engine.jsonvalue import JsonPrefix
 from edgechat.engine.kvcache import KVManager, Slot, is_sentinel
 from edgechat.engine.llama import token_logprobs
 from edgechat.engine.metrics import RequestClock
@@ -39,12 +40,15 @@ from edgechat.engine.request import (
     RequestStatus,
     TextDelta,
     TokenLogprob,
+    ToolCallEvent,
 )
 from edgechat.engine.runner import ModelRunner, TokenBatch
 from edgechat.engine.sampling import SamplerChain
 from edgechat.engine.sessions import ConversationStates
 from edgechat.engine.speculative import MAX_DRAFT, DraftPolicy, NgramDrafter, StepCost
 from edgechat.engine.stream import OutputProcessor
+from edgechat.engine.toolfamilies import GENERIC, ToolFamily
+from edgechat.engine.tools import ToolCallParser
 from edgechat.errors import EngineBusyError
 
 if TYPE_CHECKING:
@@ -56,6 +60,9 @@ log = logging.getLogger("edgechat.engine")
 #: one llama.cpp ubatch, so a long prompt never stalls the running streams for more than that
 PREFILL_CHUNK_BUSY = 512
 
+
+#: how close to max_tokens an answer held to a JSON Schema starts checking what its end would take
+JSON_CLOSE_WINDOW = 64
 
 class Phase(Enum):
     """Where a request is in the step loop: what it puts in the next step's batch."""
@@ -98,6 +105,11 @@ class Running:
     draft_indices: list[int] = field(default_factory=list)  # batch indices of the logits to verify them
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per sampled token, when asked
     logprobs_sent: int = 0  # of which delivered with a TextDelta
+    #: an answer held to a JSON Schema under max_tokens: the JSON so far (how far it has read
+    #: the answer's text), and the last closing counted, to end it validly in time
+    json: JsonPrefix | None = None
+    json_read: int = 0
+    json_closing: tuple[str, list[int]] = ("", [])
     #: [start, length] of each message still evictable, moved as _make_room drops the oldest
     spans: list[list[int]] = field(init=False)
 
@@ -154,6 +166,7 @@ class Scheduler:
         reasoning: ReasoningFormat | ChannelFormat | None = None,
         projector: Projector | None = None,
         wake: Callable[[], None] = lambda: None,
+        tool_family: ToolFamily = GENERIC,
     ):
         self.runner = runner
         self.kv = kv
@@ -167,6 +180,8 @@ class Scheduler:
         self.deterministic = deterministic
         #: the model's thinking markers, its splitters and the tokens that close its thoughts at a budget
         self.thinking = Thinking(reasoning, runner.tokenize)
+        #: the call syntax the model's template writes: a request with tools reads its calls in it
+        self.tool_family = tool_family
         #: what a wider batch costs on this machine, measured on every step
         self.cost = StepCost()
         self.waiting: deque[Running] = deque()
@@ -264,8 +279,12 @@ class Scheduler:
         self._encode_images(run)
         run.sampler = SamplerChain(req.sampling, self.runner.n_vocab, self.runner.vocab, req.grammar)
         run.sampler.accept_prompt([t for t in prompt if not is_sentinel(t)] if run.prep.media else prompt)
+        if req.grammar is not None and req.grammar.json_schema is not None and req.max_tokens is not None:
+            run.json = JsonPrefix(req.grammar.json_schema)
+        tools = req.tools if req.tools is not None and req.tools.active else None
         run.proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos,
-                                   splitter=self.thinking.splitter(req, run.prep))
+                                   splitter=self.thinking.splitter(req, run.prep),
+                                   parser=ToolCallParser(self.tool_family, tools.offered) if tools is not None else None)
         mode = self.speculative(req)
         if mode in (SpeculativeMode.AUTO, SpeculativeMode.LOOKUP):
             run.drafter = NgramDrafter(prompt)
@@ -436,6 +455,8 @@ class Scheduler:
                 logprobs = run.logprobs[run.logprobs_sent :]
                 run.logprobs_sent = len(run.logprobs)
             run.handle.emit(TextDelta(part, logprobs, reasoning))
+        for index, call in run.proc.take_calls():
+            run.handle.emit(ToolCallEvent(index, call))
 
     def _add_drafts(self, decoding: list[Running]) -> None:
         """Put drafted tokens after each decoding sequence's next token, with logits at each."""
@@ -546,6 +567,8 @@ class Scheduler:
         self._emit_text(run, run.proc.feed(be.piece(token), token))
         if run.proc.stopped:
             return RequestStatus.FINISHED_REPEATING if run.proc.repeating else RequestStatus.FINISHED_STOPPED
+        if run.json is not None and self._close_json(run):
+            return RequestStatus.FINISHED_LENGTH
         if req.max_tokens is not None and run.n_out >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if self.thinking.spent(req, run.proc):
@@ -564,6 +587,33 @@ class Scheduler:
             run.drafter.extend([token])
         run.next_token, run.phase = token, Phase.DECODING
         return None
+
+    def _close_json(self, run: Running) -> bool:
+        """With a JSON Schema and max_tokens: once the tokens left come down to what the shortest
+        valid end of the JSON so far takes, write that end (as the thinking budget writes the end
+        of thoughts) and say the answer is over; the last token stays out of the cache, as at
+        any length finish."""
+        assert run.json is not None and run.proc is not None and run.request.max_tokens is not None
+        left = run.request.max_tokens - run.n_out
+        if left > JSON_CLOSE_WINDOW:
+            return False
+        text = run.proc.text
+        run.json.feed(text[run.json_read :])
+        run.json_read = len(text)
+        if not run.json.valid or run.json.end is not None:
+            run.json = None  # nothing to close: a complete value, or text the schema never made
+            return False
+        closing = run.json.closing()
+        if closing != run.json_closing[0]:
+            run.json_closing = (closing, self.runner.tokenize(closing, add_bos=False, special=False) if closing else [])
+        tokens = run.json_closing[1]
+        if not tokens or left > len(tokens) + 1:
+            return False
+        for token in tokens:
+            run.n_out += 1
+            run.tokens_out.append(token)
+            self._emit_text(run, run.proc.feed(self.runner.piece(token), token))
+        return True
 
     def finish(self, run: Running, status: RequestStatus, error: str | None = None) -> None:
         """End a request: free what it holds first, then tell its client (whose callback may fail)."""
@@ -597,12 +647,13 @@ class Scheduler:
             metrics.drafted_tokens = sum(p.drafted for p in policies)
             metrics.accepted_tokens = sum(p.accepted for p in policies)
         run.handle.emit(Metrics(metrics))
-        text = run.proc.text if run.proc is not None else ""
+        text = run.proc.content if run.proc is not None else ""
         logprobs = run.logprobs[: run.n_out] if run.request.logprobs is not None else None
         run.handle.emit(Finished(FINISH_REASONS[status], text, metrics, error, run.tokens_out, logprobs,
                                  repeating=status is RequestStatus.FINISHED_REPEATING,
                                  reasoning=run.proc.reasoning if run.proc is not None else "",
-                                 stop_sequence=run.proc.stop_found if run.proc is not None else None))
+                                 stop_sequence=run.proc.stop_found if run.proc is not None else None,
+                                 tool_calls=list(run.proc.parser.calls) if run.proc is not None and run.proc.parser else []))
 
     def fail_running(self, exc: Exception) -> None:
         """A step failed (a bug, a llama.cpp error): its requests end with the error."""

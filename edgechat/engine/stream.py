@@ -10,17 +10,12 @@ import codecs
 from collections import deque
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the splitters use marker_tail from here
+from edgechat.engine.markers import marker_tail
+
+if TYPE_CHECKING:
     from edgechat.engine.reasoning import ChannelSplitter, ReasoningSplitter
-
-
-def marker_tail(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`: what must be
-    held back because it may still become the marker (a stop string, a thinking or tool-call tag)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
+    from edgechat.engine.request import ToolCall
+    from edgechat.engine.tools import ToolCallParser
 
 
 class LoopGuard:
@@ -58,10 +53,12 @@ class OutputProcessor:
     """With a `splitter` (a reasoning model's), text inside its thoughts goes to `reasoning`
     (taken with take_reasoning()) and only the answer to the returned text, where stop strings
     apply: a stop string written while thinking does not end the answer. The splitter gets each
-    token's id with its text (harmony's markers are told by id)."""
+    token's id with its text (harmony's markers are told by id). With a `parser` (a request
+    that declared tools), the answer's calls are taken out of its text (take_calls()); a call
+    that repeats an earlier one ends the answer as a stop string would."""
 
     def __init__(self, stop: list[str] | None = None, loop_guard: bool = False,
-                 splitter: ReasoningSplitter | ChannelSplitter | None = None):
+                 splitter: ReasoningSplitter | ChannelSplitter | None = None, parser: ToolCallParser | None = None):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = [s for s in (stop or []) if s]
         self._guard = LoopGuard() if loop_guard else None
@@ -75,6 +72,8 @@ class OutputProcessor:
         #: the stop string that ended the answer (Anthropic's API reports which one)
         self.stop_found: str | None = None
         self.repeating = False  # the loop guard tripped
+        self.parser = parser
+        self._calls_taken = 0
 
     @property
     def thinking(self) -> bool:
@@ -98,6 +97,18 @@ class OutputProcessor:
             self.stopped = self.repeating = True
         return out
 
+    def take_calls(self) -> list[tuple[int, ToolCall]]:
+        """The calls completed since the last call, with their index in the answer."""
+        if self.parser is None or self._calls_taken == len(self.parser.calls):
+            return []
+        start, self._calls_taken = self._calls_taken, len(self.parser.calls)
+        return list(enumerate(self.parser.calls[start:], start))
+
+    @property
+    def content(self) -> str:
+        """The answer's text without its calls (the whole text where no tools were declared)."""
+        return self.parser.text if self.parser is not None else self.text
+
     def take_reasoning(self) -> str:
         """The thoughts released since the last call."""
         out, self._new_reasoning = self._new_reasoning, ""
@@ -116,6 +127,10 @@ class OutputProcessor:
             thought, text = self._splitter.finish()
             self._add_reasoning(thought)
             self._held += text
+        if not self._held and self.parser is not None and not self.parser.ended:
+            tail = self.parser.finish()  # what it held back was no call after all
+            self.text += tail
+            return tail
         return self._release(final=True)
 
     def _add_reasoning(self, text: str) -> None:
@@ -138,6 +153,12 @@ class OutputProcessor:
         else:
             keep = self._partial_stop_len(held)
             out, self._held = held[: len(held) - keep], held[len(held) - keep :]
+        if self.parser is not None:
+            out = self.parser.feed(out)[0] if out else ""
+            if self.parser.ended:
+                self.stopped = True
+            elif final or self.stopped:
+                out += self.parser.finish()
         self.text += out
         return out
 

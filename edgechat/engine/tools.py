@@ -28,12 +28,12 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from edgechat.engine.request import Event, Grammar, RequestHandle, TextDelta
+from edgechat.engine.jsonvalue import JsonPrefix, fits
+from edgechat.engine.markers import marker_tail
+from edgechat.engine.request import Grammar, ToolCall
 from edgechat.engine.schema_grammar import check_schema, schema_rules
-from edgechat.engine.stream import marker_tail
 from edgechat.engine.toolfamilies import GENERIC, CallSyntax, ToolFamily, call_objects, native_messages
 from edgechat.errors import InvalidFieldError
 
@@ -43,6 +43,16 @@ OPEN, CLOSE = GENERIC.syntaxes[0].opener, GENERIC.syntaxes[0].closer
 #: calls in one answer when parallel_tool_calls is on (a small model may not stop by itself)
 MAX_PARALLEL_CALLS = 8
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+#: the JSON calls a model may write without its family's syntax (Qwen2.5-Coder and other small
+#: models: a bare object, a list of them, or one in a ```json fence), recognized only when the
+#: request declared tools, each call naming one with arguments that fit its schema, and only at
+#: a line's start within this many characters of the answer's start (a short preamble)
+FALLBACK_PREAMBLE = 400
+FENCE_CALL = CallSyntax("```")  # a fenced JSON call (the opener is the fence)
+BARE_CALL = CallSyntax("")  # a bare JSON call at a line's start
+_FENCE_TAGS = ("json", "JSON", "tool_call", "tool_code")
+_FENCE_HEAD = re.compile(rf"[ \t]*(?:{'|'.join(_FENCE_TAGS)})?[ \t]*\n?\s*")
 
 TOOLS_PROMPT = """You can call functions (tools) to help answer. The functions, one JSON object per line:
 <tools>
@@ -116,7 +126,41 @@ def tool_grammar(tools: Tools, family: ToolFamily = GENERIC) -> Grammar:
     lazy = tools.choice == "auto"
     # the text from the opener on follows the grammar; what comes before it is the content
     triggers = tuple(_trigger(s) for s in family.syntaxes) if lazy else ()
+    if lazy:
+        # the JSON calls small models write outside their family's syntax (ToolCallParser's
+        # fallback): once one starts, it is held to the offered tools too
+        lines[0] += " | json-calls"
+        lines += _fallback_rules(offered, many)
+        triggers += fallback_triggers([f["name"] for f in offered])
     return Grammar(rules.rstrip("\n") + "\n" + "\n".join(lines) + "\n", "tool-calls", triggers)
+
+
+def fallback_triggers(names: list[str]) -> tuple[str, ...]:
+    """Where a fallback call starts: at a line's start within the preamble, bare or after a
+    ```json fence, one object or a list, naming an offered function (the grammar takes over at
+    its first bracket). A JSON call to a function nobody offered stays free text, and so content."""
+    at = rf"(?:[\s\S]{{0,{FALLBACK_PREAMBLE}}}\n)?(?:```(?:json)?\s*)?"
+    named = r'\s*"name"\s*:\s*"(?:' + "|".join(re.escape(n) for n in names) + r')"[\s\S]*'
+    return (at + r"(\{)" + named, at + r"(\[)\s*\{" + named)
+
+
+def _fallback_rules(offered: list[dict], many: bool) -> list[str]:
+    """json-calls: one call object (several, each on its own line, when parallel calls are on)
+    or a list of them, with the whitespace a model writes in pretty JSON, then an optional
+    closing fence."""
+    repeat = f"{{0,{MAX_PARALLEL_CALLS - 1}}}" if many else ""
+    lines = [
+        'call-ws ::= [ \t\n]{0,24}',
+        f'json-calls ::= (json-call (call-ws json-call){repeat} | "[" call-ws json-call (call-ws "," call-ws json-call){repeat} call-ws "]")'
+        ' (call-ws "```")?',
+        "json-call ::= " + " | ".join(f"json-call-{i}" for i in range(len(offered))),
+    ]
+    for i, f in enumerate(offered):
+        lines.append(
+            f'json-call-{i} ::= "{{" call-ws "\\"name\\"" call-ws ":" call-ws "\\"{f["name"]}\\"" call-ws "," call-ws'
+            f' ("\\"arguments\\"" | "\\"parameters\\"") call-ws ":" call-ws args-{i} call-ws "}}"'
+        )
+    return lines
 
 
 def _literal(text: str) -> str:
@@ -196,25 +240,18 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-@dataclass
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-    def body(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
 class ToolCallParser:
     """Splits streamed answer text into content and tool calls in one family's syntaxes; the
     call syntax never comes out as content (a call cut off by max_tokens is dropped, not shown).
-    A call identical to one the answer already made (name and arguments) ends the list: it and
-    everything after it are dropped and `ended` is set (a small model held to calls by the
-    grammar may repeat one until the limit instead of stopping).
+    Given the declared `functions`, a call must name one of them with arguments that fit its
+    `parameters` schema, or its text stays content; and the JSON calls small models write
+    outside their family's syntax (bare, listed or fenced) are calls too. Text is held back only
+    while it can still become a call. A call identical to one the answer already made (name and
+    arguments) ends the list: it and everything after it are dropped and `ended` is set (a small
+    model held to calls by the grammar may repeat one until the limit instead of stopping).
     """
 
-    def __init__(self, family: ToolFamily = GENERIC):
+    def __init__(self, family: ToolFamily = GENERIC, functions: list[dict] | None = None):
         self.family = family
         self.content: list[str] = []
         self.calls: list[ToolCall] = []
@@ -222,7 +259,13 @@ class ToolCallParser:
         self.ended = False
         self._made: set[tuple[str, str]] = set()
         self._held = ""
+        self._skip = 0  # leading characters of _held known to be content, not a call's start
+        self._released = 0  # characters of content released so far
+        self._prev = "\n"  # the last character released (the answer's start is a line's start)
         self._syntax: CallSyntax | None = None  # the syntax of the call being read
+        self._json: JsonPrefix | None = None  # a fallback call's JSON as it is read
+        self._fed = 0  # how much of _held the fallback's JsonPrefix has read
+        self._schemas = None if functions is None else {f["name"]: f.get("parameters") or {} for f in functions}
         #: a bare JSON call can only be the whole answer: once other text is out, none can come
         self._bare = any(not s.opener for s in family.syntaxes)
         self._openers = [s for s in family.syntaxes if s.opener]
@@ -239,19 +282,16 @@ class ToolCallParser:
                 if not self._read_call(self._syntax, new, out, final=False):
                     break
                 continue
-            at, syntax = self._next_opener()
+            at, syntax = self._next_opener(new)
             if syntax is not None:
-                if not self.calls and not new:
-                    out.append(self._held[:at])
+                self._release(self._held[:at], out, new)
                 self._held, self._syntax = self._held[at + len(syntax.opener) :], syntax
+                self._skip = self._fed = 0
                 continue
-            keep = self._undecided()
-            if not self.calls and not new:
-                # between and after calls only the separating whitespace the grammar allows
-                out.append(self._held[: len(self._held) - keep])
-                if self._held[: len(self._held) - keep].strip():
-                    self._bare = False
-            self._held = self._held[len(self._held) - keep :]
+            keep = self._undecided(new)
+            done = len(self._held) - keep
+            self._release(self._held[:done], out, new)
+            self._held, self._skip = self._held[done:], max(0, self._skip - done)
             break
         self.calls.extend(new)
         text_out = "".join(out)
@@ -262,11 +302,13 @@ class ToolCallParser:
         """The end: a call whose end never came is read as far as it goes (a closer-less one
         ends with the text); held text that never became an opener is content."""
         out: list[str] = []
+        new: list[ToolCall] = []
         if self._syntax is not None and not self.ended:
-            new: list[ToolCall] = []
             self._read_call(self._syntax, new, out, final=True)
-            self.calls.extend(new)
-        tail = "".join(out) + ("" if self._syntax is not None or self.calls else self._held)
+        self.calls.extend(new)
+        if self._syntax is None:
+            self._release(self._held, out, new)
+        tail = "".join(out)
         self._held, self._syntax = "", None
         self.content.append(tail)
         return tail
@@ -277,24 +319,132 @@ class ToolCallParser:
         # the blank line a model puts before its call is not content
         return text.rstrip() if self.calls else text
 
-    def _next_opener(self) -> tuple[int, CallSyntax | None]:
-        found = min(((self._held.find(s.opener), s) for s in self._openers if s.opener in self._held), default=None, key=lambda f: f[0])
-        if found is not None:
-            return found
-        if self._bare and not self.calls:
-            stripped = self._held.lstrip()
-            if stripped.startswith("{"):
-                return len(self._held) - len(stripped), self.family.syntaxes[0]
-        return -1, None
+    def _release(self, text: str, out: list[str], new: list[ToolCall]) -> None:
+        """Text that is no call: content before the first call; between and after calls only the
+        separating text the grammar allows, dropped."""
+        if not text or self.calls or new:
+            return
+        out.append(text)
+        self._released += len(text)
+        self._prev = text[-1]
+        if text.strip():
+            self._bare = False
 
-    def _undecided(self) -> int:
+    def _next_opener(self, new: list[ToolCall]) -> tuple[int, CallSyntax | None]:
+        held, skip = self._held, self._skip
+        found = [(held.find(s.opener, skip), s) for s in self._openers if s.opener in held[skip:]]
+        if self._bare and not self.calls and not new:
+            stripped = held.lstrip()
+            if stripped.startswith("{"):
+                found.append((len(held) - len(stripped), self.family.syntaxes[0]))
+        if self._schemas:
+            found += self._fallback_starts(new)
+        return min(found, default=(-1, None), key=lambda f: f[0])
+
+    def _fallback_starts(self, new: list[ToolCall]) -> list[tuple[int, CallSyntax]]:
+        """Where a fallback call may start in the held text: the first character of a line within
+        the preamble (after a call: the first one past whitespace and commas)."""
+        held, out = self._held, []
+        if self.calls or new:
+            i = len(held) - len(held[self._skip :].lstrip(" \t\r\n,"))
+            starts = [i] if i < len(held) else []
+        else:
+            room = FALLBACK_PREAMBLE - self._released
+            starts = [i for i in range(self._skip, min(len(held), room))
+                      if held[i] in "{[`" and (held[i - 1] if i else self._prev) == "\n"]
+        for i in starts:
+            if held.startswith("```", i):
+                out.append((i, FENCE_CALL))
+            elif held[i] in "{[":
+                out.append((i, BARE_CALL))
+            if out:
+                break
+        return out
+
+    def _undecided(self, new: list[ToolCall]) -> int:
         """How many characters at the end of the held text may still start a call."""
-        if self._bare and not self.calls and not self._held.strip():
-            return len(self._held)
-        return max((marker_tail(self._held, s.opener) for s in self._openers), default=0)
+        held = self._held
+        if self._bare and not self.calls and not new and not held.strip():
+            return len(held)
+        keep = max((marker_tail(held, s.opener) for s in self._openers), default=0)
+        if not self._schemas:
+            return keep
+        if self.calls or new:
+            # between calls: the separators, and a fence's first backticks
+            return len(held) if held.strip(" \t\r\n,") in ("", "`", "``") else keep
+        if self._released + len(held) <= FALLBACK_PREAMBLE + 2:
+            before, newline, line = held.rpartition("\n")
+            if line in ("`", "``") and (newline or self._prev == "\n"):
+                keep = max(keep, len(line))  # a line that may become a fence
+        return keep
+
+    def _reject(self, raw: str, used: int) -> None:
+        """The text read as a call is content after all: its first `used` characters are."""
+        self._held, self._syntax, self._skip, self._json = raw, None, max(1, used), None
+
+    def _read_fallback(self, syntax: CallSyntax, new: list[ToolCall], final: bool) -> bool:
+        """A bare or fenced JSON call; False if it is not all there yet."""
+        raw = syntax.opener + self._held
+        body = self._held
+        head = 0
+        if syntax is FENCE_CALL:
+            m = _FENCE_HEAD.match(body)
+            head = m.end() if m else 0
+            tag = body.strip()
+            if not final and (head == len(body) or "\n" not in body and any(t.startswith(tag) for t in _FENCE_TAGS)):
+                return False  # the fence's language or the first character has not come
+            if head == len(body) or body[head] not in "{[":
+                self._reject(raw, len(syntax.opener))
+                return True
+        if self._json is None:
+            self._json, self._fed = JsonPrefix(), head
+        self._json.feed(body[self._fed :])
+        self._fed = len(body)
+        if self._json.valid and self._json.end is None and not final:
+            return False
+        end = self._json.end
+        if not self._json.valid or end is None:
+            self._reject(raw, len(syntax.opener) + max(1, head))
+            return True
+        value = json.loads(body[head : head + end])
+        rest = body[head + end :]
+        if syntax is FENCE_CALL:
+            stripped = rest.lstrip()
+            if stripped.startswith("```"):
+                rest = stripped[3:]
+            elif "```".startswith(stripped) and not final:
+                return False  # the closing fence may follow
+        calls = self._checked(value)
+        if calls is None:
+            self._reject(raw, len(raw) - len(rest))
+            return True
+        self._json, self._held, self._syntax = None, rest, None
+        self._add(calls, new)
+        return True
+
+    def _checked(self, value: object) -> list[tuple[str, dict]] | None:
+        """The calls in a decoded value, if each names a declared function (any, where none were
+        given) with arguments that fit its schema."""
+        calls = call_objects(value)
+        if calls is None or self._schemas is None:
+            return calls
+        ok = all(name in self._schemas and fits(args, self._schemas[name]) for name, args in calls)
+        return calls if ok else None
+
+    def _add(self, calls: list[tuple[str, dict]], new: list[ToolCall]) -> None:
+        for name, args in calls:
+            key = (name, json.dumps(args, sort_keys=True))
+            if key in self._made:
+                self.ended, self._held = True, ""
+                break
+            self._made.add(key)
+            new.append(ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False)))
 
     def _read_call(self, syntax: CallSyntax, new: list[ToolCall], out: list[str], final: bool) -> bool:
         """Read the call after `syntax`'s opener from the held text; False if it is not all there yet."""
+        if syntax is FENCE_CALL or syntax is BARE_CALL:
+            return self._read_fallback(syntax, new, final)
+        raw = syntax.opener + self._held
         if syntax.args_marker:
             # name [id marker, id] args marker {arguments}: one call per opener
             head, found, tail = self._held.partition(syntax.args_marker)
@@ -336,41 +486,19 @@ class ToolCallParser:
         calls = call_objects(value)
         if calls is None and not syntax.opener and not self.calls and not new:
             # a JSON answer that is not a call (no opener promised one) is content
-            out.append(body if rest == "" else body[: len(body) - len(rest)])
+            self._release(body if rest == "" else body[: len(body) - len(rest)], out, new)
             self._bare = False
             return True
         if calls is None:
             # only without a grammar (the model's own syntax gone wrong): dropped, never shown
             log.warning("dropped a malformed tool call: %.200s", body)
             return True
-        for name, args in calls:
-            key = (name, json.dumps(args, sort_keys=True))
-            if key in self._made:
-                self.ended, self._held = True, ""
-                break
-            self._made.add(key)
-            new.append(ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False)))
+        if self._checked(value) is None:
+            # a call to a function the request did not declare, or arguments its schema refuses
+            self._reject(raw, len(raw) - len(rest))
+            return True
+        self._add(calls, new)
         return True
-
-
-class RepeatStop:
-    """An engine event callback in front of another: it reads the answer's calls as they come
-    (on the engine thread) and stops the answer at a call that repeats an earlier one, so the
-    tokens of the repeats up to the call limit are never generated. `handle` is set once the
-    request is submitted; the answer ends with reason 'stop', and every parser of its text
-    drops the repeat."""
-
-    def __init__(self, family: ToolFamily, on_event: Callable[[Event], None]):
-        self.parser = ToolCallParser(family)
-        self.on_event = on_event
-        self.handle: RequestHandle | None = None
-
-    def __call__(self, event: Event) -> None:
-        if isinstance(event, TextDelta) and not event.reasoning and not self.parser.ended:
-            self.parser.feed(event.text)
-            if self.parser.ended and self.handle is not None:
-                self.handle.stop()
-        self.on_event(event)
 
 
 _DECODER = json.JSONDecoder()

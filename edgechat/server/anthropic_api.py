@@ -24,9 +24,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgechat.engine.request import ChatRequest, Finished, ImageInput
+from edgechat.engine.request import ChatRequest, Finished, ImageInput, ToolCall
 from edgechat.engine.schema_grammar import check_schema
-from edgechat.engine.tools import NAME, ToolCall, ToolCallParser, Tools, tool_grammar
+from edgechat.engine.tools import NAME, Tools, tool_grammar
 from edgechat.errors import EdgechatError
 from edgechat.server import responses
 from edgechat.server.bridge import abandon
@@ -464,7 +464,6 @@ class MessagesApi:
         yield event("message_start", message={"id": message_id, "type": "message", "role": "assistant", "content": [], "model": served.id,
                                               "stop_reason": None, "stop_sequence": None, "usage": usage})
         yield event("ping")
-        parser = ToolCallParser(served.tool_family) if parsed.tools is not None else None
         blocks, calls, finished = _Blocks(), [], None
         try:
             while finished is None:
@@ -476,12 +475,9 @@ class MessagesApi:
                     yield error_event(ApiError(504, "the request timed out and was cancelled", type="timeout", code="timeout"))
                     return
                 thought, text, finished = batch.thought, batch.text, batch.finished
-                new: list[ToolCall] = []
-                if parser is not None and text:
-                    text, new = parser.feed(text)
                 for out in (blocks.delta("thinking", thought) if thought else []) + (blocks.delta("text", text) if text else []):
                     yield out
-                for call in new:
+                for call in batch.calls:
                     server.metrics.tool_calls.inc()
                     calls.append(call)
                     for out in blocks.tool_use(call):
@@ -489,15 +485,6 @@ class MessagesApi:
             if finished.reason not in ("stop", "length"):
                 yield error_event(ApiError(500, finished.error or f"the generation ended: {finished.reason}", type="server_error"))
                 return
-            tail = parser.finish() if parser is not None else ""
-            for out in (blocks.delta("text", tail) if tail else []):
-                yield out
-            for call in parser.calls[len(calls):] if parser is not None else []:
-                # a call the end of text closed (a syntax without a closer)
-                server.metrics.tool_calls.inc()
-                calls.append(call)
-                for out in blocks.tool_use(call):
-                    yield out
             stop_reason, stop_sequence = _stop_reason(finished, calls)
             for out in blocks.stop():
                 yield out

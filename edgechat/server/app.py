@@ -33,8 +33,16 @@ from starlette.routing import Route
 from edgechat.config import get_paths
 from edgechat.engine.pool import ModelPool, ModelState, PoolModel
 from edgechat.engine.prompt import Prepared
-from edgechat.engine.request import ChatRequest, Event, Finished, RequestStatus, SamplingParams, TextDelta
-from edgechat.engine.tools import RepeatStop, ToolCall, ToolCallParser, tool_grammar
+from edgechat.engine.request import (
+    ChatRequest,
+    Event,
+    Finished,
+    RequestStatus,
+    SamplingParams,
+    TextDelta,
+    ToolCallEvent,
+)
+from edgechat.engine.tools import tool_grammar
 from edgechat.errors import EdgechatError, InvalidFieldError, ModelLoadError, NoRoomError
 from edgechat.models import find_projector
 from edgechat.models.ggufinfo import read_projector_info
@@ -416,12 +424,8 @@ class _Server:
                 gen = Generation(loop, arrival + self.settings.request_timeout, self.on_finished, i, events)
                 gen.model, gen.priority, gen.ticket, gen.lease = served.id, priority, ticket, lease
                 gen.prompt_tokens = len(prepared.tokens)
-                # with tools, a call that repeats an earlier one ends the answer
-                watch = RepeatStop(served.tool_family, gen.on_event) if parsed.tools is not None else None
-                gen.handle = served.engine.submit(_choice_request(req, i, gens), watch or gen.on_event, prepared)
+                gen.handle = served.engine.submit(_choice_request(req, i, gens), gen.on_event, prepared)
                 lease.hold()  # given back in on_finished
-                if watch is not None:
-                    watch.handle = gen.handle
                 gens.append(gen)
                 if not gen.finished.done():
                     self.in_flight.add(gen)
@@ -544,11 +548,8 @@ class _Server:
     def choice(self, finished: Finished, parsed: ParsedRequest, served: _Served) -> responses.Choice:
         if parsed.tools is None:
             return responses.Choice(finished, finished.text)
-        parser = ToolCallParser(served.tool_family)
-        parser.feed(finished.text)
-        parser.finish()
-        self.metrics.tool_calls.inc(len(parser.calls))
-        return responses.Choice(finished, parser.text, parser.calls)
+        self.metrics.tool_calls.inc(len(finished.tool_calls))
+        return responses.Choice(finished, finished.text, finished.tool_calls)
 
     async def wait(self, request: Request, gens: list[Generation]) -> list[Finished] | None:
         """Every choice's Finished event, or None if the client disconnected first (their
@@ -603,7 +604,7 @@ class _Server:
 
     async def stream(self, gens: list[Generation], parsed: ParsedRequest, kind: str, ids: ResponseIds, served: _Served) -> AsyncIterator[str]:
         events = gens[0].events
-        choices = [_StreamedChoice(ToolCallParser(served.tool_family) if parsed.tools is not None else None) for _ in gens]
+        choices = [_StreamedChoice() for _ in gens]
         try:
             # the role chunk waits for the first event: until then only keep-alive comments
             # go out, so a client sees its first data when the answer starts
@@ -625,10 +626,10 @@ class _Server:
                     for i in range(len(gens)):
                         yield sse(responses.chunk(kind, ids, None, None, role=True, index=i))
                 # under load several tokens queue up between two writes: send them as one chunk
-                texts: dict[int, list[TextDelta]] = {}
+                texts: dict[int, list[TextDelta | ToolCallEvent]] = {}
                 while True:
                     i, ev = event
-                    if isinstance(ev, TextDelta):
+                    if isinstance(ev, (TextDelta, ToolCallEvent)):
                         texts.setdefault(i, []).append(ev)
                     elif isinstance(ev, Finished):
                         choices[i].finished = ev
@@ -656,23 +657,21 @@ class _Server:
             # client disconnected (the task was cancelled), timed out or one choice failed: free the sequences now
             _cancel([g for g, c in zip(gens, choices, strict=True) if c.finished is None])
 
-    def stream_text(self, kind: str, ids: ResponseIds, index: int, c: _StreamedChoice, deltas: list[TextDelta]):
+    def stream_text(self, kind: str, ids: ResponseIds, index: int, c: _StreamedChoice, events: list[TextDelta | ToolCallEvent]):
+        calls = [e.call for e in events if isinstance(e, ToolCallEvent)]
+        deltas = [e for e in events if isinstance(e, TextDelta)]
         thought = "".join(d.text for d in deltas if d.reasoning)
         if thought and kind == "chat":
             # thoughts before the answer's text: tool calls and stop strings never see them
             yield sse(responses.chunk(kind, ids, None, None, index=index, reasoning=thought))
         deltas = [d for d in deltas if not d.reasoning]
-        if not deltas:
-            return
-        text = "".join(d.text for d in deltas)
-        entries = [e for d in deltas for e in d.logprobs or ()] if deltas[0].logprobs is not None else None
-        logprobs = responses.logprobs_body(kind, entries, c.offset)
-        c.offset += len(text)
-        calls: list[ToolCall] = []
-        if c.parser is not None:
-            text, calls = c.parser.feed(text)
-        if text or logprobs is not None and entries:
-            yield sse(responses.chunk(kind, ids, text if text else None, None, index=index, logprobs=logprobs))
+        if deltas:
+            text = "".join(d.text for d in deltas)
+            entries = [e for d in deltas for e in d.logprobs or ()] if deltas[0].logprobs is not None else None
+            logprobs = responses.logprobs_body(kind, entries, c.offset)
+            c.offset += len(text)
+            if text or logprobs is not None and entries:
+                yield sse(responses.chunk(kind, ids, text if text else None, None, index=index, logprobs=logprobs))
         for call in calls:
             self.metrics.tool_calls.inc()
             for part in responses.tool_call_deltas(len(c.calls), call):
@@ -680,17 +679,12 @@ class _Server:
             c.calls.append(call)
 
     def stream_end(self, kind: str, ids: ResponseIds, index: int, c: _StreamedChoice, finished: Finished):
-        if c.parser is not None:
-            tail = c.parser.finish()
-            if tail:
-                yield sse(responses.chunk(kind, ids, tail, None, index=index))
         reason = responses.Choice(finished, "", c.calls).finish_reason
         yield sse(responses.chunk(kind, ids, None, reason, index=index))
 
 
 @dataclasses.dataclass
 class _StreamedChoice:
-    parser: ToolCallParser | None
     finished: Finished | None = None
     done: bool = False  # its last chunk is sent
     offset: int = 0  # text sent so far (the legacy logprobs' text_offset)

@@ -12,10 +12,10 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from edgechat.engine.request import Event, Finished, RequestHandle, TextDelta, TokenLogprob
+from edgechat.engine.request import Event, Finished, RequestHandle, TextDelta, TokenLogprob, ToolCall, ToolCallEvent
 from edgechat.server.priority import Ticket
 
 if TYPE_CHECKING:
@@ -163,7 +163,8 @@ class Generation:
         answer = [d for d in deltas if not d.reasoning]
         return Batch("".join(d.text for d in deltas if d.reasoning), "".join(d.text for d in answer),
                      next((e for e in events if isinstance(e, Finished)), None),
-                     logprobs=[e for d in answer for e in d.logprobs or ()] if any(d.logprobs is not None for d in answer) else None)
+                     logprobs=[e for d in answer for e in d.logprobs or ()] if any(d.logprobs is not None for d in answer) else None,
+                     calls=[e.call for e in events if isinstance(e, ToolCallEvent)])
 
     def time_out(self) -> None:
         self.timed_out = True
@@ -190,3 +191,5 @@ class Batch:
     expired: bool = False
     #: with ChatRequest.logprobs: those of the answer's tokens that came (None: not asked for)
     logprobs: list[TokenLogprob] | None = None
+    #: with tools declared: the calls the answer made in this batch, in order
+    calls: list[ToolCall] = field(default_factory=list)

@@ -22,7 +22,6 @@ from starlette.routing import Route
 
 from edgechat import __version__
 from edgechat.engine.request import ChatRequest, Finished, SamplingParams, TokenLogprob
-from edgechat.engine.tools import render_messages
 from edgechat.errors import UsageError
 from edgechat.server import responses
 from edgechat.server.errors import ApiError, bad_request
@@ -43,6 +42,7 @@ from edgechat.server.schemas import (
     extension_grammar,
     model_field,
 )
+from edgechat.server.tools import parse_tools
 
 PATHS = frozenset({"/completion", "/tokenize", "/detokenize", "/apply-template", "/props"})
 
@@ -211,10 +211,10 @@ class LlamaCppApi:
     @_llamacpp_errors
     async def apply_template(self, request: Request) -> Response:
         body = await self.server.read_body(request)
-        messages = render_messages(_messages(body, self.server.settings.max_messages, ImageReader(self.server.settings)), None)
+        messages = _messages(body, self.server.settings.max_messages, ImageReader(self.server.settings))
         generation_prompt = body.get("add_generation_prompt") is None or _opt_bool(body, "add_generation_prompt")
-        # as a chat request's prompt is rendered: the thinking switch, the client's template variables
-        chat = ChatRequest(messages=messages, template_kwargs=_template_kwargs(body),
+        # as a chat request's prompt is rendered: its tools, the thinking switch, the client's template variables
+        chat = ChatRequest(messages=messages, tools=parse_tools(body), template_kwargs=_template_kwargs(body),
                            reasoning_budget=_reasoning_budget(body, self.server.settings.reasoning_budget))
         async with self.model(model_field(body)) as (_, engine):
             prompt = await run_in_threadpool(engine.prompts.text, chat, generation_prompt)

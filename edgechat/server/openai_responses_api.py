@@ -29,8 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgechat.engine.request import ChatRequest, Finished
-from edgechat.engine.tools import ToolCall, ToolCallParser, Tools, check_function, tool_grammar
+from edgechat.engine.request import ChatRequest, Finished, ToolCall
+from edgechat.engine.tools import Tools, check_function, tool_grammar
 from edgechat.errors import StoreError
 from edgechat.server import responses
 from edgechat.server.bridge import abandon
@@ -460,7 +460,7 @@ class _Events:
 
 def _held_whitespace(text: str) -> tuple[str, str]:
     """(what to send, what to hold): trailing whitespace waits for more text, since before a
-    tool call (or at the end of one) it is not content (ToolCallParser.text leaves it out)."""
+    tool call (or at the end of one) it is not content (the engine's content leaves it out)."""
     body = text.rstrip()
     return body, text[len(body):]
 
@@ -562,7 +562,6 @@ class ResponsesApi:
         pending = response_body(r, response_id, created, served.id, "in_progress", [])
         yield events.event("response.created", response=pending)
         yield events.event("response.in_progress", response=pending)
-        parser = ToolCallParser(served.tool_family) if r.parsed.tools is not None else None
         calls: list[ToolCall] = []
         finished, held = None, ""
         try:
@@ -575,15 +574,12 @@ class ResponsesApi:
                     yield failed("the request timed out and was cancelled")
                     return
                 thought, text, finished = batch.thought, batch.text, batch.finished
-                new: list[ToolCall] = []
-                if parser is not None and text:
-                    text, new = parser.feed(text)
                 for out in events.delta("reasoning", thought) if thought else []:
                     yield out
                 text, held = _held_whitespace(held + text)
                 for out in events.delta("message", text) if text else []:
                     yield out
-                for call in new:
+                for call in batch.calls:
                     server.metrics.tool_calls.inc()
                     calls.append(call)
                     for out in events.call(call):
@@ -591,15 +587,6 @@ class ResponsesApi:
             if finished.reason not in ("stop", "length"):
                 yield failed(finished.error or f"the generation ended: {finished.reason}")
                 return
-            text, held = _held_whitespace(held + (parser.finish() if parser is not None else ""))
-            for out in events.delta("message", text) if text else []:
-                yield out
-            for call in parser.calls[len(calls):] if parser is not None else []:
-                # a call the end of text closed (a syntax without a closer)
-                server.metrics.tool_calls.inc()
-                calls.append(call)
-                for out in events.call(call):
-                    yield out
             if not calls:
                 # the whitespace at the end is content after all; and an answer is a message, if empty
                 for out in events.delta("message", held) if held else ([] if events.has_message() else events.start("message")):

@@ -8,8 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from edgechat.engine.request import Finished, RequestMetrics, TokenLogprob
-from edgechat.engine.tools import ToolCall
+from edgechat.engine.request import Finished, RequestMetrics, TokenLogprob, ToolCall
 
 #: proxies must pass each event on at once, not buffer the stream
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -415,7 +415,7 @@ def extension_grammar(body: dict) -> Grammar | None:
         return Grammar(gbnf)
     if schema is not None:
         check_schema(schema, "json_schema")
-        return Grammar(schema_rules([("", schema)], "json_schema"))
+        return Grammar(schema_rules([("", schema)], "json_schema"), json_schema=schema)
     return None
 
 

@@ -22,7 +22,7 @@ def response_format_grammar(value: object) -> Grammar | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return Grammar(schema_rules([("", {"type": "object"})], param))
+        return Grammar(schema_rules([("", {"type": "object"})], param), json_schema={"type": "object"})
     if kind != "json_schema":
         raise bad_request(
             "response_format.type must be one of text, json_object, json_schema", param="response_format.type", code="invalid_value"
@@ -44,7 +44,7 @@ def json_schema_grammar(spec: dict, where: str) -> Grammar:
     # an absent schema means any JSON object; strict or not, the grammar holds it to the schema
     schema = spec.get("schema", {"type": "object"})
     check_schema(schema, f"{where}.schema")
-    return Grammar(schema_rules([("", schema)], f"{where}.schema"))
+    return Grammar(schema_rules([("", schema)], f"{where}.schema"), json_schema=schema)
 
 
 #: `{m,n}` after an element of a GBNF grammar; literals, classes and comments are skipped first

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edgechat.engine.tools import ToolCall, Tools, check_function
+from edgechat.engine.request import ToolCall
+from edgechat.engine.tools import Tools, check_function
 from edgechat.errors import InvalidFieldError, UsageError
 from edgechat.tui.mcp import ToolServers
 

@@ -19,7 +19,7 @@ from textual.worker import Worker, WorkerState, get_current_worker
 from edgechat import attachments
 from edgechat.engine.params import ContextPolicy
 from edgechat.engine.request import ChatRequest
-from edgechat.engine.tools import ToolCallParser, tool_grammar
+from edgechat.engine.tools import tool_grammar
 from edgechat.errors import EdgechatError, StoreError, UsageError
 from edgechat.store import (
     DEFAULT_TITLE,
@@ -583,14 +583,9 @@ class ChatScreen(Screen):
             return
         f = event.finished
         calls: list[dict] = []
-        if offered is not None:
-            # the calls come out of the text: what is stored and shown is the answer's words
-            parser = ToolCallParser(self.client.tool_family)
-            parser.feed(f.text)
-            parser.finish()
-            f = dataclasses.replace(f, text=parser.text)
-            if f.reason in ("stop", "length"):
-                calls = [pending_call(c, offered.servers.get(c.name)) for c in parser.calls]
+        if offered is not None and f.reason in ("stop", "length"):
+            # the engine took the calls out of the text: what is stored and shown is the answer's words
+            calls = [pending_call(c, offered.servers.get(c.name)) for c in f.tool_calls]
         if f.reason == "cancelled" and not f.text.strip() and not (f.reasoning or turn.reasoning).strip():
             # Stopped before anything came back: undo the send, the prompt goes back in the input.
             await self._undo_turn(turn)

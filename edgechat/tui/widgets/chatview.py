@@ -28,7 +28,6 @@ from edgechat.engine.request import (
     RequestMetrics,
     TextDelta,
 )
-from edgechat.engine.tools import ToolCallParser
 from edgechat.errors import EdgechatError
 from edgechat.store import Message as StoredMessage
 from edgechat.store import image_names
@@ -447,8 +446,6 @@ class ChatView(VerticalScroll):
             handle.cancel()
         pending: list[str] = []
         thoughts: list[str] = []
-        # with tools, the call syntax never shows: only the answer's text goes to the box
-        parser = ToolCallParser(client.tool_family) if request.tools is not None else None
         last = time.monotonic()
         #: when the first thought came, how many deltas of thoughts, whether the answer has started since
         think_start, n_thoughts, thinking = None, 0, False
@@ -479,7 +476,8 @@ class ChatView(VerticalScroll):
                     if thinking:
                         thinking = False
                         end_thoughts()
-                    pending.append(parser.feed(event.text)[0] if parser is not None else event.text)
+                    # with tools, the call syntax never shows: the engine's text is the answer's words
+                    pending.append(event.text)
                 now = time.monotonic()
                 if now - last >= self._interval:
                     flush()
