@@ -21,6 +21,7 @@ from pathlib import Path
 import llama_cpp as L
 import numpy as np
 
+from edgechat.engine.fim import FimTokens
 from edgechat.engine.runner import TokenBatch
 from edgechat.errors import ModelFormatError
 from quantize.llm import use_extra_buffers
@@ -335,6 +336,12 @@ class LlamaBackend:
     def eot(self) -> int:
         """The end-of-turn token (-1: none)."""
         return L.llama_vocab_eot(self.vocab)
+
+    def fim_tokens(self) -> FimTokens:
+        """The fill-in-the-middle tokens (engine/fim.py), as llama.cpp found them in the GGUF."""
+        v = self.vocab
+        return FimTokens(L.llama_vocab_fim_pre(v), L.llama_vocab_fim_suf(v), L.llama_vocab_fim_mid(v),
+                         L.llama_vocab_fim_pad(v), L.llama_vocab_fim_rep(v), L.llama_vocab_fim_sep(v))
 
     def token_bytes(self, token: int) -> bytes:
         """A token's text in the vocabulary, as stored (no decoding: compared across vocabularies)."""
