@@ -172,3 +172,13 @@ def test_a_model_without_fim_tokens_is_refused_in_one_line(smollm2_path, models_
                 r = httpx.post(url + path, json=body, timeout=30)
                 text = message(r.json())
                 assert r.status_code == 400 and "cannot fill in the middle" in text and "\n" not in text, (path, r.text)
+
+
+def test_run_suffix_fills_in_one_shot(qwen_coder_path, http):
+    from test_cli import assert_one_line_error, edgechat
+
+    proc = edgechat("run", "--json", "--temperature", "0", "--max-tokens", "16", "-m", str(qwen_coder_path), "--ctx", str(N_CTX),
+                    "--suffix", SUFFIX, PREFIX)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["text"] == http.post("/infill", json=FILL).json()["content"]
+    assert_one_line_error(edgechat("run", "--suffix", "x", "--system", "Be brief.", "y"), "--suffix", "--system")
