@@ -300,6 +300,18 @@ class Engine(PromptQueries):
             self._inbox.put(job)
         return job
 
+    def rerank(self, query: str, documents: list[str], truncate: bool = False, on_done=None) -> EmbeddingJob:
+        """Queue a reranker's scores of each document for `query` (its vectors: one score per
+        label), as `embed` queues vectors; a model that is not a reranker raises UsageError."""
+        self._check_running()
+        if self.embedder is None:
+            raise UsageError("reranking needs a GGUF model; ONNX folders do not compute it")
+        job = EmbeddingJob(self.embedder.prepare_rerank(query, documents, truncate), on_done)
+        with self._lock:
+            self._check_running()
+            self._inbox.put(job)
+        return job
+
     def tokenize(self, text: str) -> list[int]:
         return self.backend.tokenize(text, add_bos=False, special=False)
 
