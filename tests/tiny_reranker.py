@@ -55,7 +55,7 @@ def write_tiny_reranker(dest: Path, seed: int = 0) -> Path:
         "position_embd.weight": weight(N_CTX, N_EMBD, scale=0.5),
         "token_embd_norm.weight": 1 + weight(N_EMBD, scale=0.1),
         "token_embd_norm.bias": weight(N_EMBD, scale=0.1),
-        "cls.weight": weight(N_EMBD, N_EMBD),
+        "cls.weight": weight(N_EMBD, N_EMBD, scale=0.05),  # tanh unsaturated: scores differ
         "cls.bias": weight(N_EMBD, scale=0.1),
         "cls.output.weight": weight(1, N_EMBD),
         "cls.output.bias": weight(1, scale=0.1),
