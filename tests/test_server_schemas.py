@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from edgechat.engine.fim import Infill
 from edgechat.errors import EngineBusyError, EngineStoppedError, PromptTooLongError
 from edgechat.loadgen import RequestResult, Run, make_prompt, prompt_token_targets, summarize
 from edgechat.server.degrade import DegradeSwitch
@@ -142,10 +143,19 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(field, valu
 
 @pytest.mark.parametrize(
     "field, value",
-    [("logit_bias", {"15": 5}), ("logprobs", 6), ("suffix", "end"), ("best_of", 3), ("echo", True), ("tools", [])],
+    [("logit_bias", {"15": 5}), ("logprobs", 6), ("best_of", 3), ("echo", True), ("tools", [])],
 )
 def test_completion_fields_that_would_change_the_answer_are_refused(field, value):
     assert _error(parse_completion, {"prompt": "x", field: value}).param == field
+
+
+def test_a_completion_with_a_suffix_is_a_fill_in_the_middle():
+    request = parse_completion({"prompt": "def f():\n    ", "suffix": "\n    return x\n"}).request
+    assert request.prompt is None and request.infill == Infill("def f():\n    ", "\n    return x\n")
+    # at the start of a file the prompt is empty
+    assert parse_completion({"prompt": "", "suffix": "x = 1\n"}).request.infill == Infill("", "x = 1\n")
+    assert _error(parse_completion, {"prompt": "x", "suffix": 3}).param == "suffix"
+    assert _error(parse_chat, {"messages": USER, "suffix": "x"}).param == "suffix"
 
 
 def test_fields_that_change_nothing_here_are_accepted():

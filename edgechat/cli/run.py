@@ -1,7 +1,8 @@
 """`edgechat run`: one chat turn from the shell, streamed to stdout (or one JSON object).
 
 With `--session NAME` the turn belongs to a stored conversation; its KV snapshot makes the next
-turn start without re-reading the history. With `--raw` the prompt is continued as plain text.
+turn start without re-reading the history. With `--raw` the prompt is continued as plain text;
+with `--suffix TEXT` a code model fills in what goes between the prompt and TEXT (engine/fim.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from edgechat.cli.common import (
 )
 from edgechat.cli.sessions import find_session
 from edgechat.config import get_paths, read_chat_template
+from edgechat.engine.fim import Infill
 from edgechat.engine.params import values
 from edgechat.engine.request import DEFAULT_MAX_TOKENS, ChatRequest, ContextPolicy, Evicted, SamplingParams, TextDelta
 from edgechat.errors import EdgechatError, UsageError
@@ -73,6 +75,8 @@ def read_prompt(prompt: str | None) -> str | None:
 @click.option("--session", default=None, help="Continue the stored conversation with this id or name (a new name starts one).")
 @click.option("--raw", is_flag=True,
               help="Continue PROMPT as plain text, no chat template (base models such as gemma3-270m).")
+@click.option("--suffix", default=None, metavar="TEXT",
+              help="Fill in the middle: PROMPT is the code before the cursor, TEXT the code after it (a code model's, such as Qwen2.5-Coder).")
 @click.option(
     "--context-policy",
     type=click.Choice(values(ContextPolicy)),
@@ -96,7 +100,7 @@ def read_prompt(prompt: str | None) -> str | None:
 @click.argument("prompt", required=False)
 @data_dir_option
 def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
-            loop_guard, system, session, raw, context_policy, kv_type, flash_attn, swa_cache, speculative, draft_model, deterministic, ep,
+            loop_guard, system, session, raw, suffix, context_policy, kv_type, flash_attn, swa_cache, speculative, draft_model, deterministic, ep,
             think, hide_thinking, chat_template, images, mmproj, as_json, prompt, data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
     from edgechat.engine import EngineConfig, open_engine
@@ -105,13 +109,15 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
     text = read_prompt(prompt)
     if text is not None and not text.strip():
         raise UsageError("the prompt is empty; pass some text, e.g. edgechat run \"Hello\"")
-    if raw:
+    plain = "--suffix" if suffix is not None else "--raw" if raw else None
+    if plain:
         # plain completion has no roles: nothing to put a system prompt, a stored conversation or a picture in
-        for option, given in (("--system", system), ("--session", session), ("--image", images or None)):
+        for option, given in (("--raw", (raw or None) if suffix is not None else None), ("--system", system), ("--session", session),
+                              ("--image", images or None)):
             if given is not None:
-                raise UsageError(f"--raw continues plain text and takes no {option}")
+                raise UsageError(f"{plain} completes plain text and takes no {option}")
         if text is None:
-            raise UsageError("--raw needs a PROMPT argument or stdin")
+            raise UsageError(f"{plain} needs a PROMPT argument or stdin")
     if session is not None and text is None:
         raise UsageError("--session needs a MESSAGE argument or stdin")
     if images and text is None:
@@ -134,13 +140,15 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
                                  pictures)
     else:
         with open_engine(cfg) as engine:
-            _warn(engine, raw)
+            _warn(engine, plain is not None)
             params["sampling"] = sampling(engine.default_sampling)
             history: list[dict] = [{"role": "system", "content": system}] if system else []
             if text is None:
                 _interactive(engine, history, params, not hide_thinking)
                 return
-            if raw:
+            if suffix is not None:
+                request = ChatRequest(infill=Infill(text, suffix), **params)
+            elif raw:
                 request = ChatRequest(prompt=text, **params)
             else:
                 content = [*(p.part() for p in pictures), text] if pictures else text

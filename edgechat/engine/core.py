@@ -23,6 +23,7 @@ from edgechat.config import Paths, get_paths, make_data_dir
 from edgechat.engine import devices, planner
 from edgechat.engine.draft import DraftModel, DraftVocabError
 from edgechat.engine.embeddings import Embedder, EmbeddingJob
+from edgechat.engine.fim import InfillBuilder
 from edgechat.engine.kvcache import KVManager, Slot
 from edgechat.engine.llama import LlamaBackend, state_version
 from edgechat.engine.media import Projector
@@ -195,6 +196,9 @@ class Engine(PromptQueries):
             self._summarize,
             self.projector,
             self.model_name,
+            InfillBuilder(be.fim_tokens(), lambda text: be.tokenize(text, add_bos=False, special=False),
+                          lambda text: be.tokenize(text, add_bos=False, special=True),
+                          be.bos if be.add_bos else None, be.n_batch, self.model_name),
         )
         self._inbox: queue.Queue = queue.Queue()
         self._closed = False
@@ -296,17 +300,31 @@ class Engine(PromptQueries):
             self._inbox.put(job)
         return job
 
+    def rerank(self, query: str, documents: list[str], truncate: bool = False, on_done=None) -> EmbeddingJob:
+        """Queue a reranker's scores of each document for `query` (its vectors: one score per
+        label), as `embed` queues vectors; a model that is not a reranker raises UsageError."""
+        self._check_running()
+        if self.embedder is None:
+            raise UsageError("reranking needs a GGUF model; ONNX folders do not compute it")
+        job = EmbeddingJob(self.embedder.prepare_rerank(query, documents, truncate), on_done)
+        with self._lock:
+            self._check_running()
+            self._inbox.put(job)
+        return job
+
     def tokenize(self, text: str) -> list[int]:
         return self.backend.tokenize(text, add_bos=False, special=False)
 
     def grammar_parses(self, grammar: Grammar) -> bool:
         return grammar_parses(self.backend.vocab, grammar)
 
-    def detokenize(self, tokens: list[int]) -> str:
+    def detokenize(self, tokens: list[int], special: bool = False) -> str:
+        """The tokens' text; with `special`, control tokens written out (a prompt as llama-server
+        reports it)."""
         # llama.cpp aborts the process on an id outside the vocabulary
         if any(not 0 <= t < self.backend.n_vocab for t in tokens):
             raise UsageError(f"token ids must be between 0 and {self.backend.n_vocab - 1}")
-        return self.backend.detokenize(tokens)
+        return self.backend.detokenize(tokens, special)
 
     def stats(self) -> dict:
         running = list(self.scheduler.active)  # a copy: the engine thread changes the list

@@ -80,12 +80,10 @@ class EmbeddingJob:
 
 
 def pooling_of(backend: LlamaBackend) -> int:
-    """The pooling the GGUF names; mean where it names none (a decoder chat model)."""
+    """The pooling the GGUF names (rank: a reranker); mean where it names none (a decoder chat model)."""
     value = backend.meta(f"{backend.meta('general.architecture')}.pooling_type")
     pooling = int(value) if value and value.lstrip("-").isdigit() else Pooling.NONE
-    if pooling == Pooling.RANK:
-        raise UsageError(f"{backend.path.name} is a reranker (rank pooling), not an embedding model")
-    return pooling if pooling in POOLED else Pooling.MEAN
+    return pooling if pooling in (*POOLED, Pooling.RANK) else Pooling.MEAN
 
 
 class Embedder:
@@ -95,12 +93,14 @@ class Embedder:
     def __init__(self, backend: LlamaBackend, max_tokens: int, n_threads: int):
         self.backend = backend
         self.pooling = pooling_of(backend)
+        #: a reranker: each input is a query and a document, its vector their scores (not normalized)
+        self.rank = self.pooling == Pooling.RANK
         logits_cap = LOGITS_BUDGET // (4 * backend.n_vocab)
         n_batch = max(32, min(MAX_BATCH, 1 << max(logits_cap.bit_length() - 1, 0)))
         self.n_batch = n_batch
         # llama.cpp sizes its outputs for at least one per sequence, within a batch's outputs
         self.n_seqs = min(MAX_SEQS, n_batch)
-        self.n_embd = backend.n_embd_out
+        self.n_embd = backend.n_cls_out if self.rank else backend.n_embd_out
         #: whether an input may span decodes: not for a bidirectional encoder (BERT), which
         #: has no cache and sees all its tokens at once (checked again on the context itself)
         self.splittable = backend.meta(f"{backend.meta('general.architecture')}.attention.causal") != "false"
@@ -118,13 +118,26 @@ class Embedder:
         """Token ids for each input (text tokenized as llama-server does: BOS/EOS per the
         vocabulary), checked: not empty, every id in the vocabulary, no longer than max_tokens
         (cut to it with `truncate`)."""
+        if self.rank:
+            raise UsageError(f"{self.backend.path.name} is a reranker (rank pooling), not an embedding model; send it queries and documents (/v1/rerank)")
+        return self._checked(inputs, truncate, lambda item: self.backend.tokenize(item, add_bos=True, special=False))
+
+    def prepare_rerank(self, query: str, documents: list[str], truncate: bool = False) -> list[list[int]]:
+        """Each document's input with the query (engine/llama.py's `rerank_pair`), checked as
+        `prepare` checks inputs; a model that is not a reranker is refused in one line."""
+        if not self.rank:
+            raise UsageError(f"{self.backend.path.name} is not a reranker (its GGUF's pooling is not rank); "
+                             "serve a reranker GGUF with --embedding-model")
+        return self._checked(documents, truncate, lambda doc: self.backend.rerank_pair(query, doc))
+
+    def _checked(self, inputs: list, truncate: bool, tokenize: Callable[[str], list[int]]) -> list[list[int]]:
         if not inputs:
             raise EmbeddingInputError("there is nothing to embed", 0)
         if len(inputs) > MAX_INPUTS:
             raise EmbeddingInputError(f"{len(inputs)} inputs, more than the {MAX_INPUTS} one request may send", 0)
         be, out = self.backend, []
         for i, item in enumerate(inputs):
-            tokens = be.tokenize(item, add_bos=True, special=False) if isinstance(item, str) else list(item)
+            tokens = tokenize(item) if isinstance(item, str) else list(item)
             if not tokens:
                 raise EmbeddingInputError(f"input {i} is empty", i)
             bad = next((t for t in tokens if not 0 <= t < be.n_vocab), None)
@@ -227,7 +240,7 @@ class Embedder:
         if not finished:
             self._sums[key] = total
             return
-        norm = np.linalg.norm(total)
+        norm = 0 if self.rank else np.linalg.norm(total)
         job.vectors[index] = (total / norm if norm > 0 else total).astype(np.float32)
 
     def _drop(self, job: EmbeddingJob, error: BaseException | None) -> None:

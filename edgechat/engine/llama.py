@@ -21,6 +21,7 @@ from pathlib import Path
 import llama_cpp as L
 import numpy as np
 
+from edgechat.engine.fim import FimTokens
 from edgechat.engine.runner import TokenBatch
 from edgechat.errors import ModelFormatError
 from quantize.llm import use_extra_buffers
@@ -186,7 +187,8 @@ class EmbeddingContext:
         #: None for encoder-only models (BERT): no cache, so an input cannot span two decodes
         self.mem = L.llama_get_memory(ctx) or None
         self.causal = bool(L.llama_get_causal_attn(ctx))
-        self.n_embd = L.llama_model_n_embd_out(model)
+        # a reranker's (rank pooling) output is its classifier's scores, one per label
+        self.n_embd = L.llama_model_n_cls_out(model) if pooling == L.LLAMA_POOLING_TYPE_RANK else L.llama_model_n_embd_out(model)
         self.n_batch = L.llama_n_batch(ctx)
 
     def decode(self, batch: Batch) -> None:
@@ -319,6 +321,11 @@ class LlamaBackend:
         return buf.value.decode("utf-8", errors="replace")
 
     @property
+    def n_cls_out(self) -> int:
+        """A classifier head's outputs (a reranker's scores)."""
+        return L.llama_model_n_cls_out(self.model)
+
+    @property
     def n_embd_out(self) -> int:
         """The width of the model's embeddings."""
         return L.llama_model_n_embd_out(self.model)
@@ -335,6 +342,28 @@ class LlamaBackend:
     def eot(self) -> int:
         """The end-of-turn token (-1: none)."""
         return L.llama_vocab_eot(self.vocab)
+
+    def rerank_pair(self, query: str, document: str) -> list[int]:
+        """A reranker's input for one query and document, as llama-server builds it: the GGUF's
+        `rerank` template with both filled in, else [BOS] query [EOS] [SEP] document [EOS], each
+        marker where the vocabulary adds it (BERT: [CLS] query [SEP] document)."""
+        template = L.llama_model_chat_template(self.model, b"rerank")
+        if template:
+            text = template.decode().replace("{query}", query).replace("{document}", document)
+            return self.tokenize(text, add_bos=False, special=True)
+        v = self.vocab
+        eos = self.eos if self.eos >= 0 else L.llama_vocab_sep(v)
+        add_eos = [eos] if L.llama_vocab_get_add_eos(v) else []
+        tokens = [self.bos] if self.add_bos else []
+        tokens += self.tokenize(query, special=False) + add_eos
+        tokens += [L.llama_vocab_sep(v)] if L.llama_vocab_get_add_sep(v) else []
+        return tokens + self.tokenize(document, special=False) + add_eos
+
+    def fim_tokens(self) -> FimTokens:
+        """The fill-in-the-middle tokens (engine/fim.py), as llama.cpp found them in the GGUF."""
+        v = self.vocab
+        return FimTokens(L.llama_vocab_fim_pre(v), L.llama_vocab_fim_suf(v), L.llama_vocab_fim_mid(v),
+                         L.llama_vocab_fim_pad(v), L.llama_vocab_fim_rep(v), L.llama_vocab_fim_sep(v))
 
     def token_bytes(self, token: int) -> bytes:
         """A token's text in the vocabulary, as stored (no decoding: compared across vocabularies)."""

@@ -21,6 +21,7 @@ from edgechat.engine.tools import tool_messages
 from edgechat.errors import PromptTooLongError, UsageError
 
 if TYPE_CHECKING:
+    from edgechat.engine.fim import InfillBuilder
     from edgechat.engine.media import MediaChunk, Projector
 
 #: share of the context kept free for the answer when a request sets no max_tokens
@@ -75,8 +76,10 @@ class PromptBuilder:
         summarize: Callable[[str | None, list[dict]], str | None] | None = None,
         projector: Projector | None = None,
         model_name: str = "this model",
+        infill: InfillBuilder | None = None,
     ):
         self.format = fmt
+        self.infill = infill
         self.projector = projector
         self.model_name = model_name
         self._image_cache: OrderedDict[str, list] = OrderedDict()
@@ -101,7 +104,11 @@ class PromptBuilder:
         if request.ignore_eos and request.max_tokens is None:
             raise UsageError("ignore_eos needs max_tokens, or the answer would never end (add --max-tokens N)")
         limit = self.limit(request)
-        if request.messages is None:
+        if request.infill is not None:
+            if self.infill is None:
+                raise UsageError(f"{self.model_name} cannot fill in the middle here")
+            prep = Prepared(self.infill.tokens(request.infill, self.n_ctx, limit, request.max_tokens), 0, (), 0, 0)
+        elif request.messages is None:
             text = request.prompt or ""
             if not text.strip():
                 raise UsageError("the prompt is empty; type a message")

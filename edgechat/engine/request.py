@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from edgechat.engine.params import ContextPolicy, SpeculativeMode, choice
 
 if TYPE_CHECKING:
+    from edgechat.engine.fim import Infill
     from edgechat.engine.tools import Tools
 
 log = logging.getLogger("edgechat.engine")
@@ -74,13 +75,15 @@ class ImageInput:
 
 @dataclass
 class ChatRequest:
-    """One generation: either chat `messages` (rendered with the model's template) or a raw `prompt`."""
+    """One generation: chat `messages` (rendered with the model's template), a raw `prompt`, or a
+    fill-in-the-middle `infill` (the prompt a code model completes at a cursor: engine/fim.py)."""
 
     #: {role, content}; content is text, or a list of parts (str or ImageInput) for a message
     #: with pictures (a vision model's); an assistant message may carry `tool_calls` ([{id, name, arguments (JSON
     #: text)}]), a "tool" message answers one by its `tool_call_id`
     messages: list[dict] | None = None
     prompt: str | None = None
+    infill: Infill | None = None
     #: the functions the model may call (engine/tools.py): rendered into the prompt with the
     #: messages, through the template's own tool format where it has one; the call syntax's
     #: grammar is the front end's to set in `grammar`
@@ -89,6 +92,9 @@ class ChatRequest:
     #: None: until end of text or the context's answer reserve runs out
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
+    #: seconds after the first token past which the answer ends at its next newline (an editor's
+    #: completion: llama-server's t_max_predict_ms); None: no limit
+    line_time_limit: float | None = None
     ignore_eos: bool = False
     #: stop an answer that only repeats itself (stream.LoopGuard); never with ignore_eos, whose
     #: benchmarks want every token they asked for

@@ -571,6 +571,9 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         if req.max_tokens is not None and run.n_out >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
+        if (req.line_time_limit is not None and b"\n" in be.piece(token)
+                and run.clock.last_token - run.clock.first_token > req.line_time_limit):
+            return RequestStatus.FINISHED_LENGTH
         if self.thinking.spent(req, run.proc):
             # the budget is spent: the engine writes the end of the thoughts itself, into the
             # sequence as if the model had, and the answer follows them

@@ -1,12 +1,15 @@
 """OpenAI's embeddings API (`POST /v1/embeddings`): its body into the engine's embedding inputs
 (texts or token arrays), the vectors back as floats or base64, errors in OpenAI's shape naming
-the field. `embed` is the one way every API here asks the engine for vectors (Ollama's too)."""
+the field. `embed` is the one way every API here asks the engine for vectors (Ollama's too).
+Reranking (`/rerank`, `/v1/rerank`: llama-server's, Jina's and Cohere's shape) runs the same way
+on a reranker GGUF (rank pooling), `rerank` its one way to the engine."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import time
+from collections.abc import Callable
 
 import numpy as np
 from starlette.requests import Request
@@ -27,10 +30,17 @@ async def embed(server, request: Request, served, inputs: list, field: str, trun
     a bad input is a 400 naming `field`, a client that leaves cancels the work."""
     started = time.monotonic()
     async with server.using(served) as engine:
-        return await _embed(server, request, engine, inputs, field, truncate, started)
+        return await _run(server, request, lambda finished: engine.embed(inputs, truncate, finished), field, started)
 
 
-async def _embed(server, request: Request, engine, inputs: list, field: str, truncate: bool, started: float):
+async def rerank(server, request: Request, served, query: str, documents: list[str]) -> tuple[list[np.ndarray], int, float]:
+    """`embed` for a reranker: each document's scores for `query`."""
+    started = time.monotonic()
+    async with server.using(served) as engine:
+        return await _run(server, request, lambda finished: engine.rerank(query, documents, False, finished), "documents", started)
+
+
+async def _run(server, request: Request, submit: Callable[[Callable], EmbeddingJob], field: str, started: float):
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
 
@@ -43,7 +53,7 @@ async def _embed(server, request: Request, engine, inputs: list, field: str, tru
 
     try:
         # tokenizing long inputs takes a while: off the event loop
-        job = await asyncio.to_thread(engine.embed, inputs, truncate, finished)
+        job = await asyncio.to_thread(submit, finished)
     except EmbeddingInputError as exc:
         raise bad_request(f"'{field}': {exc}", param=field, code="invalid_value") from None
     except EdgechatError as exc:
@@ -111,7 +121,26 @@ class EmbeddingsApi:
         self.server = server
 
     def routes(self) -> list[Route]:
-        return [Route("/v1/embeddings", self.embeddings, methods=["POST"])]
+        return [Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+                *(Route(path, self.rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/reranking", "/v1/reranking"))]
+
+    async def rerank(self, request: Request) -> Response:
+        """llama-server's /rerank (Jina's and Cohere's shape): `query`, `documents`, `top_n` ->
+        `results` [{index, relevance_score}], best first; a model that is not a reranker is a 400."""
+        body = await self.server.read_body(request)
+        served = self.server.find_model(model_field(body))
+        query = _text("query", body.get("query"))
+        documents = body.get("documents")
+        if not isinstance(documents, list) or not documents:
+            raise bad_request("'documents' must be a non-empty array of strings", param="documents", code="invalid_value")
+        documents = [_text(f"documents[{i}]", d) for i, d in enumerate(documents)]
+        top_n = body.get("top_n")
+        if top_n is not None and (not _is_id(top_n) or top_n < 1):
+            raise bad_request("'top_n' must be a positive integer", param="top_n", code="invalid_value")
+        scores, n_tokens, _ = await rerank(self.server, request, served, query, documents)
+        results = sorted(({"index": i, "relevance_score": float(v[0])} for i, v in enumerate(scores)), key=lambda r: -r["relevance_score"])
+        return JSONResponse({"model": body.get("model") or served.id, "object": "list",
+                             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}, "results": results[:top_n]})
 
     async def embeddings(self, request: Request) -> Response:
         body = await self.server.read_body(request)

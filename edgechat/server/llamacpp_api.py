@@ -1,5 +1,5 @@
-"""llama-server's own endpoints, which llama.cpp's web UI and tools call: /completion,
-/tokenize, /detokenize, /apply-template and /props, translated onto the server's one internal
+"""llama-server's own endpoints, which llama.cpp's web UI and tools call: /completion, /infill
+(the fill in the middle editors' plugins ask for: llama.vscode, llama.vim), /tokenize, /detokenize, /apply-template and /props, translated onto the server's one internal
 request; errors in llama-server's shape, `{"error": {"code": status, "message", "type"}}`.
 (Its unprefixed OpenAI routes, /chat/completions and friends, are the OpenAI handlers: app.py.)
 
@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgechat import __version__
+from edgechat.engine.fim import DEFAULT_FILENAME, Infill
 from edgechat.engine.request import ChatRequest, Finished, SamplingParams, TokenLogprob
 from edgechat.errors import UsageError
 from edgechat.server import responses
@@ -44,7 +45,7 @@ from edgechat.server.schemas import (
 )
 from edgechat.server.tools import parse_tools
 
-PATHS = frozenset({"/completion", "/tokenize", "/detokenize", "/apply-template", "/props"})
+PATHS = frozenset({"/completion", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props"})
 
 
 def owns(path: str) -> bool:
@@ -75,14 +76,45 @@ def _llamacpp_errors(handler):
 
 
 def parse_completion(body: dict, server) -> ParsedRequest:
-    # what would change the answer and is not served (logit_bias, mirostat, ...) is refused, as on
-    # every API; n_probs is served here
-    _refuse_unsupported({k: v for k, v in body.items() if k != "n_probs"})
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise _type_error("prompt", "a string (token prompts are not supported)", prompt)
+    return _generation(body, server, prompt=_text("prompt", prompt))
+
+
+def parse_infill(body: dict, server) -> ParsedRequest:
+    """/infill: the text before and after the cursor (both required), other files'
+    `input_extra` [{filename, text}] and `prompt` (text the answer starts with), laid out by the
+    engine as llama-server lays them out (engine/fim.py); the rest as /completion's."""
+    for name in ("input_prefix", "input_suffix"):
+        if name not in body:
+            raise bad_request(f"'{name}' is required", param=name, code="missing_required_parameter")
+    extra = body.get("input_extra")
+    if extra is None:
+        extra = []
+    if not isinstance(extra, list):
+        raise _type_error("input_extra", 'an array of {"filename": string, "text": string}', extra)
+    chunks = []
+    for i, chunk in enumerate(extra):
+        where = f"input_extra[{i}]"
+        if not isinstance(chunk, dict):
+            raise _type_error(where, 'an object {"filename": string, "text": string}', chunk)
+        filename = chunk.get("filename")
+        chunks.append((DEFAULT_FILENAME if filename is None else _text(f"{where}.filename", filename),
+                       _text(f"{where}.text", chunk.get("text"))))
+    prompt = body.get("prompt")
+    infill = Infill(_text("input_prefix", body["input_prefix"]), _text("input_suffix", body["input_suffix"]), tuple(chunks),
+                    "" if prompt is None else _text("prompt", prompt))
+    return _generation(body, server, infill=infill)
+
+
+def _generation(body: dict, server, **fields) -> ParsedRequest:
+    """The request of a /completion or /infill body, `fields` saying what to answer."""
+    # what would change the answer and is not served (logit_bias, mirostat, ...) is refused, as on
+    # every API; n_probs is served here
+    _refuse_unsupported({k: v for k, v in body.items() if k != "n_probs"})
     if _opt_bool(body, "post_sampling_probs"):
         # the engine reads the model's distribution before any sampler: probabilities after
         # top-k/top-p would be different numbers under the same names
@@ -90,8 +122,8 @@ def parse_completion(body: dict, server) -> ParsedRequest:
                           param="post_sampling_probs", code="unsupported_parameter")
     n_probs = _opt_int(body, "n_probs", lo=0, hi=MAX_TOP_LOGPROBS)
     n_predict = _opt_int(body, "n_predict")
+    t_max_predict_ms = _opt_int(body, "t_max_predict_ms")
     request = ChatRequest(
-        prompt=_text("prompt", prompt),
         sampling=_sampling(body, server.defaults_for(model_field(body))),
         # -1 (llama-server's default): until the end of text
         max_tokens=n_predict if n_predict is not None and n_predict >= 0 else None,
@@ -99,11 +131,41 @@ def parse_completion(body: dict, server) -> ParsedRequest:
         ignore_eos=_opt_bool(body, "ignore_eos"),
         grammar=extension_grammar(body),
         logprobs=n_probs or None,  # llama-server's default 0: none
+        # -1 or 0 (llama-server's default -1): no time limit
+        line_time_limit=t_max_predict_ms / 1000 if t_max_predict_ms is not None and t_max_predict_ms > 0 else None,
+        **fields,
     )
     if request.max_tokens == 0:
         raise bad_request("'n_predict' must be -1 or at least 1", param="n_predict", code="invalid_value")
     return ParsedRequest(request, model_field(body), _opt_bool(body, "stream"), False,
                          client_grammar=bool(body.get("grammar")))
+
+
+def response_fields(body: dict) -> list[str]:
+    """`response_fields`: the answer's fields to return, a slash reaching into a nested one
+    (`timings/prompt_n`, returned under that name); none: every field."""
+    fields = body.get("response_fields")
+    if fields is None:
+        return []
+    if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+        raise _type_error("response_fields", "an array of strings", fields)
+    return fields
+
+
+def pick_fields(answer: dict, fields: list[str]) -> dict:
+    """The fields asked for (llama-server's response_fields): those the answer lacks are left out."""
+    if not fields:
+        return answer
+    out = {}
+    for path in fields:
+        value: object = answer
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[path] = value
+    return out
 
 
 def generation_settings(req: ChatRequest, stream: bool) -> dict:
@@ -150,6 +212,7 @@ class LlamaCppApi:
     def routes(self) -> list[Route]:
         return [
             Route("/completion", self.completion, methods=["POST"]),
+            Route("/infill", self.infill, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/apply-template", self.apply_template, methods=["POST"]),
@@ -224,24 +287,41 @@ class LlamaCppApi:
     async def completion(self, request: Request) -> Response:
         arrival = time.monotonic()
         body = await self.server.read_body(request)
-        parsed = parse_completion(body, self.server)
+        return await self.answer(request, body, parse_completion(body, self.server), arrival)
+
+    @_llamacpp_errors
+    async def infill(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        body = await self.server.read_body(request)
+        return await self.answer(request, body, parse_infill(body, self.server), arrival)
+
+    async def answer(self, request: Request, body: dict, parsed: ParsedRequest, arrival: float) -> Response:
+        """/completion's answer (and /infill's), whole or streamed."""
         return_tokens = _opt_bool(body, "return_tokens")
+        fields = response_fields(body)
+        req = parsed.request
+        prompt = req.prompt or ""
+        if req.infill is not None:
+            # the prompt as llama-server reports a fill's: its tokens' text, markers written out
+            async with self.model(parsed.model) as (_, engine):
+                prompt = await run_in_threadpool(lambda: engine.detokenize(engine.prompt_tokens(req), special=True))
         served, req, gens = await (await self.server.launch(request, parsed, arrival))
         self.server.opened(served, parsed, req, "text")
         gen = gens[0]
         if parsed.stream:
-            return StreamingResponse(self.events(gen, served, req), media_type="text/event-stream", headers=responses.SSE_HEADERS)
+            return StreamingResponse(self.events(gen, served, req, prompt, fields), media_type="text/event-stream",
+                                     headers=responses.SSE_HEADERS)
         finished = await self.server.wait(request, gens)
         if finished is None:
             # the client left; nobody reads this
             return Response(status_code=499)
         end = finished[0]
-        body = self.end(end, end.text, served, req, stream=False, tokens=end.token_ids if return_tokens else [])
+        answer = self.end(end, end.text, served, req, prompt, stream=False, tokens=end.token_ids if return_tokens else [])
         if end.logprobs is not None:
-            body["completion_probabilities"] = probabilities(end.logprobs)
-        return JSONResponse(body)
+            answer["completion_probabilities"] = probabilities(end.logprobs)
+        return JSONResponse(pick_fields(answer, fields))
 
-    def end(self, finished: Finished, content: str, served, req: ChatRequest, stream: bool, tokens: list[int]) -> dict:
+    def end(self, finished: Finished, content: str, served, req: ChatRequest, prompt: str, stream: bool, tokens: list[int]) -> dict:
         m = finished.metrics
         return {
             "index": 0,
@@ -254,7 +334,7 @@ class LlamaCppApi:
             "tokens_evaluated": m.prompt_tokens,
             "tokens_cached": m.cached_tokens,
             "generation_settings": generation_settings(req, stream),
-            "prompt": req.prompt,
+            "prompt": prompt,
             "has_new_line": "\n" in finished.text,
             "truncated": False,
             "stop_type": _stop_type(finished),
@@ -262,7 +342,7 @@ class LlamaCppApi:
             "timings": responses.timings(m),
         }
 
-    async def events(self, gen, served, req: ChatRequest) -> AsyncIterator[str]:
+    async def events(self, gen, served, req: ChatRequest, prompt: str, fields: list[str]) -> AsyncIterator[str]:
         """The SSE stream: `{"content", "stop": false}` per batch of tokens, then the counts with `"stop": true`."""
         try:
             while True:
@@ -282,7 +362,7 @@ class LlamaCppApi:
                         message = finished.error or f"the generation ended: {finished.reason}"
                         yield responses.sse(error_body(ApiError(500, message, type="server_error")))
                     else:
-                        yield responses.sse(self.end(finished, "", served, req, stream=True, tokens=[]))
+                        yield responses.sse(pick_fields(self.end(finished, "", served, req, prompt, stream=True, tokens=[]), fields))
                     return
         finally:
             # the client left (the task was cancelled) or the request timed out: free the sequence now

@@ -3,8 +3,9 @@ holding the engine's ChatRequest), engine events back into its JSON objects and 
 and every error as Ollama writes it: `{"error": "..."}` with the status.
 
 Images come as each message's (or generate's) `images`, base64 strings (server/images.py).
-What changes the answer and is not here (tools, a request's own template, suffix, an
-earlier `context`) is refused in one line; `keep_alive` says how long the model stays loaded
+A generate body with a `suffix` is a fill in the middle (engine/fim.py: the prompt is the text
+before the cursor), laid out as llama-server's /infill. What changes the answer and is not here
+(tools, a request's own template, an earlier `context`) is refused in one line; `keep_alive` says how long the model stays loaded
 after the request (an empty prompt with it loads or, at 0, unloads the model, as in Ollama);
 what only tunes how Ollama itself loads models (`num_ctx`, `num_gpu`, ...) is accepted and
 ignored, as Ollama ignores options a model does not use.
@@ -26,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from edgechat.engine.fim import Infill
 from edgechat.engine.reasoning import reasoning_format
 from edgechat.engine.request import ChatRequest, Finished, ImageInput
 from edgechat.errors import EdgechatError, ModelNotFoundError, UsageError
@@ -192,13 +194,18 @@ def parse_chat(body: dict, server) -> ParsedRequest:
 
 def parse_generate(body: dict, server) -> ParsedRequest:
     _refuse(body, "template", "the model's own chat template is used")
-    _refuse(body, "suffix", "fill-in-the-middle is not served")
     _refuse(body, "context", "send the conversation as messages to /api/chat")
     _refuse(body, "logprobs", "log probabilities are served on /v1/completions")
     prompt = _text("prompt", body.get("prompt", ""))
     pictures = _images(body, "images", ImageReader(server.settings))
-    fields: dict[str, str | list[dict]]
-    if _opt_bool(body, "raw"):
+    suffix = _text("suffix", body["suffix"]) if body.get("suffix") is not None else ""
+    fields: dict[str, str | list[dict] | Infill]
+    if suffix:
+        for name in ("raw", "images"):
+            if body.get(name):
+                raise bad_request(f"'{name}' cannot be combined with 'suffix' (a fill in the middle)", param=name, code="invalid_value")
+        fields = {"infill": Infill(prompt, suffix)}
+    elif _opt_bool(body, "raw"):
         if pictures:
             raise bad_request("'images' need the model's chat template: leave 'raw' out", param="images", code="invalid_value")
         fields = {"prompt": prompt}

@@ -13,6 +13,7 @@ import json
 import math
 from dataclasses import dataclass
 
+from edgechat.engine.fim import Infill
 from edgechat.engine.params import SAMPLING_LIMITS, SpeculativeMode, choice
 from edgechat.engine.request import ChatRequest, Grammar, SamplingParams
 from edgechat.engine.schema_grammar import check_schema, schema_rules
@@ -46,6 +47,7 @@ _UNSUPPORTED: dict[str, tuple] = {
     "audio": (),
     "verbosity": (),
     "web_search_options": (),
+    # served by /v1/completions (a fill in the middle), refused elsewhere
     "suffix": ("",),
     "echo": (False,),
     "best_of": (1,),
@@ -468,7 +470,7 @@ def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages, samp
 
 
 def parse_completion(body: dict, sampling: SamplingParams | None = None) -> ParsedRequest:
-    model, stream, include_usage, n = _common(body)
+    model, stream, include_usage, n = _common({k: v for k, v in body.items() if k != "suffix"})
     for name in ("tools", "tool_choice", "response_format", "top_logprobs"):
         if body.get(name) is not None:
             raise bad_request(f"'{name}' is for /v1/chat/completions", param=name, code="unsupported_parameter")
@@ -479,10 +481,15 @@ def parse_completion(body: dict, sampling: SamplingParams | None = None) -> Pars
         raise bad_request("'prompt' is required", param="prompt", code="missing_required_parameter")
     if not isinstance(prompt, str):
         raise _type_error("prompt", "a string (token arrays and batches are not supported)", prompt)
-    if prompt == "":
+    # with a suffix, a fill in the middle: the prompt is the text before the cursor (empty at a
+    # file's start), laid out as llama-server's /infill (engine/fim.py)
+    suffix = _text("suffix", body["suffix"]) if body.get("suffix") is not None else ""
+    if prompt == "" and not suffix:
         raise bad_request("'prompt' must not be empty", param="prompt", code="invalid_value")
+    text = _text("prompt", prompt)
     request = ChatRequest(
-        prompt=_text("prompt", prompt),
+        prompt=None if suffix else text,
+        infill=Infill(text, suffix) if suffix else None,
         sampling=_sampling(body, sampling),
         # OpenAI's legacy endpoint answers 16 tokens unless told otherwise
         max_tokens=_max_tokens(body, 16),
