@@ -11,6 +11,9 @@ prompt (tools.py). What each family's models write when they call:
 - mistral-v11 (tokenizers v11 on: Mistral Small 3.1+, Magistral, Devstral): `[TOOL_CALLS]name[ARGS]{...}` per call, one after
   another; v11 may put `[CALL_ID]id` before `[ARGS]`
 - phi4 (Phi-4-mini): `functools[{"name": ..., "arguments": {...}}, ...]`; the tools go in the system message's `tools` field
+- harmony (gpt-oss): a message to `functions.NAME` whose text is the arguments; the reasoning splitter
+  hands it on as `<|channel|>commentary to=functions.NAME<|message|>{...}`. Its markers are special
+  tokens the grammar sampler does not see as text, so no grammar holds it: its calls are parsed only
 
 Gemma 3's template takes no tools, so Gemma gets the generic format.
 """
@@ -49,6 +52,8 @@ class ToolFamily:
     args_key: str = "arguments"
     #: rendered through the model's own template (False: the generic system-prompt format)
     native: bool = True
+    #: a grammar can hold its calls (False where its syntax is special tokens: parsed only)
+    grammar: bool = True
 
 
 HERMES_CALL = CallSyntax("<tool_call>", "</tool_call>")
@@ -58,9 +63,10 @@ LLAMA3 = ToolFamily("llama3", (CallSyntax(""), CallSyntax("<|python_tag|>")), ("
 MISTRAL = ToolFamily("mistral", (CallSyntax("[TOOL_CALLS]", listed=True),), ("[TOOL_CALLS]",))
 MISTRAL_V11 = ToolFamily("mistral-v11", (CallSyntax("[TOOL_CALLS]", args_marker="[ARGS]", id_marker="[CALL_ID]"),), ("[ARGS]",))
 PHI4 = ToolFamily("phi4", (CallSyntax("functools", listed=True), CallSyntax("<|tool_call|>", "<|/tool_call|>", listed=True)), ("functools", "<|tool|>"))
+HARMONY = ToolFamily("harmony", (CallSyntax("<|channel|>commentary to=functions.", args_marker="<|message|>"),), ("to=functions.",), grammar=False)
 #: checked in this order: Mistral's and Llama's templates may also mention other families' texts
 #: (a v11 Mistral template writes [TOOL_CALLS] too)
-FAMILIES = (MISTRAL_V11, MISTRAL, LLAMA3, PHI4, HERMES)
+FAMILIES = (HARMONY, MISTRAL_V11, MISTRAL, LLAMA3, PHI4, HERMES)
 
 
 def family_for(template: str | None) -> ToolFamily:

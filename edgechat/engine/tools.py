@@ -103,9 +103,12 @@ def check_function(where: str, fn: dict, functions: list[dict]) -> dict:
     return {"name": name, "description": description, "parameters": params}
 
 
-def tool_grammar(tools: Tools, family: ToolFamily = GENERIC) -> Grammar:
+def tool_grammar(tools: Tools, family: ToolFamily = GENERIC) -> Grammar | None:
     """Well-formed calls to the offered functions (only the named one for a named choice), in
-    any of the family's call syntaxes."""
+    any of the family's call syntaxes; None for a family no grammar can hold (its calls are
+    parsed only)."""
+    if not family.grammar:
+        return None
     offered = tools.offered
     # checked per tool: each tool's $refs point into its own parameters
     rules = schema_rules([(f"args-{i}", f["parameters"]) for i, f in enumerate(offered)], "tools")
@@ -381,6 +384,7 @@ class ToolCallParser:
     def _reject(self, raw: str, used: int) -> None:
         """The text read as a call is content after all: its first `used` characters are."""
         self._held, self._syntax, self._skip, self._json = raw, None, max(1, used), None
+        self._bare = False  # it is content: a bare call can no longer be the whole answer
 
     def _read_fallback(self, syntax: CallSyntax, new: list[ToolCall], final: bool) -> bool:
         """A bare or fenced JSON call; False if it is not all there yet."""
