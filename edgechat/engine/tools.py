@@ -152,10 +152,12 @@ def _fallback_rules(offered: list[dict], many: bool) -> list[str]:
     or a list of them, with the whitespace a model writes in pretty JSON, then an optional
     closing fence."""
     repeat = f"{{0,{MAX_PARALLEL_CALLS - 1}}}" if many else ""
+    # after a fenced call, more calls each in a fence of its own (as small models write them)
+    more = f' (call-ws "```" "json"? call-ws json-call call-ws "```"){repeat}' if many else ""
     lines = [
-        'call-ws ::= [ \t\n]{0,24}',
+        r"call-ws ::= [ \t\n]{0,24}",
         f'json-calls ::= (json-call (call-ws json-call){repeat} | "[" call-ws json-call (call-ws "," call-ws json-call){repeat} call-ws "]")'
-        ' (call-ws "```")?',
+        f' (call-ws "```"{more})?',
         "json-call ::= " + " | ".join(f"json-call-{i}" for i in range(len(offered))),
     ]
     for i, f in enumerate(offered):
