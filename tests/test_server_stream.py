@@ -116,7 +116,8 @@ def _responses_calls(client: openai.OpenAI, model: str, choice: str, stream: boo
 
 def _messages_calls(client: anthropic.Anthropic, model: str, choice: str, stream: bool) -> list[tuple[str, dict]]:
     tool_choice = {"type": {"required": "any"}.get(choice, choice)}
-    args = {"model": model, "messages": ASK, "max_tokens": 80, "temperature": 0, "tool_choice": tool_choice,
+    # the installed client's signature leaves temperature out: it goes in the body as it is
+    args = {"model": model, "messages": ASK, "max_tokens": 80, "extra_body": {"temperature": 0}, "tool_choice": tool_choice,
             "tools": [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}]}
     if stream:
         with client.messages.stream(**args) as s:
