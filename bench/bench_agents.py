@@ -31,7 +31,7 @@ from edgechat.engine import ChatRequest, Engine, EngineConfig
 from edgechat.engine.metrics import percentile
 from edgechat.engine.request import SamplingParams
 from edgechat.loadgen import _one
-from edgechat.server.schemas import parse_chat
+from edgechat.server.openai_chat_api import parse_chat
 
 PROMPTS = ["Describe a city you like.", "Write a note to a friend about a trip.", "Explain what a compiler does."]
 #: long enough a string that the answer runs to max_tokens in every variant

@@ -185,7 +185,7 @@ def test_the_models_recommended_sampling_is_the_default(greedy_by_its_maker, smo
 
 def test_the_server_lays_a_request_over_the_models_recommended_sampling():
     from edgechat.engine.request import SamplingParams
-    from edgechat.server.schemas import parse_chat, parse_completion
+    from edgechat.server.openai_chat_api import parse_chat, parse_completion
 
     base = SamplingParams(temperature=0.0, top_k=7)
     user = [{"role": "user", "content": "hi"}]

@@ -13,7 +13,7 @@ from edgechat.engine.params import SAMPLING_LIMITS, check_sampling
 from edgechat.engine.request import SamplingParams
 from edgechat.errors import InvalidFieldError, UsageError
 from edgechat.server.errors import ApiError
-from edgechat.server.schemas import parse_chat, parse_completion
+from edgechat.server.openai_chat_api import parse_chat, parse_completion
 from edgechat.tui.config import CHAT_DEFAULTS, SAMPLING_SETTINGS, validate_settings
 
 USER = [{"role": "user", "content": "hi"}]

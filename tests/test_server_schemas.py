@@ -12,7 +12,8 @@ from edgechat.errors import EngineBusyError, EngineStoppedError, PromptTooLongEr
 from edgechat.loadgen import RequestResult, Run, make_prompt, prompt_token_targets, summarize
 from edgechat.server.degrade import DegradeSwitch
 from edgechat.server.errors import ApiError, from_engine_error
-from edgechat.server.schemas import decode_body, parse_chat, parse_completion
+from edgechat.server.fields import decode_body
+from edgechat.server.openai_chat_api import parse_chat, parse_completion
 
 USER = [{"role": "user", "content": "hi"}]
 

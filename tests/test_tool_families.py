@@ -29,7 +29,7 @@ from edgechat.engine.toolfamilies import (
 )
 from edgechat.engine.tools import ToolCallParser, _trigger, fallback_triggers, render_messages, tool_grammar
 from edgechat.server import ServerSettings, create_app
-from edgechat.server.schemas import parse_chat
+from edgechat.server.openai_chat_api import parse_chat
 from edgechat.server.tools import parse_tools
 
 MODEL = "smollm2-135m-instruct"

@@ -14,38 +14,28 @@ prefill) are refused; bookkeeping fields (metadata, service_tier, cache_control)
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edgechat.engine.request import ChatRequest, Finished, ImageInput, ToolCall
 from edgechat.engine.schema_grammar import check_schema
 from edgechat.engine.tools import NAME, Tools, tool_grammar
 from edgechat.errors import EdgechatError
-from edgechat.server import responses
-from edgechat.server.bridge import abandon
+from edgechat.server import fields, responses
+from edgechat.server.bridge import Part, Started
 from edgechat.server.errors import ApiError, bad_request, from_engine_error
+from edgechat.server.fields import ParsedRequest
 from edgechat.server.images import ImageReader
 from edgechat.server.images import content as content_of
 from edgechat.server.keepalive import keep_alive_seconds
-from edgechat.server.responses import KEEPALIVE
-from edgechat.server.schemas import (
-    ParsedRequest,
-    _describe,
-    _opt_bool,
-    _opt_float,
-    _opt_int,
-    _sampling,
-    _text,
-    _type_error,
-)
 from edgechat.server.settings import ServerSettings
+from edgechat.server.streaming import Wire, stream, whole
 
 #: Anthropic's error type for each HTTP status (any other 4xx is an invalid request, 5xx an api_error)
 _ERROR_TYPES = {
@@ -89,10 +79,10 @@ def _blocks(where: str, content: object) -> list[dict]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
-        raise _type_error(where, "a string or a list of content blocks", content)
+        raise fields.type_error(where, "a string or a list of content blocks", content)
     for j, block in enumerate(content):
         if not isinstance(block, dict):
-            raise _type_error(f"{where}[{j}]", "an object", block)
+            raise fields.type_error(f"{where}[{j}]", "an object", block)
     return content
 
 
@@ -101,7 +91,7 @@ def _refuse_block(where: str, kind: object) -> ApiError:
         return bad_request(f"{where}: image blocks go in a user message's content, not here", param=where)
     if kind == "document":
         return bad_request(f"{where}: document blocks are not supported here (send the text)", param=where)
-    return bad_request(f"{where}: unknown or misplaced content block type {_describe(kind)}", param=where)
+    return bad_request(f"{where}: unknown or misplaced content block type {fields.describe(kind)}", param=where)
 
 
 def _system(body: dict) -> str | None:
@@ -112,7 +102,7 @@ def _system(body: dict) -> str | None:
     for j, block in enumerate(_blocks("system", value)):
         if block.get("type") != "text":
             raise _refuse_block(f"system[{j}]", block.get("type"))
-        parts.append(_text(f"system[{j}].text", block.get("text")))
+        parts.append(fields.text(f"system[{j}].text", block.get("text")))
     return "\n\n".join(parts)
 
 
@@ -122,34 +112,34 @@ def _tool_result_text(where: str, block: dict) -> str:
     for j, part in enumerate(_blocks(f"{where}.content", "" if content is None else content)):
         if part.get("type") != "text":
             raise _refuse_block(f"{where}.content[{j}]", part.get("type"))
-        parts.append(_text(f"{where}.content[{j}].text", part.get("text")))
+        parts.append(fields.text(f"{where}.content[{j}].text", part.get("text")))
     text = "\n".join(parts)
     # tool messages have no error flag in any chat template: the model reads it in the text
-    return f"Error: {text}" if _opt_bool(block, "is_error") else text
+    return f"Error: {text}" if fields.opt_bool(block, "is_error") else text
 
 
 def _image(where: str, block: dict, images: ImageReader) -> ImageInput:
     """An image block's source: base64 data, or a URL (data: and file:// URLs; remote ones are refused)."""
     source = block.get("source")
     if not isinstance(source, dict):
-        raise _type_error(f"{where}.source", "an object", source)
+        raise fields.type_error(f"{where}.source", "an object", source)
     kind = source.get("type")
     if kind == "base64":
         return images.base64(f"{where}.source.data", source.get("data"))
     if kind == "url":
         return images.url(f"{where}.source.url", source.get("url"))
-    raise bad_request(f"{where}.source.type must be base64 or url, got {_describe(kind)} (files are not stored here)",
+    raise bad_request(f"{where}.source.type must be base64 or url, got {fields.describe(kind)} (files are not stored here)",
                       param=f"{where}.source.type")
 
 
 def _messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
     """Anthropic's messages -> the checked chat messages the OpenAI translator makes too
-    (schemas._messages): {role, content[, tool_calls | tool_call_id]}."""
+    (fields.messages): {role, content[, tool_calls | tool_call_id]}."""
     raw = body.get("messages")
     if raw is None:
         raise bad_request("messages: field required", param="messages")
     if not isinstance(raw, list):
-        raise _type_error("messages", "a list", raw)
+        raise fields.type_error("messages", "a list", raw)
     if not raw:
         raise bad_request("messages: at least one message is required", param="messages")
     if len(raw) > max_messages:
@@ -158,17 +148,17 @@ def _messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
     calls: set[str] = set()  # ids of the tool_use blocks earlier messages made
     for i, message in enumerate(raw):
         if not isinstance(message, dict):
-            raise _type_error(f"messages[{i}]", "an object", message)
+            raise fields.type_error(f"messages[{i}]", "an object", message)
         role = message.get("role")
         if role not in ("user", "assistant"):
-            raise bad_request(f"messages[{i}].role must be 'user' or 'assistant', got {_describe(role)}", param=f"messages[{i}].role")
+            raise bad_request(f"messages[{i}].role must be 'user' or 'assistant', got {fields.describe(role)}", param=f"messages[{i}].role")
         text: list = []  # the message's text and images so far, in order
         made: list[dict] = []
         answered = False
         for j, block in enumerate(_blocks(f"messages[{i}].content", message.get("content"))):
             kind, where = block.get("type"), f"messages[{i}].content[{j}]"
             if kind == "text":
-                text.append(_text(f"{where}.text", block.get("text")))
+                text.append(fields.text(f"{where}.text", block.get("text")))
             elif kind == "image" and role == "user":
                 text.append(_image(where, block, images))
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
@@ -179,7 +169,7 @@ def _messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
                 call_id = block.get("tool_use_id")
                 if not isinstance(call_id, str) or call_id not in calls:
                     raise bad_request(
-                        f"{where}.tool_use_id must be the id of a tool_use block an earlier assistant message made, got {_describe(call_id)}",
+                        f"{where}.tool_use_id must be the id of a tool_use block an earlier assistant message made, got {fields.describe(call_id)}",
                         param=f"{where}.tool_use_id",
                     )
                 if text:  # text before a result stays before it
@@ -203,11 +193,11 @@ def _messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
 def _tool_use(where: str, block: dict) -> dict:
     call_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
     if not isinstance(call_id, str) or not call_id:
-        raise _type_error(f"{where}.id", "a string", call_id)
+        raise fields.type_error(f"{where}.id", "a string", call_id)
     if not isinstance(name, str):
-        raise _type_error(f"{where}.name", "a string", name)
+        raise fields.type_error(f"{where}.name", "a string", name)
     if not isinstance(args, dict):
-        raise _type_error(f"{where}.input", "an object", args)
+        raise fields.type_error(f"{where}.input", "an object", args)
     return {"id": call_id, "name": name, "arguments": json.dumps(args, ensure_ascii=False)}
 
 
@@ -216,25 +206,25 @@ def _tools(body: dict) -> Tools | None:
     function), none; `disable_parallel_tool_use` is OpenAI's parallel_tool_calls off."""
     raw, choice = body.get("tools"), body.get("tool_choice")
     if choice is not None and not isinstance(choice, dict):
-        raise _type_error("tool_choice", "an object", choice)
+        raise fields.type_error("tool_choice", "an object", choice)
     choice = choice or {}
     kind: str = choice.get("type", "auto")
     if kind not in ("auto", "any", "tool", "none"):
         raise bad_request("tool_choice.type must be one of auto, any, tool, none", param="tool_choice.type")
-    parallel = not _opt_bool(choice, "disable_parallel_tool_use")
+    parallel = not fields.opt_bool(choice, "disable_parallel_tool_use")
     if raw is None or raw == []:
         if kind not in ("auto", "none"):
             raise bad_request(f"tool_choice.type {kind!r} needs 'tools'", param="tool_choice")
         return None
     if not isinstance(raw, list):
-        raise _type_error("tools", "a list", raw)
+        raise fields.type_error("tools", "a list", raw)
     functions: list[dict] = []
     for i, tool in enumerate(raw):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
-            raise _type_error(where, "an object", tool)
+            raise fields.type_error(where, "an object", tool)
         if tool.get("type", "custom") != "custom":
-            raise bad_request(f"{where}.type: only custom tools (with an input_schema) are offered here, not {_describe(tool.get('type'))}", param=f"{where}.type")
+            raise bad_request(f"{where}.type: only custom tools (with an input_schema) are offered here, not {fields.describe(tool.get('type'))}", param=f"{where}.type")
         name = tool.get("name")
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise bad_request(f"{where}.name must be 1-64 letters, digits, _ or -", param=f"{where}.name")
@@ -242,7 +232,7 @@ def _tools(body: dict) -> Tools | None:
             raise bad_request(f"{where}.name: '{name}' is offered twice", param=f"{where}.name")
         description = tool.get("description", "")
         if not isinstance(description, str):
-            raise _type_error(f"{where}.description", "a string", description)
+            raise fields.type_error(f"{where}.description", "a string", description)
         schema = tool.get("input_schema")
         if not isinstance(schema, dict) or schema.get("type") != "object":
             raise bad_request(f"{where}.input_schema must be a JSON Schema of type object", param=f"{where}.input_schema")
@@ -253,7 +243,7 @@ def _tools(body: dict) -> Tools | None:
         named = choice.get("name")
         if not any(f["name"] == named for f in functions):
             offered = ", ".join(f["name"] for f in functions)
-            raise bad_request(f"tool_choice.name {_describe(named)} is not in 'tools' ({offered})", param="tool_choice.name")
+            raise bad_request(f"tool_choice.name {fields.describe(named)} is not in 'tools' ({offered})", param="tool_choice.name")
     return Tools(functions, {"any": "required", "tool": "function"}.get(kind, kind), named, parallel)
 
 
@@ -264,7 +254,7 @@ def _reasoning_budget(body: dict, default: int | None) -> int | None:
     if value is None:
         return default
     if not isinstance(value, dict):
-        raise _type_error("thinking", "an object", value)
+        raise fields.type_error("thinking", "an object", value)
     kind = value.get("type")
     if kind == "disabled":
         return 0
@@ -272,7 +262,7 @@ def _reasoning_budget(body: dict, default: int | None) -> int | None:
         return None
     if kind != "enabled":
         raise bad_request("thinking.type must be enabled, disabled or adaptive", param="thinking.type")
-    budget = _opt_int({"thinking.budget_tokens": value.get("budget_tokens")}, "thinking.budget_tokens", lo=1)
+    budget = fields.opt_int({"thinking.budget_tokens": value.get("budget_tokens")}, "thinking.budget_tokens", lo=1)
     if budget is None:
         raise bad_request("thinking.budget_tokens: field required", param="thinking.budget_tokens")
     return budget
@@ -283,10 +273,10 @@ def _stop_sequences(body: dict) -> list[str]:
     if value is None:
         return []
     if not isinstance(value, list):
-        raise _type_error("stop_sequences", "a list of strings", value)
+        raise fields.type_error("stop_sequences", "a list of strings", value)
     if len(value) > MAX_STOP_SEQUENCES:
         raise bad_request(f"stop_sequences: {len(value)} strings, at most {MAX_STOP_SEQUENCES} here", param="stop_sequences")
-    stops = [_text(f"stop_sequences[{i}]", s) for i, s in enumerate(value)]
+    stops = [fields.text(f"stop_sequences[{i}]", s) for i, s in enumerate(value)]
     if "" in stops:
         raise bad_request("stop_sequences must not hold an empty string", param="stop_sequences")
     return stops
@@ -297,14 +287,14 @@ def parse_messages(body: dict, settings: ServerSettings, sampling=None, counting
     nothing generated)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise _type_error("model", "a string", model)
+        raise fields.type_error("model", "a string", model)
     max_tokens = None
     if not counting:
-        max_tokens = _opt_int(body, "max_tokens", lo=1)
+        max_tokens = fields.opt_int(body, "max_tokens", lo=1)
         if max_tokens is None:
             raise bad_request("max_tokens: field required", param="max_tokens")
     # Anthropic's temperature range is 0-1 (OpenAI's 0-2)
-    _opt_float(body, "temperature", 0.0, 1.0)
+    fields.opt_float(body, "temperature", 0.0, 1.0)
     tools = _tools(body)
     active = tools if tools is not None and tools.active else None
     messages = _messages(body, settings.max_messages, ImageReader(settings))
@@ -314,14 +304,14 @@ def parse_messages(body: dict, settings: ServerSettings, sampling=None, counting
     request = ChatRequest(
         messages=messages,
         tools=active,
-        sampling=_sampling({k: body[k] for k in ("temperature", "top_p", "top_k") if k in body}, sampling),
+        sampling=fields.sampling({k: body[k] for k in ("temperature", "top_p", "top_k") if k in body}, sampling),
         max_tokens=max_tokens,
         stop=_stop_sequences(body),
         reasoning_budget=_reasoning_budget(body, settings.reasoning_budget),
         split_reasoning=settings.reasoning_format != "none",
         grammar=tool_grammar(active) if active is not None else None,
     )
-    return ParsedRequest(request, model, _opt_bool(body, "stream"), False, 1, active, messages)
+    return ParsedRequest(request, model, fields.opt_bool(body, "stream"), False, 1, active, messages)
 
 
 # ---- engine events into Anthropic's shapes ---------------------------------------------------
@@ -404,7 +394,7 @@ class _Blocks:
 
 
 class MessagesApi:
-    """The two endpoints on a running server (app._Server: its admission, queue and models)."""
+    """The two endpoints on one app's Dispatcher (its admission, queue and models)."""
 
     def __init__(self, server):
         self.server = server
@@ -437,60 +427,42 @@ class MessagesApi:
         start = await server.launch(request, parsed, arrival)
         message_id = f"msg_{uuid.uuid4().hex}"
         if parsed.stream:
-            return StreamingResponse(self.stream(start, parsed, message_id), media_type="text/event-stream", headers=responses.SSE_HEADERS)
-        served, req, gens = await start
-        server.opened(served, parsed, req, "chat")
-        finished = await server.wait(request, gens)
-        if finished is None:
-            return Response(status_code=499)  # the client left; nobody reads this
-        return JSONResponse(message_body(message_id, served.id, server.choice(finished[0], parsed, served)))
+            return await stream(server, start, _Events(message_id))
+        started, finished = await whole(server, request, start)
+        end = finished[0]
+        return JSONResponse(message_body(message_id, started.served.id, responses.Choice(end, end.text, end.tool_calls)))
 
-    async def stream(self, start: asyncio.Future, parsed: ParsedRequest, message_id: str):
-        server, keepalive = self.server, self.server.settings.keepalive_s
-        try:
-            while not (await asyncio.wait({start}, timeout=keepalive))[0]:
-                yield KEEPALIVE  # its class's share, or the failover's first token, is still to come
-        except BaseException:
-            abandon(start)
-            raise
-        try:
-            served, req, gens = start.result()
-        except ApiError as exc:
-            yield error_event(exc)
-            return
-        server.opened(served, parsed, req, "chat")
-        gen = gens[0]
-        usage = {"input_tokens": gen.prompt_tokens, "output_tokens": 0}
-        yield event("message_start", message={"id": message_id, "type": "message", "role": "assistant", "content": [], "model": served.id,
-                                              "stop_reason": None, "stop_sequence": None, "usage": usage})
-        yield event("ping")
-        blocks, calls, finished = _Blocks(), [], None
-        try:
-            while finished is None:
-                batch = await gen.batch(keepalive)
-                if batch.idle:
-                    yield event("ping")
-                    continue
-                if batch.expired:
-                    yield error_event(ApiError(504, "the request timed out and was cancelled", type="timeout", code="timeout"))
-                    return
-                thought, text, finished = batch.thought, batch.text, batch.finished
-                for out in (blocks.delta("thinking", thought) if thought else []) + (blocks.delta("text", text) if text else []):
-                    yield out
-                for call in batch.calls:
-                    server.metrics.tool_calls.inc()
-                    calls.append(call)
-                    for out in blocks.tool_use(call):
-                        yield out
-            if finished.reason not in ("stop", "length"):
-                yield error_event(ApiError(500, finished.error or f"the generation ended: {finished.reason}", type="server_error"))
-                return
-            stop_reason, stop_sequence = _stop_reason(finished, calls)
-            for out in blocks.stop():
-                yield out
-            yield event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence}, usage=_usage(finished))
-            yield event("message_stop")
-        finally:
-            # the client left (the task was cancelled), or it timed out: free the sequence now
-            if finished is None:
-                gen.handle.cancel()
+
+class _Events(Wire):
+    """A streamed message's events: message_start, its content blocks, message_delta and
+    message_stop; pings while nothing else is due once it started (keep-alive comments before)."""
+
+    def __init__(self, message_id: str):
+        self.message_id = message_id
+        self.blocks = _Blocks()
+        self.calls: list[ToolCall] = []
+
+    def opened(self, started: Started) -> list[str]:
+        usage = {"input_tokens": started.gens[0].prompt_tokens, "output_tokens": 0}
+        return [event("message_start", message={"id": self.message_id, "type": "message", "role": "assistant", "content": [],
+                                                "model": started.served.id, "stop_reason": None, "stop_sequence": None, "usage": usage}),
+                event("ping")]
+
+    def idle(self) -> list[str]:
+        return [event("ping")]
+
+    def part(self, part: Part) -> list[str]:
+        blocks = self.blocks
+        out = (blocks.delta("thinking", part.thought) if part.thought else []) + (blocks.delta("text", part.text) if part.text else [])
+        for call in part.calls:
+            self.calls.append(call)
+            out += blocks.tool_use(call)
+        return out
+
+    async def end(self, finished: list[Finished]) -> list[str]:
+        stop_reason, stop_sequence = _stop_reason(finished[0], self.calls)
+        return [*self.blocks.stop(), event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                           usage=_usage(finished[0])), event("message_stop")]
+
+    def error(self, exc: ApiError) -> list[str]:
+        return [error_event(exc)]

@@ -2,7 +2,9 @@
 
 The engine calls back on its own thread; one `LoopWaker` per event loop carries every stream's
 events into it (a stream's first event and its end at once, the tokens between on the loop's own
-timer), where a handler awaits `finished` or reads `events`.
+timer), where a handler awaits `finished` or reads them with `batch()`. A request's `Lease` (its
+hold on its model) and `Started` (what the dispatcher's launch gives) live here, beside the
+Generation that carries them, so the dispatcher and every API import them from below.
 """
 
 from __future__ import annotations
@@ -13,13 +15,20 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, NamedTuple
 
-from edgechat.engine.request import Event, Finished, RequestHandle, TextDelta, TokenLogprob, ToolCall, ToolCallEvent
+from edgechat.engine.pool import ModelPool
+from edgechat.engine.request import (
+    ChatRequest,
+    Event,
+    Finished,
+    RequestHandle,
+    TextDelta,
+    TokenLogprob,
+    ToolCall,
+    ToolCallEvent,
+)
 from edgechat.server.priority import Ticket
-
-if TYPE_CHECKING:
-    from edgechat.server.app import _Lease
 
 #: while streams run, the event loop takes their events this often, on its own timer: 20 updates
 #: a second read as smooth text, and on 2 cores every chunk the loop streams is CPU taken from
@@ -118,9 +127,8 @@ class Generation:
         #: its priority class, and the units of that class's share it holds (None: no classes)
         self.priority = "default"
         self.ticket: Ticket | None = None
-        #: its request's hold on the model (app._Lease): dropped when it ends, so the model is
-        #: never unloaded under it
-        self.lease: _Lease | None = None
+        #: its request's hold on the model: dropped when it ends, so the model is never unloaded under it
+        self.lease: Lease | None = None
         #: the prompt's length in tokens, as built for that model (known before the first event)
         self.prompt_tokens = 0
         self.submitted = time.monotonic()
@@ -144,52 +152,90 @@ class Generation:
         return max(0.0, self.deadline - time.monotonic())
 
     async def batch(self, keepalive: float | None = None) -> Batch:
-        """What the engine sent since the last call, waiting for at least one event: under load
-        several tokens queue up between two writes, and every API sends them as one. Waits at
-        most `keepalive` seconds (an idle batch, for the stream's keep-alive) and never past the
-        deadline (an expired batch: the request is cancelled)."""
+        """What the engine sent since the last call, for every choice sharing this queue,
+        waiting for at least one event: under load several tokens queue up between two writes,
+        and every API sends them as one. Waits at most `keepalive` seconds (an idle batch, for
+        the stream's keep-alive) and never past the deadline (an expired batch: the caller
+        cancels the request)."""
         remaining = self.remaining()
         try:
-            _, event = await asyncio.wait_for(self.events.get(), remaining if keepalive is None else min(remaining, keepalive))
+            first = await asyncio.wait_for(self.events.get(), remaining if keepalive is None else min(remaining, keepalive))
         except asyncio.TimeoutError:
-            if keepalive is not None and remaining > keepalive:
-                return Batch(idle=True)
-            self.time_out()
-            return Batch(expired=True)
-        events = [event]
-        while not self.events.empty():
-            events.append(self.events.get_nowait()[1])
-        deltas = [e for e in events if isinstance(e, TextDelta)]
-        answer = [d for d in deltas if not d.reasoning]
-        return Batch("".join(d.text for d in deltas if d.reasoning), "".join(d.text for d in answer),
-                     next((e for e in events if isinstance(e, Finished)), None),
-                     logprobs=[e for d in answer for e in d.logprobs or ()] if any(d.logprobs is not None for d in answer) else None,
-                     calls=[e.call for e in events if isinstance(e, ToolCallEvent)])
+            return Batch(idle=True) if keepalive is not None and remaining > keepalive else Batch(expired=True)
+        by_choice: dict[int, list[Event]] = {}
+        for index, event in [first, *(self.events.get_nowait() for _ in range(self.events.qsize()))]:
+            by_choice.setdefault(index, []).append(event)
+        return Batch([_part(index, events) for index, events in sorted(by_choice.items())])
 
     def time_out(self) -> None:
         self.timed_out = True
         self.handle.cancel()
 
 
+class Lease:
+    """A request's hold on its model: taken before it is built, given back when its last
+    choice ends (or it fails before any is submitted), so the pool never unloads it under them."""
+
+    def __init__(self, pool: ModelPool, name: str, keep_alive: float | None):
+        self.pool, self.name, self.keep_alive = pool, name, keep_alive
+        self.count = 1  # the launch's own, dropped once its choices are submitted (or not)
+
+    def hold(self) -> None:
+        self.count += 1
+
+    def drop(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self.pool.release(self.name, self.keep_alive)
+
+
+class Started(NamedTuple):
+    """A launched request under way: the model answering (the dispatcher's Served: the
+    fallback's after a failover), its request as built for that model, a Generation per choice."""
+
+    served: Any
+    request: ChatRequest
+    gens: list[Generation]
+
+
 def abandon(start: asyncio.Future) -> None:
-    """The client left while its launched request (`_Server.launch`'s task, giving the model,
-    its request and its Generations) still waited: it leaves its class's queue, or, if it had
-    just started, its answers are cancelled."""
+    """The client left while its launched request (the dispatcher's launch task, giving its
+    Started) still waited: it leaves its class's queue, or, if it had just started, its answers
+    are cancelled."""
     if not start.cancel() and not start.cancelled() and start.exception() is None:
-        for gen in start.result()[2]:
+        for gen in start.result().gens:
             gen.handle.cancel()
 
 
 @dataclass
-class Batch:
-    """One Generation.batch(): the thoughts and the answer text that came, and the end if it came."""
+class Part:
+    """One choice's share of a Batch: the thoughts and the answer text that came, the calls it
+    made and the end if it came."""
 
+    index: int = 0
     thought: str = ""
     text: str = ""
     finished: Finished | None = None
-    idle: bool = False
-    expired: bool = False
     #: with ChatRequest.logprobs: those of the answer's tokens that came (None: not asked for)
     logprobs: list[TokenLogprob] | None = None
     #: with tools declared: the calls the answer made in this batch, in order
     calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass
+class Batch:
+    """One Generation.batch(): a Part per choice that had events, in index order; or nothing
+    yet (`idle`: the keep-alive's time came) or nothing in time (`expired`: the deadline)."""
+
+    parts: list[Part] = field(default_factory=list)
+    idle: bool = False
+    expired: bool = False
+
+
+def _part(index: int, events: list[Event]) -> Part:
+    deltas = [e for e in events if isinstance(e, TextDelta)]
+    answer = [d for d in deltas if not d.reasoning]
+    return Part(index, "".join(d.text for d in deltas if d.reasoning), "".join(d.text for d in answer),
+                next((e for e in events if isinstance(e, Finished)), None),
+                logprobs=[e for d in answer for e in d.logprobs or ()] if any(d.logprobs is not None for d in answer) else None,
+                calls=[e.call for e in events if isinstance(e, ToolCallEvent)])

@@ -18,8 +18,8 @@ from starlette.routing import Route
 
 from edgechat.engine.embeddings import EmbeddingInputError, EmbeddingJob
 from edgechat.errors import EdgechatError
+from edgechat.server import fields
 from edgechat.server.errors import ApiError, bad_request, from_engine_error
-from edgechat.server.schemas import _text, _type_error, model_field
 
 #: how often a waiting request checks that its client is still there
 DISCONNECT_POLL_S = 0.5
@@ -83,13 +83,13 @@ async def _run(server, request: Request, submit: Callable[[Callable], EmbeddingJ
 def parse_input(value: object) -> list:
     """`input`: a string, an array of strings, an array of token ids or an array of token arrays."""
     if isinstance(value, str):
-        return [_text("input", value)]
+        return [fields.text("input", value)]
     if not isinstance(value, list):
-        raise _type_error("input", "a string or an array", value)
+        raise fields.type_error("input", "a string or an array", value)
     if not value:
         raise bad_request("'input' is empty: there is nothing to embed", param="input", code="invalid_value")
     if all(isinstance(v, str) for v in value):
-        return [_text(f"input[{i}]", v) for i, v in enumerate(value)]
+        return [fields.text(f"input[{i}]", v) for i, v in enumerate(value)]
     if all(_is_id(v) for v in value):
         return [value]
     for i, v in enumerate(value):
@@ -115,7 +115,7 @@ def _is_id(value: object) -> bool:
 
 
 class EmbeddingsApi:
-    """The /v1/embeddings route on one app's _Server."""
+    """The /v1/embeddings route on one app's Dispatcher."""
 
     def __init__(self, server):
         self.server = server
@@ -128,12 +128,12 @@ class EmbeddingsApi:
         """llama-server's /rerank (Jina's and Cohere's shape): `query`, `documents`, `top_n` ->
         `results` [{index, relevance_score}], best first; a model that is not a reranker is a 400."""
         body = await self.server.read_body(request)
-        served = self.server.find_model(model_field(body))
-        query = _text("query", body.get("query"))
+        served = self.server.find_model(fields.model_field(body))
+        query = fields.text("query", body.get("query"))
         documents = body.get("documents")
         if not isinstance(documents, list) or not documents:
             raise bad_request("'documents' must be a non-empty array of strings", param="documents", code="invalid_value")
-        documents = [_text(f"documents[{i}]", d) for i, d in enumerate(documents)]
+        documents = [fields.text(f"documents[{i}]", d) for i, d in enumerate(documents)]
         top_n = body.get("top_n")
         if top_n is not None and (not _is_id(top_n) or top_n < 1):
             raise bad_request("'top_n' must be a positive integer", param="top_n", code="invalid_value")
@@ -144,7 +144,7 @@ class EmbeddingsApi:
 
     async def embeddings(self, request: Request) -> Response:
         body = await self.server.read_body(request)
-        served = self.server.find_model(model_field(body))
+        served = self.server.find_model(fields.model_field(body))
         inputs = parse_input(body.get("input"))
         encoding = body.get("encoding_format", "float")
         if encoding not in ("float", "base64"):

@@ -13,36 +13,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edgechat import __version__
 from edgechat.engine.fim import DEFAULT_FILENAME, Infill
 from edgechat.engine.request import ChatRequest, Finished, SamplingParams, TokenLogprob
 from edgechat.errors import UsageError
-from edgechat.server import responses
+from edgechat.server import fields, responses
+from edgechat.server.bridge import Part, Started
 from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.fields import ParsedRequest
 from edgechat.server.images import ImageReader
-from edgechat.server.schemas import (
-    MAX_TOP_LOGPROBS,
-    ParsedRequest,
-    _messages,
-    _opt_bool,
-    _opt_int,
-    _reasoning_budget,
-    _refuse_unsupported,
-    _sampling,
-    _stop,
-    _template_kwargs,
-    _text,
-    _type_error,
-    extension_grammar,
-    model_field,
-)
+from edgechat.server.streaming import Wire, sse, stream, whole
 from edgechat.server.tools import parse_tools
 
 PATHS = frozenset({"/completion", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props"})
@@ -80,8 +66,8 @@ def parse_completion(body: dict, server) -> ParsedRequest:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
-        raise _type_error("prompt", "a string (token prompts are not supported)", prompt)
-    return _generation(body, server, prompt=_text("prompt", prompt))
+        raise fields.type_error("prompt", "a string (token prompts are not supported)", prompt)
+    return _generation(body, server, prompt=fields.text("prompt", prompt))
 
 
 def parse_infill(body: dict, server) -> ParsedRequest:
@@ -95,69 +81,69 @@ def parse_infill(body: dict, server) -> ParsedRequest:
     if extra is None:
         extra = []
     if not isinstance(extra, list):
-        raise _type_error("input_extra", 'an array of {"filename": string, "text": string}', extra)
+        raise fields.type_error("input_extra", 'an array of {"filename": string, "text": string}', extra)
     chunks = []
     for i, chunk in enumerate(extra):
         where = f"input_extra[{i}]"
         if not isinstance(chunk, dict):
-            raise _type_error(where, 'an object {"filename": string, "text": string}', chunk)
+            raise fields.type_error(where, 'an object {"filename": string, "text": string}', chunk)
         filename = chunk.get("filename")
-        chunks.append((DEFAULT_FILENAME if filename is None else _text(f"{where}.filename", filename),
-                       _text(f"{where}.text", chunk.get("text"))))
+        chunks.append((DEFAULT_FILENAME if filename is None else fields.text(f"{where}.filename", filename),
+                       fields.text(f"{where}.text", chunk.get("text"))))
     prompt = body.get("prompt")
-    infill = Infill(_text("input_prefix", body["input_prefix"]), _text("input_suffix", body["input_suffix"]), tuple(chunks),
-                    "" if prompt is None else _text("prompt", prompt))
+    infill = Infill(fields.text("input_prefix", body["input_prefix"]), fields.text("input_suffix", body["input_suffix"]), tuple(chunks),
+                    "" if prompt is None else fields.text("prompt", prompt))
     return _generation(body, server, infill=infill)
 
 
-def _generation(body: dict, server, **fields) -> ParsedRequest:
-    """The request of a /completion or /infill body, `fields` saying what to answer."""
+def _generation(body: dict, server, **what) -> ParsedRequest:
+    """The request of a /completion or /infill body, `what` saying what to answer."""
     # what would change the answer and is not served (logit_bias, mirostat, ...) is refused, as on
     # every API; n_probs is served here
-    _refuse_unsupported({k: v for k, v in body.items() if k != "n_probs"})
-    if _opt_bool(body, "post_sampling_probs"):
+    fields.refuse_unsupported({k: v for k, v in body.items() if k != "n_probs"})
+    if fields.opt_bool(body, "post_sampling_probs"):
         # the engine reads the model's distribution before any sampler: probabilities after
         # top-k/top-p would be different numbers under the same names
         raise bad_request("'post_sampling_probs' is not supported; leave it out for the model's own log probabilities (n_probs)",
                           param="post_sampling_probs", code="unsupported_parameter")
-    n_probs = _opt_int(body, "n_probs", lo=0, hi=MAX_TOP_LOGPROBS)
-    n_predict = _opt_int(body, "n_predict")
-    t_max_predict_ms = _opt_int(body, "t_max_predict_ms")
+    n_probs = fields.opt_int(body, "n_probs", lo=0, hi=fields.MAX_TOP_LOGPROBS)
+    n_predict = fields.opt_int(body, "n_predict")
+    t_max_predict_ms = fields.opt_int(body, "t_max_predict_ms")
     request = ChatRequest(
-        sampling=_sampling(body, server.defaults_for(model_field(body))),
+        sampling=fields.sampling(body, server.defaults_for(fields.model_field(body))),
         # -1 (llama-server's default): until the end of text
         max_tokens=n_predict if n_predict is not None and n_predict >= 0 else None,
-        stop=_stop(body),
-        ignore_eos=_opt_bool(body, "ignore_eos"),
-        grammar=extension_grammar(body),
+        stop=fields.stop(body),
+        ignore_eos=fields.opt_bool(body, "ignore_eos"),
+        grammar=fields.extension_grammar(body),
         logprobs=n_probs or None,  # llama-server's default 0: none
         # -1 or 0 (llama-server's default -1): no time limit
         line_time_limit=t_max_predict_ms / 1000 if t_max_predict_ms is not None and t_max_predict_ms > 0 else None,
-        **fields,
+        **what,
     )
     if request.max_tokens == 0:
         raise bad_request("'n_predict' must be -1 or at least 1", param="n_predict", code="invalid_value")
-    return ParsedRequest(request, model_field(body), _opt_bool(body, "stream"), False,
+    return ParsedRequest(request, fields.model_field(body), fields.opt_bool(body, "stream"), False,
                          client_grammar=bool(body.get("grammar")))
 
 
 def response_fields(body: dict) -> list[str]:
     """`response_fields`: the answer's fields to return, a slash reaching into a nested one
     (`timings/prompt_n`, returned under that name); none: every field."""
-    fields = body.get("response_fields")
-    if fields is None:
+    wanted = body.get("response_fields")
+    if wanted is None:
         return []
-    if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
-        raise _type_error("response_fields", "an array of strings", fields)
-    return fields
+    if not isinstance(wanted, list) or not all(isinstance(f, str) for f in wanted):
+        raise fields.type_error("response_fields", "an array of strings", wanted)
+    return wanted
 
 
-def pick_fields(answer: dict, fields: list[str]) -> dict:
+def pick_fields(answer: dict, wanted: list[str]) -> dict:
     """The fields asked for (llama-server's response_fields): those the answer lacks are left out."""
-    if not fields:
+    if not wanted:
         return answer
     out = {}
-    for path in fields:
+    for path in wanted:
         value: object = answer
         for key in path.split("/"):
             if not isinstance(value, dict) or key not in value:
@@ -204,7 +190,7 @@ def _stop_type(finished: Finished) -> str:
 
 
 class LlamaCppApi:
-    """llama-server's native routes on one app's _Server."""
+    """llama-server's native routes on one app's Dispatcher."""
 
     def __init__(self, server):
         self.server = server
@@ -247,11 +233,11 @@ class LlamaCppApi:
     @_llamacpp_errors
     async def tokenize(self, request: Request) -> Response:
         body = await self.server.read_body(request)
-        content = _text("content", body.get("content"))
-        add_bos = _opt_bool(body, "add_special")
-        parse_special = body.get("parse_special") is None or _opt_bool(body, "parse_special")
-        with_pieces = _opt_bool(body, "with_pieces")
-        async with self.model(model_field(body)) as (_, engine):
+        content = fields.text("content", body.get("content"))
+        add_bos = fields.opt_bool(body, "add_special")
+        parse_special = body.get("parse_special") is None or fields.opt_bool(body, "parse_special")
+        with_pieces = fields.opt_bool(body, "with_pieces")
+        async with self.model(fields.model_field(body)) as (_, engine):
             if parse_special:
                 tokens = await run_in_threadpool(engine.prompt_text_tokens, content, add_bos)
             else:
@@ -267,19 +253,19 @@ class LlamaCppApi:
         body = await self.server.read_body(request)
         tokens = body.get("tokens", [])
         if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
-            raise _type_error("tokens", "a list of token ids", tokens)
-        async with self.model(model_field(body)) as (_, engine):
+            raise fields.type_error("tokens", "a list of token ids", tokens)
+        async with self.model(fields.model_field(body)) as (_, engine):
             return JSONResponse({"content": await run_in_threadpool(engine.detokenize, tokens)})
 
     @_llamacpp_errors
     async def apply_template(self, request: Request) -> Response:
         body = await self.server.read_body(request)
-        messages = _messages(body, self.server.settings.max_messages, ImageReader(self.server.settings))
-        generation_prompt = body.get("add_generation_prompt") is None or _opt_bool(body, "add_generation_prompt")
+        messages = fields.messages(body, self.server.settings.max_messages, ImageReader(self.server.settings))
+        generation_prompt = body.get("add_generation_prompt") is None or fields.opt_bool(body, "add_generation_prompt")
         # as a chat request's prompt is rendered: its tools, the thinking switch, the client's template variables
-        chat = ChatRequest(messages=messages, tools=parse_tools(body), template_kwargs=_template_kwargs(body),
-                           reasoning_budget=_reasoning_budget(body, self.server.settings.reasoning_budget))
-        async with self.model(model_field(body)) as (_, engine):
+        chat = ChatRequest(messages=messages, tools=parse_tools(body), template_kwargs=fields.template_kwargs(body),
+                           reasoning_budget=fields.reasoning_budget(body, self.server.settings.reasoning_budget))
+        async with self.model(fields.model_field(body)) as (_, engine):
             prompt = await run_in_threadpool(engine.prompts.text, chat, generation_prompt)
         return JSONResponse({"prompt": prompt})
 
@@ -297,74 +283,71 @@ class LlamaCppApi:
 
     async def answer(self, request: Request, body: dict, parsed: ParsedRequest, arrival: float) -> Response:
         """/completion's answer (and /infill's), whole or streamed."""
-        return_tokens = _opt_bool(body, "return_tokens")
-        fields = response_fields(body)
+        return_tokens = fields.opt_bool(body, "return_tokens")
+        wanted = response_fields(body)
         req = parsed.request
         prompt = req.prompt or ""
         if req.infill is not None:
             # the prompt as llama-server reports a fill's: its tokens' text, markers written out
             async with self.model(parsed.model) as (_, engine):
                 prompt = await run_in_threadpool(lambda: engine.detokenize(engine.prompt_tokens(req), special=True))
-        served, req, gens = await (await self.server.launch(request, parsed, arrival))
-        self.server.opened(served, parsed, req, "text")
-        gen = gens[0]
+        start = await self.server.launch(request, parsed, arrival)
         if parsed.stream:
-            return StreamingResponse(self.events(gen, served, req, prompt, fields), media_type="text/event-stream",
-                                     headers=responses.SSE_HEADERS)
-        finished = await self.server.wait(request, gens)
-        if finished is None:
-            # the client left; nobody reads this
-            return Response(status_code=499)
+            return await stream(self.server, start, _Chunks(prompt, wanted))
+        started, finished = await whole(self.server, request, start)
         end = finished[0]
-        answer = self.end(end, end.text, served, req, prompt, stream=False, tokens=end.token_ids if return_tokens else [])
+        answer = _answer(end, end.text, started, prompt, streamed=False, tokens=end.token_ids if return_tokens else [])
         if end.logprobs is not None:
             answer["completion_probabilities"] = probabilities(end.logprobs)
-        return JSONResponse(pick_fields(answer, fields))
+        return JSONResponse(pick_fields(answer, wanted))
 
-    def end(self, finished: Finished, content: str, served, req: ChatRequest, prompt: str, stream: bool, tokens: list[int]) -> dict:
-        m = finished.metrics
-        return {
-            "index": 0,
-            "content": content,
-            "tokens": tokens,
-            "id_slot": 0,
-            "stop": True,
-            "model": served.id,
-            "tokens_predicted": m.completion_tokens,
-            "tokens_evaluated": m.prompt_tokens,
-            "tokens_cached": m.cached_tokens,
-            "generation_settings": generation_settings(req, stream),
-            "prompt": prompt,
-            "has_new_line": "\n" in finished.text,
-            "truncated": False,
-            "stop_type": _stop_type(finished),
-            "stopping_word": finished.stop_sequence or "",
-            "timings": responses.timings(m),
-        }
 
-    async def events(self, gen, served, req: ChatRequest, prompt: str, fields: list[str]) -> AsyncIterator[str]:
-        """The SSE stream: `{"content", "stop": false}` per batch of tokens, then the counts with `"stop": true`."""
-        try:
-            while True:
-                batch = await gen.batch()
-                if batch.expired:
-                    yield responses.sse(error_body(ApiError(504, "the request timed out and was cancelled", type="timeout")))
-                    return
-                finished = batch.finished
-                text = batch.thought + batch.text  # this API has no thoughts of its own: they come first, as written
-                if text or batch.logprobs:
-                    chunk = {"index": 0, "content": text, "stop": False, "id_slot": 0}
-                    if batch.logprobs is not None:
-                        chunk.update(tokens=[e.id for e in batch.logprobs], completion_probabilities=probabilities(batch.logprobs))
-                    yield responses.sse(chunk)
-                if finished is not None:
-                    if finished.reason not in ("stop", "length"):
-                        message = finished.error or f"the generation ended: {finished.reason}"
-                        yield responses.sse(error_body(ApiError(500, message, type="server_error")))
-                    else:
-                        yield responses.sse(pick_fields(self.end(finished, "", served, req, prompt, stream=True, tokens=[]), fields))
-                    return
-        finally:
-            # the client left (the task was cancelled) or the request timed out: free the sequence now
-            if not gen.finished.done():
-                gen.handle.cancel()
+class _Chunks(Wire):
+    """/completion's SSE stream: `{"content", "stop": false}` per batch of tokens, then the counts
+    with `"stop": true`; keep-alive comments while queued (llama.cpp's clients read `data:` lines
+    only)."""
+
+    def __init__(self, prompt: str, wanted: list[str]):
+        self.prompt, self.wanted = prompt, wanted
+
+    def opened(self, started: Started) -> list[str]:
+        self.started = started
+        return []
+
+    def part(self, part: Part) -> list[str]:
+        text = part.thought + part.text  # this API has no thoughts of its own: they come first, as written
+        if not text and not part.logprobs:
+            return []
+        chunk = {"index": 0, "content": text, "stop": False, "id_slot": 0}
+        if part.logprobs is not None:
+            chunk.update(tokens=[e.id for e in part.logprobs], completion_probabilities=probabilities(part.logprobs))
+        return [sse(chunk)]
+
+    async def end(self, finished: list[Finished]) -> list[str]:
+        return [sse(pick_fields(_answer(finished[0], "", self.started, self.prompt, streamed=True, tokens=[]), self.wanted))]
+
+    def error(self, exc: ApiError) -> list[str]:
+        return [sse(error_body(exc))]
+
+
+def _answer(finished: Finished, content: str, started: Started, prompt: str, streamed: bool, tokens: list[int]) -> dict:
+    """The answer's body (a stream's last event, without its text)."""
+    m = finished.metrics
+    return {
+        "index": 0,
+        "content": content,
+        "tokens": tokens,
+        "id_slot": 0,
+        "stop": True,
+        "model": started.served.id,
+        "tokens_predicted": m.completion_tokens,
+        "tokens_evaluated": m.prompt_tokens,
+        "tokens_cached": m.cached_tokens,
+        "generation_settings": generation_settings(started.request, streamed),
+        "prompt": prompt,
+        "has_new_line": "\n" in finished.text,
+        "truncated": False,
+        "stop_type": _stop_type(finished),
+        "stopping_word": finished.stop_sequence or "",
+        "timings": responses.timings(m),
+    }

@@ -32,22 +32,15 @@ from edgechat.engine.reasoning import reasoning_format
 from edgechat.engine.request import ChatRequest, Finished, ImageInput
 from edgechat.errors import EdgechatError, ModelNotFoundError, UsageError
 from edgechat.models import hub
+from edgechat.server import fields
+from edgechat.server.bridge import Part, Started
 from edgechat.server.embeddings_api import check_dimensions, embed
 from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.fields import ParsedRequest
 from edgechat.server.images import ImageReader
 from edgechat.server.images import content as content_of
 from edgechat.server.keepalive import keep_alive_seconds
-from edgechat.server.schemas import (
-    REASONING_EFFORT,
-    ParsedRequest,
-    _messages,
-    _opt_bool,
-    _opt_int,
-    _sampling,
-    _stop,
-    _text,
-    _type_error,
-)
+from edgechat.server.streaming import Wire, stream, whole
 from edgechat.server.structured import response_format_grammar
 
 #: the Ollama API version whose fields this follows; clients gate features on it (`think` came in 0.9)
@@ -97,7 +90,7 @@ def _options(body: dict) -> dict:
     if options is None:
         return {}
     if not isinstance(options, dict):
-        raise _type_error("options", "an object", options)
+        raise fields.type_error("options", "an object", options)
     return options
 
 
@@ -121,21 +114,21 @@ def _reasoning_budget(body: dict, default: int | None) -> int | None:
     if isinstance(think, bool):
         return None if think else 0
     if think in ("low", "medium", "high"):
-        return REASONING_EFFORT[think]
+        return fields.REASONING_EFFORT[think]
     raise bad_request("'think' must be true, false, \"low\", \"medium\" or \"high\"", param="think", code="invalid_value")
 
 
-def _request(body: dict, options: dict, server, **fields) -> ChatRequest:
-    """The ChatRequest of a chat or generate body, `fields` saying what to answer."""
-    num_predict = _opt_int(options, "num_predict")
+def _request(body: dict, options: dict, server, **what) -> ChatRequest:
+    """The ChatRequest of a chat or generate body, `what` saying what to answer."""
+    num_predict = fields.opt_int(options, "num_predict")
     request = ChatRequest(
-        sampling=_sampling(options, server.defaults_for(_model(body))),
+        sampling=fields.sampling(options, server.defaults_for(_model(body))),
         # -1: until the end of text, -2: until the context is full (both: no cap of our own)
         max_tokens=num_predict if num_predict is not None and num_predict > 0 else None,
-        stop=_stop(options),
+        stop=fields.stop(options),
         reasoning_budget=_reasoning_budget(body, server.settings.reasoning_budget),
         grammar=_format_grammar(body.get("format")),
-        **fields,
+        **what,
     )
     request.split_reasoning = server.settings.reasoning_format != "none"
     return request
@@ -152,13 +145,13 @@ def _expires(unload_at: float | None) -> str:
 def _model(body: dict) -> str | None:
     model = body.get("model", body.get("name"))
     if model is not None and not isinstance(model, str):
-        raise _type_error("model", "a string", model)
+        raise fields.type_error("model", "a string", model)
     return model
 
 
 def _stream(body: dict) -> bool:
     # Ollama streams unless told not to
-    return body.get("stream") is None or _opt_bool(body, "stream")
+    return body.get("stream") is None or fields.opt_bool(body, "stream")
 
 
 def _images(body: dict, where: str, images: ImageReader) -> list[ImageInput]:
@@ -167,7 +160,7 @@ def _images(body: dict, where: str, images: ImageReader) -> list[ImageInput]:
     if value is None:
         return []
     if not isinstance(value, list):
-        raise _type_error(where, "a list of base64 strings", value)
+        raise fields.type_error(where, "a list of base64 strings", value)
     return [images.base64(f"{where}[{k}]", v) for k, v in enumerate(value)]
 
 
@@ -180,7 +173,7 @@ def parse_chat(body: dict, server) -> ParsedRequest:
             if isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool"):
                 raise bad_request(f"messages[{i}]: tool calls and results are served on /v1/chat/completions", param=f"messages[{i}]")
     images = ImageReader(server.settings)
-    checked = _messages(body, server.settings.max_messages, images)
+    checked = fields.messages(body, server.settings.max_messages, images)
     for i, (m, out) in enumerate(zip(body["messages"], checked, strict=True)):
         pictures = _images(m, f"messages[{i}].images", images)
         if pictures and out["role"] != "user":
@@ -196,25 +189,25 @@ def parse_generate(body: dict, server) -> ParsedRequest:
     _refuse(body, "template", "the model's own chat template is used")
     _refuse(body, "context", "send the conversation as messages to /api/chat")
     _refuse(body, "logprobs", "log probabilities are served on /v1/completions")
-    prompt = _text("prompt", body.get("prompt", ""))
+    prompt = fields.text("prompt", body.get("prompt", ""))
     pictures = _images(body, "images", ImageReader(server.settings))
-    suffix = _text("suffix", body["suffix"]) if body.get("suffix") is not None else ""
-    fields: dict[str, str | list[dict] | Infill]
+    suffix = fields.text("suffix", body["suffix"]) if body.get("suffix") is not None else ""
+    what: dict[str, str | list[dict] | Infill]
     if suffix:
         for name in ("raw", "images"):
             if body.get(name):
                 raise bad_request(f"'{name}' cannot be combined with 'suffix' (a fill in the middle)", param=name, code="invalid_value")
-        fields = {"infill": Infill(prompt, suffix)}
-    elif _opt_bool(body, "raw"):
+        what = {"infill": Infill(prompt, suffix)}
+    elif fields.opt_bool(body, "raw"):
         if pictures:
             raise bad_request("'images' need the model's chat template: leave 'raw' out", param="images", code="invalid_value")
-        fields = {"prompt": prompt}
+        what = {"prompt": prompt}
     else:
         system = body.get("system")
-        messages = ([{"role": "system", "content": _text("system", system)}] if system else []) + [
+        messages = ([{"role": "system", "content": fields.text("system", system)}] if system else []) + [
             {"role": "user", "content": content_of([*pictures, prompt])}]
-        fields = {"messages": messages}
-    return ParsedRequest(_request(body, _options(body), server, **fields), _model(body), _stream(body), False)
+        what = {"messages": messages}
+    return ParsedRequest(_request(body, _options(body), server, **what), _model(body), _stream(body), False)
 
 
 def _capabilities(served) -> list[str]:
@@ -233,7 +226,7 @@ def _untagged(name: str | None) -> str | None:
 
 
 class OllamaApi:
-    """The /api/ routes on one app's _Server."""
+    """The /api/ routes on one app's Dispatcher."""
 
     def __init__(self, server):
         self.server = server
@@ -359,12 +352,12 @@ class OllamaApi:
         if value is None or value == "" or value == []:
             return JSONResponse({"model": _tagged(served.id), "embeddings": [], "total_duration": 0, "load_duration": 0, "prompt_eval_count": 0})
         if isinstance(value, str):
-            inputs = [_text("input", value)]
+            inputs = [fields.text("input", value)]
         elif isinstance(value, list):
-            inputs = [_text(f"input[{i}]", v) for i, v in enumerate(value)]
+            inputs = [fields.text(f"input[{i}]", v) for i, v in enumerate(value)]
         else:
-            raise _type_error("input", "a string or a list of strings", value)
-        truncate = body.get("truncate") is None or _opt_bool(body, "truncate")
+            raise fields.type_error("input", "a string or a list of strings", value)
+        truncate = body.get("truncate") is None or fields.opt_bool(body, "truncate")
         _options(body)  # accepted: none of them changes a vector
         check_dimensions(body, served)
         vectors, n_tokens, seconds = await embed(self.server, request, served, inputs, "input", truncate)
@@ -381,7 +374,7 @@ class OllamaApi:
         """The older route: one `prompt` -> one `embedding` (unit length here too)."""
         body = await self.server.read_body(request)
         served = self.find(_model(body))
-        prompt = _text("prompt", body.get("prompt", ""))
+        prompt = fields.text("prompt", body.get("prompt", ""))
         if not prompt:
             raise bad_request("'prompt' is empty: there is nothing to embed", param="prompt", code="invalid_value")
         _options(body)
@@ -394,7 +387,7 @@ class OllamaApi:
         as `edgechat pull` takes them), told in Ollama's status lines. The model is downloaded,
         not served: this server goes on serving the models it started with."""
         body = await self.server.read_body(request)
-        name = _text("model", body.get("model", body.get("name", "")))
+        name = fields.text("model", body.get("model", body.get("name", "")))
         if not name:
             raise bad_request("'model' is required: a catalog name or a Hub reference (see: edgechat models --catalog)",
                               param="model", code="missing_required_parameter")
@@ -440,38 +433,37 @@ class OllamaApi:
             return JSONResponse({**_Shape(_tagged(served.id), field).part("", ""), "done": True, "done_reason": reason})
         parsed = parse(body, self.server)
         parsed.model, parsed.keep_alive = served.id, keep_alive
-        served, req, gens = await (await self.server.launch(request, parsed, arrival))
-        self.server.opened(served, parsed, req, "chat")
-        shape = _Shape(_tagged(served.id), field)
+        start = await self.server.launch(request, parsed, arrival)
         if parsed.stream:
-            return StreamingResponse(self.lines(gens[0], shape), media_type="application/x-ndjson")
-        finished = await self.server.wait(request, gens)
-        if finished is None:
-            # the client left; nobody reads this
-            return Response(status_code=499)
-        return JSONResponse(shape.end(finished[0], finished[0].text, finished[0].reasoning))
+            return await stream(self.server, start, _Lines(field))
+        started, finished = await whole(self.server, request, start)
+        end = finished[0]
+        return JSONResponse(_Shape(_tagged(started.served.id), field).end(end, end.text, end.reasoning))
 
-    async def lines(self, gen, shape: _Shape) -> AsyncIterator[str]:
-        """The NDJSON stream: a line per batch of tokens, then the counts; an error as its own line."""
-        try:
-            while True:
-                batch = await gen.batch()
-                if batch.expired:
-                    yield _line({"error": "the request timed out and was cancelled"})
-                    return
-                text, thought, finished = batch.text, batch.thought, batch.finished
-                if text or thought:
-                    yield _line(shape.part(text, thought))
-                if finished is not None:
-                    if finished.reason not in ("stop", "length"):
-                        yield _line({"error": finished.error or f"the generation ended: {finished.reason}"})
-                    else:
-                        yield _line(shape.end(finished, "", ""))
-                    return
-        finally:
-            # the client left (the task was cancelled) or the request timed out: free the sequence now
-            if not gen.finished.done():
-                gen.handle.cancel()
+
+class _Lines(Wire):
+    """The NDJSON stream: a line per batch of tokens, then the counts; an error as its own line.
+    NDJSON has no comment: nothing goes out before the request is under way."""
+
+    media_type = "application/x-ndjson"
+    headers = None
+    keepalive = None
+
+    def __init__(self, field: str):
+        self.field = field
+
+    def opened(self, started: Started) -> list[str]:
+        self.shape = _Shape(_tagged(started.served.id), self.field)
+        return []
+
+    def part(self, part: Part) -> list[str]:
+        return [_line(self.shape.part(part.text, part.thought))] if part.text or part.thought else []
+
+    async def end(self, finished: list[Finished]) -> list[str]:
+        return [_line(self.shape.end(finished[0], "", ""))]
+
+    def error(self, exc: ApiError) -> list[str]:
+        return [_line({"error": exc.message})]
 
 
 class _Left(Exception):

@@ -17,40 +17,30 @@ are accepted.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edgechat.engine.request import ChatRequest, Finished, ToolCall
 from edgechat.engine.tools import Tools, check_function, tool_grammar
 from edgechat.errors import StoreError
-from edgechat.server import responses
-from edgechat.server.bridge import abandon
+from edgechat.server import fields, responses
+from edgechat.server.bridge import Part, Started
 from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.fields import ParsedRequest
 from edgechat.server.images import DATA_URL_HINT, ImageReader
 from edgechat.server.images import content as content_of
 from edgechat.server.keepalive import keep_alive_seconds
-from edgechat.server.responses import KEEPALIVE
-from edgechat.server.schemas import (
-    REASONING_EFFORT,
-    ParsedRequest,
-    _describe,
-    _is_off,
-    _opt_bool,
-    _opt_int,
-    _sampling,
-    _text,
-    _type_error,
-)
 from edgechat.server.settings import ServerSettings
+from edgechat.server.streaming import Wire, stream, whole
 from edgechat.server.structured import json_schema_grammar, response_format_grammar
 from edgechat.store.responses import ResponseStore
 
@@ -83,14 +73,14 @@ def _content(where: str, content: object, part_type: str, images: ImageReader | 
     """A message's content: a string or a list of parts of the role's type, and input_image
     parts where `images` reads them (a user's: image_url a data: or file:// URL)."""
     if isinstance(content, str):
-        return _text(where, content)
+        return fields.text(where, content)
     if not isinstance(content, list):
-        raise _type_error(where, "a string or a list of content parts", content)
+        raise fields.type_error(where, "a string or a list of content parts", content)
     parts: list = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
         if not isinstance(part, dict):
-            raise _type_error(at, "an object", part)
+            raise fields.type_error(at, "an object", part)
         kind = part.get("type")
         if kind == "input_image":
             if images is None:
@@ -103,8 +93,8 @@ def _content(where: str, content: object, part_type: str, images: ImageReader | 
         if kind in ("input_file", "input_audio"):
             raise bad_request(f"{at}: {kind} parts are not supported here (the model reads text and images)", param=f"{at}.type", code="unsupported_parameter")
         if kind != part_type:
-            raise bad_request(f"{at}.type must be '{part_type}' here, got {_describe(kind)}", param=f"{at}.type", code="invalid_value")
-        parts.append(_text(f"{at}.text", part.get("text")))
+            raise bad_request(f"{at}.type must be '{part_type}' here, got {fields.describe(kind)}", param=f"{at}.type", code="invalid_value")
+        parts.append(fields.text(f"{at}.text", part.get("text")))
     return content_of(parts)
 
 
@@ -112,11 +102,11 @@ def _function_call(where: str, item: dict) -> dict:
     """An earlier call: {id, name, arguments (JSON object text)}, as chat's tool_calls are kept."""
     call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
     if not isinstance(call_id, str) or not call_id:
-        raise _type_error(f"{where}.call_id", "a string", call_id)
+        raise fields.type_error(f"{where}.call_id", "a string", call_id)
     if not isinstance(name, str):
-        raise _type_error(f"{where}.name", "a string", name)
+        raise fields.type_error(f"{where}.name", "a string", name)
     try:
-        parsed = json.loads(_text(f"{where}.arguments", args))
+        parsed = json.loads(fields.text(f"{where}.arguments", args))
     except json.JSONDecodeError:
         parsed = None
     if not isinstance(parsed, dict):
@@ -125,7 +115,7 @@ def _function_call(where: str, item: dict) -> dict:
 
 
 def _messages(items: list[dict], first: int, images: ImageReader) -> list[dict]:
-    """Input items -> the checked chat messages chat completions makes too (schemas._messages):
+    """Input items -> the checked chat messages chat completions makes too (fields.messages):
     {role, content[, tool_calls | tool_call_id]}. Items before `first` came from a stored
     response (checked when it was made); errors name the others by their place in `input`."""
     out: list[dict] = []
@@ -133,13 +123,13 @@ def _messages(items: list[dict], first: int, images: ImageReader) -> list[dict]:
     for i, item in enumerate(items):
         where = f"input[{i - first}]"
         if not isinstance(item, dict):
-            raise _type_error(where, "an object", item)
+            raise fields.type_error(where, "an object", item)
         # a message may leave its type out (OpenAI's EasyInputMessage)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
             if role not in _PARTS:
-                raise bad_request(f"{where}.role must be one of {', '.join(_PARTS)}, got {_describe(role)}", param=f"{where}.role", code="invalid_value")
+                raise bad_request(f"{where}.role must be one of {', '.join(_PARTS)}, got {fields.describe(role)}", param=f"{where}.role", code="invalid_value")
             text = _content(f"{where}.content", item.get("content"), _PARTS[role], images if role == "user" else None)
             out.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
@@ -153,13 +143,13 @@ def _messages(items: list[dict], first: int, images: ImageReader) -> list[dict]:
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or call_id not in calls:
-                raise bad_request(f"{where}.call_id must be the call_id of an earlier function_call item, got {_describe(call_id)}",
+                raise bad_request(f"{where}.call_id must be the call_id of an earlier function_call item, got {fields.describe(call_id)}",
                                   param=f"{where}.call_id", code="invalid_value")
             output = item.get("output")
             text = _content(f"{where}.output", "" if output is None else output, "input_text")
             out.append({"role": "tool", "content": text, "tool_call_id": call_id})
         elif kind != "reasoning":  # earlier thoughts are never given to the model again (the engine's rule)
-            raise bad_request(f"{where}.type: unknown or unsupported item type {_describe(kind)} (message, function_call, "
+            raise bad_request(f"{where}.type: unknown or unsupported item type {fields.describe(kind)} (message, function_call, "
                               "function_call_output and reasoning are)", param=f"{where}.type", code="invalid_value")
     return out
 
@@ -169,9 +159,9 @@ def _input(body: dict) -> list[dict]:
     if value is None:
         raise bad_request("'input' is required", param="input", code="missing_required_parameter")
     if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": _text("input", value)}]
+        return [{"type": "message", "role": "user", "content": fields.text("input", value)}]
     if not isinstance(value, list):
-        raise _type_error("input", "a string or a list of input items", value)
+        raise fields.type_error("input", "a string or a list of input items", value)
     return value
 
 
@@ -181,7 +171,7 @@ def _tools(body: dict) -> Tools | None:
     raw, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
-        raise _type_error("parallel_tool_calls", "a boolean", parallel)
+        raise fields.type_error("parallel_tool_calls", "a boolean", parallel)
     named = None
     if choice is None or choice in ("auto", "none", "required"):
         kind = choice or "auto"
@@ -195,19 +185,19 @@ def _tools(body: dict) -> Tools | None:
             raise bad_request("'tool_choice' needs 'tools'", param="tool_choice", code="invalid_value")
         return None
     if not isinstance(raw, list):
-        raise _type_error("tools", "a list", raw)
+        raise fields.type_error("tools", "a list", raw)
     functions: list[dict] = []
     for i, tool in enumerate(raw):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
-            raise _type_error(where, "an object", tool)
+            raise fields.type_error(where, "an object", tool)
         if tool.get("type") != "function":
-            raise bad_request(f"{where}.type: only function tools run here, not {_describe(tool.get('type'))}",
+            raise bad_request(f"{where}.type: only function tools run here, not {fields.describe(tool.get('type'))}",
                               param=f"{where}.type", code="unsupported_parameter")
         functions.append(check_function(where, tool, functions))
     if named is not None and not any(f["name"] == named for f in functions):
         offered = ", ".join(f["name"] for f in functions)
-        raise bad_request(f"tool_choice.name {_describe(named)} is not in 'tools' ({offered})", param="tool_choice.name", code="invalid_value")
+        raise bad_request(f"tool_choice.name {fields.describe(named)} is not in 'tools' ({offered})", param="tool_choice.name", code="invalid_value")
     return Tools(functions, kind, named, parallel)
 
 
@@ -217,14 +207,14 @@ def _text_format(body: dict):
     if text is None:
         return None, {"type": "text"}
     if not isinstance(text, dict):
-        raise _type_error("text", "an object", text)
+        raise fields.type_error("text", "an object", text)
     if text.get("verbosity") not in (None, "medium"):
         raise bad_request("'text.verbosity' is not supported by this server; leave it out", param="text.verbosity", code="unsupported_parameter")
     fmt = text.get("format")
     if fmt is None:
         return None, {"type": "text"}
     if not isinstance(fmt, dict):
-        raise _type_error("text.format", "an object", fmt)
+        raise fields.type_error("text.format", "an object", fmt)
     kind = fmt.get("type")
     if kind == "text":
         return None, fmt
@@ -239,19 +229,19 @@ def _reasoning_budget(body: dict, default: int | None) -> tuple[int | None, str 
     """The thinking budget and the effort named: edgechat's `reasoning_budget` (tokens, -1: no
     limit, as on chat completions) wins over `reasoning.effort` (as chat's reasoning_effort)."""
     if body.get("reasoning_budget") is not None:
-        budget = _opt_int(body, "reasoning_budget", lo=-1)
+        budget = fields.opt_int(body, "reasoning_budget", lo=-1)
         return (None if budget == -1 else budget), None
     value = body.get("reasoning")
     if value is None:
         return default, None
     if not isinstance(value, dict):
-        raise _type_error("reasoning", "an object", value)
+        raise fields.type_error("reasoning", "an object", value)
     effort = value.get("effort")
     if effort is None:
         return default, None
-    if effort not in REASONING_EFFORT:
-        raise bad_request(f"'reasoning.effort' must be one of {', '.join(REASONING_EFFORT)}", param="reasoning.effort", code="invalid_value")
-    return REASONING_EFFORT[effort], effort
+    if effort not in fields.REASONING_EFFORT:
+        raise bad_request(f"'reasoning.effort' must be one of {', '.join(fields.REASONING_EFFORT)}", param="reasoning.effort", code="invalid_value")
+    return fields.REASONING_EFFORT[effort], effort
 
 
 def parse_responses(body: dict, settings: ServerSettings, sampling=None, history: list[dict] | None = None) -> ResponsesRequest:
@@ -259,17 +249,17 @@ def parse_responses(body: dict, settings: ServerSettings, sampling=None, history
     `previous_response_id` names (its own context, then its output)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise _type_error("model", "a string", model)
+        raise fields.type_error("model", "a string", model)
     for name, off_values in _UNSUPPORTED.items():
-        if name in body and not _is_off(body[name], off_values):
+        if name in body and not fields.is_off(body[name], off_values):
             raise bad_request(f"'{name}' is not supported by this server; leave it out", param=name, code="unsupported_parameter")
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
-        raise _type_error("metadata", "an object", metadata)
-    store = body.get("store") is None or _opt_bool(body, "store")
+        raise fields.type_error("metadata", "an object", metadata)
+    store = body.get("store") is None or fields.opt_bool(body, "store")
     instructions = body.get("instructions")
     if instructions is not None:
-        instructions = _text("instructions", instructions)
+        instructions = fields.text("instructions", instructions)
     history = history or []
     context = history + _input(body)
     messages = _messages(context, len(history), ImageReader(settings))
@@ -290,13 +280,13 @@ def parse_responses(body: dict, settings: ServerSettings, sampling=None, history
     request = ChatRequest(
         messages=messages,
         tools=active,
-        sampling=_sampling({k: body[k] for k in ("temperature", "top_p") if k in body}, sampling),
-        max_tokens=_opt_int(body, "max_output_tokens", lo=1),
+        sampling=fields.sampling({k: body[k] for k in ("temperature", "top_p") if k in body}, sampling),
+        max_tokens=fields.opt_int(body, "max_output_tokens", lo=1),
         reasoning_budget=budget,
         split_reasoning=settings.reasoning_format != "none",
         grammar=tool_grammar(active) if active is not None else grammar,
     )
-    parsed = ParsedRequest(request, model, _opt_bool(body, "stream"), False, 1, active, messages)
+    parsed = ParsedRequest(request, model, fields.opt_bool(body, "stream"), False, 1, active, messages)
     echo = {
         "instructions": instructions,
         "max_output_tokens": request.max_tokens,
@@ -466,7 +456,7 @@ def _held_whitespace(text: str) -> tuple[str, str]:
 
 
 class ResponsesApi:
-    """The endpoints on a running server (app._Server: its admission, queue and models)."""
+    """The endpoints on one app's Dispatcher (its admission, queue and models)."""
 
     def __init__(self, server):
         self.server = server
@@ -481,7 +471,7 @@ class ResponsesApi:
         ]
 
     def _not_found(self, response_id: str, param: str | None = None) -> ApiError:
-        return ApiError(404, f"no response with id {_describe(response_id)} is stored here", param=param, code="not_found")
+        return ApiError(404, f"no response with id {fields.describe(response_id)} is stored here", param=param, code="not_found")
 
     async def retrieve(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
@@ -502,7 +492,7 @@ class ResponsesApi:
         if previous is None:
             return []
         if not isinstance(previous, str):
-            raise _type_error("previous_response_id", "a string", previous)
+            raise fields.type_error("previous_response_id", "a string", previous)
         found = await run_in_threadpool(self.store.get, previous)
         if found is None:
             raise self._not_found(previous, "previous_response_id")
@@ -528,75 +518,58 @@ class ResponsesApi:
         start = await server.launch(request, r.parsed, arrival)
         response_id, created = _new_id("resp"), int(time.time())
         if r.parsed.stream:
-            return StreamingResponse(self.stream(start, r, response_id, created), media_type="text/event-stream", headers=responses.SSE_HEADERS)
-        served, req, gens = await start
-        server.opened(served, r.parsed, req, "chat")
-        finished = await server.wait(request, gens)
-        if finished is None:
-            return Response(status_code=499)  # the client left; nobody reads this
-        choice = server.choice(finished[0], r.parsed, served)
-        out = response_body(r, response_id, created, served.id, _status(choice.finished), output_items(choice), _usage(choice.finished))
+            return await stream(server, start, _Stream(r, response_id, created, self._keep))
+        started, finished = await whole(server, request, start)
+        choice = responses.Choice(finished[0], finished[0].text, finished[0].tool_calls)
+        out = response_body(r, response_id, created, started.served.id, _status(choice.finished), output_items(choice), _usage(choice.finished))
         await self._keep(r, out)
         return JSONResponse(out)
 
-    async def stream(self, start: asyncio.Future, r: ResponsesRequest, response_id: str, created: int):
-        server, keepalive, events = self.server, self.server.settings.keepalive_s, _Events()
-        try:
-            while not (await asyncio.wait({start}, timeout=keepalive))[0]:
-                yield KEEPALIVE  # its class's share, or the failover's first token, is still to come
-        except BaseException:
-            abandon(start)
-            raise
-        try:
-            served, req, gens = start.result()
-        except ApiError as exc:
-            yield events.event("error", code=exc.code, message=exc.message, param=exc.param)
-            return
-        server.opened(served, r.parsed, req, "chat")
-        gen = gens[0]
 
-        def failed(message: str) -> str:
-            body = response_body(r, response_id, created, served.id, "failed", events.output, error={"code": "server_error", "message": message})
-            return events.event("response.failed", response=body)
+class _Stream(Wire):
+    """A streamed response: response.created and in_progress, its items' events (_Events), then
+    response.completed (or incomplete), stored as a whole answer is; a failure after it started
+    is response.failed, a refusal before it an error event."""
 
-        pending = response_body(r, response_id, created, served.id, "in_progress", [])
-        yield events.event("response.created", response=pending)
-        yield events.event("response.in_progress", response=pending)
-        calls: list[ToolCall] = []
-        finished, held = None, ""
-        try:
-            while finished is None:
-                batch = await gen.batch(keepalive)
-                if batch.idle:
-                    yield KEEPALIVE
-                    continue
-                if batch.expired:
-                    yield failed("the request timed out and was cancelled")
-                    return
-                thought, text, finished = batch.thought, batch.text, batch.finished
-                for out in events.delta("reasoning", thought) if thought else []:
-                    yield out
-                text, held = _held_whitespace(held + text)
-                for out in events.delta("message", text) if text else []:
-                    yield out
-                for call in batch.calls:
-                    server.metrics.tool_calls.inc()
-                    calls.append(call)
-                    for out in events.call(call):
-                        yield out
-            if finished.reason not in ("stop", "length"):
-                yield failed(finished.error or f"the generation ended: {finished.reason}")
-                return
-            if not calls:
-                # the whitespace at the end is content after all; and an answer is a message, if empty
-                for out in events.delta("message", held) if held else ([] if events.has_message() else events.start("message")):
-                    yield out
-            for out in events.close(_status(finished)):
-                yield out
-            body = response_body(r, response_id, created, served.id, _status(finished), events.output, _usage(finished))
-            await self._keep(r, body)
-            yield events.event(f"response.{body['status']}", response=body)
-        finally:
-            # the client left (the task was cancelled), or it timed out: free the sequence now
-            if finished is None:
-                gen.handle.cancel()
+    def __init__(self, r: ResponsesRequest, response_id: str, created: int, keep: Callable[[ResponsesRequest, dict], Awaitable[None]]):
+        self.r, self.response_id, self.created, self.keep = r, response_id, created, keep
+        self.events = _Events()
+        self.calls: list[ToolCall] = []
+        self.held = ""  # trailing whitespace not sent yet
+        self.model: str | None = None  # the model answering, once under way
+
+    def body(self, status: str, output: list[dict], usage: dict | None = None, error: dict | None = None) -> dict:
+        assert self.model is not None, "a body is built once under way"
+        return response_body(self.r, self.response_id, self.created, self.model, status, output, usage, error)
+
+    def opened(self, started: Started) -> list[str]:
+        self.model = started.served.id
+        pending = self.body("in_progress", [])
+        return [self.events.event("response.created", response=pending), self.events.event("response.in_progress", response=pending)]
+
+    def part(self, part: Part) -> list[str]:
+        events = self.events
+        out = events.delta("reasoning", part.thought) if part.thought else []
+        text, self.held = _held_whitespace(self.held + part.text)
+        out += events.delta("message", text) if text else []
+        for call in part.calls:
+            self.calls.append(call)
+            out += events.call(call)
+        return out
+
+    async def end(self, finished: list[Finished]) -> list[str]:
+        events, out = self.events, []
+        if not self.calls:
+            # the whitespace at the end is content after all; and an answer is a message, if empty
+            out += events.delta("message", self.held) if self.held else ([] if events.has_message() else events.start("message"))
+        status = _status(finished[0])
+        out += events.close(status)
+        body = self.body(status, events.output, _usage(finished[0]))
+        await self.keep(self.r, body)
+        return [*out, events.event(f"response.{body['status']}", response=body)]
+
+    def error(self, exc: ApiError) -> list[str]:
+        if self.model is None:
+            return [self.events.event("error", code=exc.code, message=exc.message, param=exc.param)]
+        body = self.body("failed", self.events.output, error={"code": "server_error", "message": exc.message})
+        return [self.events.event("response.failed", response=body)]

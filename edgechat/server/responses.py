@@ -1,20 +1,14 @@
-"""OpenAI response bodies: whole completions, stream chunks and the SSE lines that carry them."""
+"""OpenAI response bodies: whole completions and stream chunks (Choice and usage also for the
+other APIs' bodies); streaming.py frames them as SSE."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from edgechat.engine.request import Finished, RequestMetrics, TokenLogprob, ToolCall
-
-#: proxies must pass each event on at once, not buffer the stream
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-#: an SSE comment every API's stream sends while a request waits for its turn (and while nothing
-#: else is due), so clients and proxies with read timeouts hold on
-KEEPALIVE = ": keep-alive\n\n"
 
 
 class ResponseIds(NamedTuple):
@@ -27,11 +21,6 @@ class ResponseIds(NamedTuple):
     @classmethod
     def new(cls, kind: str, model: str) -> ResponseIds:
         return cls(f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), model)
-
-
-def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
 
 
 def usage(finished: list[Finished]) -> dict:

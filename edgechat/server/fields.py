@@ -1,9 +1,11 @@
-"""Turning an OpenAI request body into a ChatRequest, with a 400 naming the field for anything wrong.
+"""The readers every API's translator shares: a body's fields checked strictly, each wrong value
+a 400 naming the field (a wrong type reaching the engine would be a crash, not a user error), and
+`ParsedRequest`, what each translator makes of a body.
 
-Fields that change nothing here (user, metadata, store, unknown ones) are ignored, as OpenAI
-does; fields that would change the answer and that the engine does not implement are refused,
-since a client that sets them expects their effect. Known fields are type-checked strictly
-because a wrong type reaching the engine would be a crash, not a user error.
+Fields that change nothing (user, metadata, store, unknown ones) are ignored, as OpenAI does;
+fields that would change the answer and that the engine does not implement are refused
+(`refuse_unsupported`), since a client that sets them expects their effect. The readers are
+public and read qualified (`fields.text(...)`, `fields.opt_int(...)`).
 """
 
 from __future__ import annotations
@@ -13,28 +15,23 @@ import json
 import math
 from dataclasses import dataclass
 
-from edgechat.engine.fim import Infill
 from edgechat.engine.params import SAMPLING_LIMITS, SpeculativeMode, choice
 from edgechat.engine.request import ChatRequest, Grammar, SamplingParams
 from edgechat.engine.schema_grammar import check_schema, schema_rules
-from edgechat.engine.tools import Tools, tool_grammar
+from edgechat.engine.tools import Tools
 from edgechat.errors import InvalidFieldError
 from edgechat.server.errors import ApiError, bad_request, field_error
 from edgechat.server.images import ImageReader
 from edgechat.server.images import content as content_of
-from edgechat.server.settings import ServerSettings
-from edgechat.server.structured import check_gbnf, response_format_grammar
-from edgechat.server.tools import parse_tools
+from edgechat.server.structured import check_gbnf
 
 #: roles a request may send; OpenAI's newer "developer" role is a system prompt, "tool" carries
 #: a tool's result back (rendered by the prompt builder, see engine/tools.py)
 _ROLES = {"system", "user", "assistant", "developer", "tool"}
 #: OpenAI's limit
 _MAX_STOPS = 4
-#: OpenAI's limits on alternatives per token: chat's top_logprobs, the legacy endpoint's logprobs
-MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5
-#: choices per request; the server also holds n to its engine's parallel sequences
-MAX_N = 16
+#: OpenAI's limit on alternatives per token (chat's top_logprobs; llama-server's n_probs too)
+MAX_TOP_LOGPROBS = 20
 
 #: Fields OpenAI defines (and common llama-server / vLLM extensions) that would change what is
 #: generated or returned, with the values that leave them off; any other value is refused.
@@ -105,12 +102,12 @@ def decode_body(raw: bytes) -> dict:
     return body
 
 
-def _type_error(name: str, expected: str, value: object) -> ApiError:
+def type_error(name: str, expected: str, value: object) -> ApiError:
     got = "null" if value is None else type(value).__name__
     return bad_request(f"'{name}' must be {expected}, not {got}", param=name, code="invalid_type")
 
 
-def _describe(value: object) -> str:
+def describe(value: object) -> str:
     """A short quote of a client's value for an error message: a repr of a deep or huge value
     would be slow, recurse past the interpreter's limit, or echo megabytes back."""
     if isinstance(value, str):
@@ -120,22 +117,22 @@ def _describe(value: object) -> str:
     return f"a {type(value).__name__}"
 
 
-def _is_off(value: object, off_values: tuple) -> bool:
+def is_off(value: object, off_values: tuple) -> bool:
     # JSON true/false are not the numbers 1/0, though Python's == says they are
     return value is None or any(value == off and isinstance(value, bool) == isinstance(off, bool) for off in off_values)
 
 
-def _refuse_unsupported(body: dict) -> None:
+def refuse_unsupported(body: dict) -> None:
     for name, off_values in _UNSUPPORTED.items():
-        if name in body and not _is_off(body[name], off_values):
+        if name in body and not is_off(body[name], off_values):
             raise bad_request(
                 f"'{name}' is not supported by this server; leave it out", param=name, code="unsupported_parameter"
             )
 
 
-def _text(name: str, value: object) -> str:
+def text(name: str, value: object) -> str:
     if not isinstance(value, str):
-        raise _type_error(name, "a string", value)
+        raise type_error(name, "a string", value)
     try:
         # lone surrogates are valid JSON escapes but cannot be tokenized
         value.encode("utf-8")
@@ -144,7 +141,7 @@ def _text(name: str, value: object) -> str:
     return value
 
 
-def _opt_int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+def opt_int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -153,7 +150,7 @@ def _opt_int(body: dict, name: str, lo: int | None = None, hi: int | None = None
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise _type_error(name, "an integer", value)
+            raise type_error(name, "an integer", value)
     if lo is not None and value < lo:
         raise bad_request(f"'{name}' must be at least {lo}, got {value}", param=name, code="invalid_value")
     if hi is not None and value > hi:
@@ -161,27 +158,27 @@ def _opt_int(body: dict, name: str, lo: int | None = None, hi: int | None = None
     return value
 
 
-def _opt_float(body: dict, name: str, lo: float, hi: float) -> float | None:
+def opt_float(body: dict, name: str, lo: float, hi: float) -> float | None:
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _type_error(name, "a number", value)
+        raise type_error(name, "a number", value)
     if not math.isfinite(value) or not lo <= value <= hi:
         raise bad_request(f"'{name}' must be between {lo} and {hi}, got {value}", param=name, code="invalid_value")
     return float(value)
 
 
-def _opt_bool(body: dict, name: str) -> bool:
+def opt_bool(body: dict, name: str) -> bool:
     value = body.get(name)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise _type_error(name, "a boolean", value)
+        raise type_error(name, "a boolean", value)
     return value
 
 
-def _speculative(body: dict) -> SpeculativeMode | None:
+def speculative(body: dict) -> SpeculativeMode | None:
     """edgechat's own field: speculative decoding for this request (the server's setting if absent)."""
     value = body.get("speculative")
     if value is None:
@@ -192,16 +189,16 @@ def _speculative(body: dict) -> SpeculativeMode | None:
         raise field_error(exc) from None
 
 
-def _stop(body: dict) -> list[str]:
+def stop(body: dict) -> list[str]:
     value = body.get("stop")
     if value is None:
         return []
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list):
-        raise _type_error("stop", "a string or a list of strings", value)
+        raise type_error("stop", "a string or a list of strings", value)
     if len(stops) > _MAX_STOPS:
         raise bad_request(f"'stop' has {len(stops)} strings, at most {_MAX_STOPS} are allowed", param="stop")
-    out = [_text("stop", s) for s in stops]
+    out = [text("stop", s) for s in stops]
     if any(s == "" for s in out):
         raise bad_request("'stop' strings must not be empty", param="stop")
     return out
@@ -217,14 +214,14 @@ def _content(index: int, content: object, role: str, images: ImageReader) -> str
     if content is None:
         return ""
     if isinstance(content, str):
-        return _text(name, content)
+        return text(name, content)
     if not isinstance(content, list):
-        raise _type_error(name, "a string or a list of content parts", content)
+        raise type_error(name, "a string or a list of content parts", content)
     parts: list = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
-            parts.append(_text(f"{name}.text", part.get("text")))
+            parts.append(text(f"{name}.text", part.get("text")))
         elif kind == "image_url" and role == "user":
             where = f"{name}[{j}].image_url"
             ref = part.get("image_url")
@@ -238,17 +235,17 @@ def _content(index: int, content: object, role: str, images: ImageReader) -> str
         elif kind == "image_url":
             raise bad_request(f"{name}[{j}]: images go in user messages", param=f"{name}[{j}]", code="invalid_value")
         else:
-            got = _describe(kind) if isinstance(part, dict) else f"a {type(part).__name__}"
+            got = describe(kind) if isinstance(part, dict) else f"a {type(part).__name__}"
             raise bad_request(f"{name}[{j}]: only text and image_url parts are supported, got {got}", param=f"{name}[{j}]")
     return content_of(parts)
 
 
-def _messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
+def messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
     messages = body.get("messages")
     if messages is None:
         raise bad_request("'messages' is required", param="messages", code="missing_required_parameter")
     if not isinstance(messages, list):
-        raise _type_error("messages", "a list", messages)
+        raise type_error("messages", "a list", messages)
     if not messages:
         raise bad_request("'messages' must not be empty", param="messages", code="invalid_value")
     if len(messages) > max_messages:
@@ -261,11 +258,11 @@ def _messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
     calls: set[str] = set()  # ids of the tool calls earlier messages made
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise _type_error(f"messages[{i}]", "an object", message)
+            raise type_error(f"messages[{i}]", "an object", message)
         role = message.get("role")
         if not isinstance(role, str) or role not in _ROLES:
             raise bad_request(
-                f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got {_describe(role)}", param=f"messages[{i}].role"
+                f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, got {describe(role)}", param=f"messages[{i}].role"
             )
         parsed: dict[str, object] = {"role": "system" if role == "developer" else role, "content": _content(i, message.get("content"), role, images)}
         if role == "assistant" and message.get("tool_calls"):
@@ -276,7 +273,7 @@ def _messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str) or call_id not in calls:
                 raise bad_request(
-                    f"messages[{i}].tool_call_id must be the id of a tool call an earlier assistant message made, got {_describe(call_id)}",
+                    f"messages[{i}].tool_call_id must be the id of a tool call an earlier assistant message made, got {describe(call_id)}",
                     param=f"messages[{i}].tool_call_id",
                     code="invalid_value",
                 )
@@ -289,7 +286,7 @@ def _tool_calls(index: int, value: object) -> list[dict]:
     """An assistant message's earlier calls: [{id, name, arguments (JSON object text)}]."""
     name = f"messages[{index}].tool_calls"
     if not isinstance(value, list):
-        raise _type_error(name, "a list", value)
+        raise type_error(name, "a list", value)
     out = []
     for j, call in enumerate(value):
         where = f"{name}[{j}]"
@@ -297,10 +294,10 @@ def _tool_calls(index: int, value: object) -> list[dict]:
         if not isinstance(fn, dict) or not isinstance(call.get("id"), str) or call.get("type", "function") != "function":
             raise bad_request(f"{where} must be {{id, type: function, function: {{name, arguments}}}}", param=where)
         if not isinstance(fn.get("name"), str):
-            raise _type_error(f"{where}.function.name", "a string", fn.get("name"))
+            raise type_error(f"{where}.function.name", "a string", fn.get("name"))
         args = fn.get("arguments", "{}")
         try:
-            parsed = json.loads(_text(f"{where}.function.arguments", args))
+            parsed = json.loads(text(f"{where}.function.arguments", args))
         except json.JSONDecodeError:
             parsed = None
         if not isinstance(parsed, dict):
@@ -313,7 +310,7 @@ def _tool_calls(index: int, value: object) -> list[dict]:
 _WIRE_NAMES = {"penalty_last_n": "repeat_last_n"}
 
 
-def _sampling(body: dict, base: SamplingParams | None) -> SamplingParams:
+def sampling(body: dict, base: SamplingParams | None) -> SamplingParams:
     """The body's sampling fields over `base` (the model's recommended sampling, else our
     defaults), each checked against the engine's one table of limits."""
     params = dataclasses.replace(base or SamplingParams())
@@ -325,7 +322,7 @@ def _sampling(body: dict, base: SamplingParams | None) -> SamplingParams:
             except InvalidFieldError as exc:
                 raise field_error(exc) from None
     # llama.cpp seeds are 32-bit; OpenAI clients send any integer
-    seed = _opt_int(body, "seed")
+    seed = opt_int(body, "seed")
     if seed is not None:
         params.seed = seed & 0xFFFFFFFF
     return params
@@ -335,49 +332,19 @@ def model_field(body: dict) -> str | None:
     """The model a body names (None: the server's first)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise _type_error("model", "a string", model)
+        raise type_error("model", "a string", model)
     return model
-
-
-def _common(body: dict) -> tuple[str | None, bool, bool, int]:
-    """model, stream, include_usage, n, and the features we refuse rather than silently ignore."""
-    model = model_field(body)
-    n = _opt_int(body, "n", lo=1, hi=MAX_N) or 1
-    _refuse_unsupported(body)
-    stream = _opt_bool(body, "stream")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise _type_error("stream_options", "an object", options)
-    include_usage = _opt_bool(options or {}, "include_usage")
-    return model, stream, include_usage, n
-
-
-def _chat_logprobs(body: dict) -> int | None:
-    """Chat's `logprobs` (a boolean) and `top_logprobs` (alternatives per token)."""
-    top = _opt_int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
-    if not _opt_bool(body, "logprobs"):
-        if top:
-            raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
-        return None
-    return top or 0
-
-
-def _max_tokens(body: dict, default: int | None) -> int | None:
-    value = _opt_int(body, "max_completion_tokens", lo=1)
-    if value is None:
-        value = _opt_int(body, "max_tokens", lo=1)
-    return default if value is None else value
 
 
 #: reasoning_effort's values and the thinking budget each means (None: as long as the model likes)
 REASONING_EFFORT = {"none": 0, "minimal": 0, "low": 512, "medium": 2048, "high": None}
 
 
-def _reasoning_budget(body: dict, default: int | None) -> int | None:
+def reasoning_budget(body: dict, default: int | None) -> int | None:
     """edgechat's `reasoning_budget` (tokens; -1: no limit), else OpenAI's `reasoning_effort`,
     else the server's default (`serve --reasoning-budget`)."""
     if body.get("reasoning_budget") is not None:
-        budget = _opt_int(body, "reasoning_budget", lo=-1)
+        budget = opt_int(body, "reasoning_budget", lo=-1)
         return None if budget == -1 else budget
     effort = body.get("reasoning_effort")
     if effort is None:
@@ -388,7 +355,7 @@ def _reasoning_budget(body: dict, default: int | None) -> int | None:
     return REASONING_EFFORT[effort]
 
 
-def _template_kwargs(body: dict) -> dict:
+def template_kwargs(body: dict) -> dict:
     """`chat_template_kwargs`: variables for the model's chat template (llama-server's and vLLM's
     field), scalars only: a template is code, and nothing else is needed to switch it."""
     value = body.get("chat_template_kwargs")
@@ -401,9 +368,9 @@ def _template_kwargs(body: dict) -> dict:
     return dict(value)
 
 
-def _loop_guard(body: dict) -> bool:
+def loop_guard(body: dict) -> bool:
     """edgechat's own field: `"loop_guard": false` lets an answer that repeats itself go on."""
-    return body.get("loop_guard") is None or _opt_bool(body, "loop_guard")
+    return body.get("loop_guard") is None or opt_bool(body, "loop_guard")
 
 
 def extension_grammar(body: dict) -> Grammar | None:
@@ -413,7 +380,7 @@ def extension_grammar(body: dict) -> Grammar | None:
     if gbnf and schema is not None:
         raise bad_request("give 'grammar' or 'json_schema', not both", param="grammar", code="invalid_value")
     if gbnf:
-        check_gbnf(_text("grammar", gbnf), "grammar")
+        check_gbnf(text("grammar", gbnf), "grammar")
         return Grammar(gbnf)
     if schema is not None:
         check_schema(schema, "json_schema")
@@ -421,83 +388,3 @@ def extension_grammar(body: dict) -> Grammar | None:
     return None
 
 
-def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages, sampling: SamplingParams | None = None,
-               reasoning_budget: int | None = None, images: ImageReader | None = None) -> ParsedRequest:
-    """A chat completions body as the internal request; `images` reads its image parts (the
-    server's settings; default ones if not given)."""
-    model, stream, include_usage, n = _common(body)
-    tools = parse_tools(body)
-    grammar = response_format_grammar(body.get("response_format"))
-    extension = extension_grammar(body)
-    if extension is not None:
-        field = "grammar" if body.get("grammar") else "json_schema"
-        if grammar is not None:
-            raise bad_request(f"'{field}' cannot be combined with response_format; give one of them", param=field, code="invalid_value")
-        if tools is not None and tools.active:
-            raise bad_request(f"'{field}' cannot be combined with tools; set tool_choice to 'none' or leave '{field}' out",
-                              param=field, code="invalid_value")
-        grammar = extension
-    if tools is not None and tools.active:
-        if grammar is not None:
-            raise bad_request(
-                "'response_format' cannot be combined with tools here; set tool_choice to 'none' or leave response_format out",
-                param="response_format",
-                code="unsupported_parameter",
-            )
-        grammar = tool_grammar(tools)
-    ignore_eos = _opt_bool(body, "ignore_eos")
-    if ignore_eos and grammar is not None:
-        # a finished grammar allows only the end of text: ignoring it would repeat that to max_tokens
-        raise bad_request("'ignore_eos' cannot be combined with response_format, grammar, json_schema or tools", param="ignore_eos",
-                          code="invalid_value")
-    messages = _messages(body, max_messages, images or ImageReader(ServerSettings()))
-    request = ChatRequest(
-        messages=messages,
-        tools=tools if tools is not None and tools.active else None,
-        sampling=_sampling(body, sampling),
-        max_tokens=_max_tokens(body, None),
-        stop=_stop(body),
-        ignore_eos=ignore_eos,
-        loop_guard=_loop_guard(body),
-        reasoning_budget=_reasoning_budget(body, reasoning_budget),
-        template_kwargs=_template_kwargs(body),
-        speculative=_speculative(body),
-        grammar=grammar,
-        logprobs=_chat_logprobs(body),
-    )
-    return ParsedRequest(request, model, stream, include_usage, n, tools if tools is not None and tools.active else None, messages,
-                         client_grammar=bool(body.get("grammar")))
-
-
-def parse_completion(body: dict, sampling: SamplingParams | None = None) -> ParsedRequest:
-    model, stream, include_usage, n = _common({k: v for k, v in body.items() if k != "suffix"})
-    for name in ("tools", "tool_choice", "response_format", "top_logprobs"):
-        if body.get(name) is not None:
-            raise bad_request(f"'{name}' is for /v1/chat/completions", param=name, code="unsupported_parameter")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if prompt is None:
-        raise bad_request("'prompt' is required", param="prompt", code="missing_required_parameter")
-    if not isinstance(prompt, str):
-        raise _type_error("prompt", "a string (token arrays and batches are not supported)", prompt)
-    # with a suffix, a fill in the middle: the prompt is the text before the cursor (empty at a
-    # file's start), laid out as llama-server's /infill (engine/fim.py)
-    suffix = _text("suffix", body["suffix"]) if body.get("suffix") is not None else ""
-    if prompt == "" and not suffix:
-        raise bad_request("'prompt' must not be empty", param="prompt", code="invalid_value")
-    text = _text("prompt", prompt)
-    request = ChatRequest(
-        prompt=None if suffix else text,
-        infill=Infill(text, suffix) if suffix else None,
-        sampling=_sampling(body, sampling),
-        # OpenAI's legacy endpoint answers 16 tokens unless told otherwise
-        max_tokens=_max_tokens(body, 16),
-        stop=_stop(body),
-        ignore_eos=_opt_bool(body, "ignore_eos"),
-        loop_guard=_loop_guard(body),
-        speculative=_speculative(body),
-        logprobs=_opt_int(body, "logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS),
-        grammar=extension_grammar(body),
-    )
-    return ParsedRequest(request, model, stream, include_usage, n, client_grammar=bool(body.get("grammar")))
