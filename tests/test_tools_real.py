@@ -117,22 +117,22 @@ def test_a_call_to_a_function_nobody_declared_stays_text(engine):
 
 
 def test_the_lazy_grammar_keeps_a_started_call_valid(engine):
-    """Sampled (temperature 1, fixed seeds), the model's own calls break the tool's schema (it
-    writes "euros" and "yen" where only currency codes are allowed), so they are no calls; once a
-    call starts, the grammar holds each to the offered tools, and every one fits its schema."""
-    codes = {"type": "string", "enum": ["EUR", "JPY", "USD", "GBP"]}
-    convert = fn("convert_currency", "Convert an amount between currencies", {"amount": {"type": "number"}, "from": codes, "to": codes})
-    tools = parse_tools({"tools": [convert, SIX[1]]})
+    """Sampled (temperature 1, fixed seeds), the model's own calls break the tool's schema (a
+    date-time where the pattern allows a date), so they are no calls and stay text; once a call
+    starts, the grammar holds each to the offered tools, and every one fits its schema."""
+    event = fn("create_event", "Create a calendar event",
+               {"title": {"type": "string"}, "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}})
+    tools = parse_tools({"tools": [event, SIX[1]]})
     broken, valid = 0, 0
     for seed in range(4):
-        common = dict(messages=[{"role": "user", "content": "Convert 250 euros to yen, please."}], tools=tools, max_tokens=80,
-                      sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed), speculative="off")
+        common = dict(messages=[{"role": "user", "content": "Create a calendar event called Dentist for next Friday."}], tools=tools,
+                      max_tokens=80, sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed), speculative="off")
         free = engine.submit(ChatRequest(**common)).result()
         lazy = engine.submit(ChatRequest(**common, grammar=tool_grammar(tools, engine.format.tool_family))).result()
-        broken += not free.tool_calls and '"convert_currency"' in free.text
+        broken += not free.tool_calls and '"create_event"' in free.text
         for call in lazy.tool_calls:
-            jsonschema.validate(json.loads(call.arguments), convert["function"]["parameters"])
-        valid += [c.name for c in lazy.tool_calls] == ["convert_currency"]
+            jsonschema.validate(json.loads(call.arguments), event["function"]["parameters"])
+        valid += [c.name for c in lazy.tool_calls] == ["create_event"]
     assert broken >= 1 and valid == 4, (broken, valid)
 
 

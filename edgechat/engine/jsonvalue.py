@@ -325,6 +325,14 @@ class JsonPrefix:
                 written = [json.dumps(v, ensure_ascii=False)[1:-1] for v in options]
                 rest = [v[len(self._buf):] for v in written if v.startswith(self._buf)]
                 out += min(rest, key=len) if rest else ""
+            if self._scalar == "key":
+                # a key the schema has that begins so: a missing required one first
+                top = self._stack[-1]
+                props = _properties(top.schema, self.root)
+                names = [k for k in _required(top.schema, self.root) if k not in top.keys] + [k for k in props if k not in top.keys]
+                written = [(k, json.dumps(k, ensure_ascii=False)[1:-1]) for k in names]
+                match = next((w for _, w in written if w.startswith(self._buf + out)), None)
+                out += match[len(self._buf + out):] if match is not None else ""
             out += '"'
             if self._scalar == "key":
                 closed_key = json.loads('"' + self._buf + out)  # out ends an open escape first
