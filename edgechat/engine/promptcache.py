@@ -59,7 +59,7 @@ class CachedPrompt:
 
     @cached_property
     def key(self) -> str:
-        return prompt_key(self.tokens)
+        return prompt_key(self.tokens, self.tags)
 
     @property
     def nbytes(self) -> int:
@@ -118,8 +118,8 @@ class PromptCache:
                 best, best_n = entry, n
         while self.store is not None and (found := self._longest_file(prompt, max(best_n, beyond))) is not None:
             stored, n = found
-            if (entry := self._read_file(stored)) is not None:
-                return entry, n
+            if (loaded := self._read_file(stored)) is not None:
+                return loaded, n
         return best, best_n
 
     def _longest_file(self, prompt: list[int], beyond: int) -> tuple[StoredPrompt, int] | None:

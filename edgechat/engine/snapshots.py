@@ -150,9 +150,12 @@ def _size(path: Path) -> int:
         return 0
 
 
-def prompt_key(tokens: list[int]) -> str:
-    """A token prefix's name: its file's, and the prompt cache's key for it."""
-    return hashlib.sha256(struct.pack(f"<{len(tokens)}i", *tokens)).hexdigest()[:24]
+def prompt_key(tokens: list[int], tags: dict) -> str:
+    """A token prefix's name under these tags: its file's, and the prompt cache's key for it (the
+    same prompt on another context size is another file, never overwritten by this one)."""
+    digest = hashlib.sha256(json.dumps(tags, sort_keys=True).encode())
+    digest.update(struct.pack(f"<{len(tokens)}i", *tokens))
+    return digest.hexdigest()[:24]
 
 
 @dataclass
@@ -190,7 +193,7 @@ class PromptStore(SnapshotStore):
 
     def save_state(self, state: PromptState) -> list[Path]:
         """Write one state (atomic); the files the budget removed to make room."""
-        key = prompt_key(state.tokens)
+        key = prompt_key(state.tokens, self.tags)
         header = json.dumps({
             "tags": self.tags, "tokens": state.tokens, "data_bytes": len(state.data), "logits_n": state.logits_n,
             "logits_bytes": len(state.logits), "crc32": zlib.crc32(state.logits, zlib.crc32(state.data)), "saved": time.time(),
@@ -247,6 +250,8 @@ class PromptStore(SnapshotStore):
             if len(head) < 16 or head[:8] != PROMPT_MAGIC:
                 raise _Unreadable("it is not a prompt state file" if len(head) == 16 else "it is cut short")
             (n,) = struct.unpack("<Q", head[8:])
+            if n > os.fstat(fh.fileno()).st_size - 16:  # a length read from garbage: never allocate it
+                raise _Unreadable("its header is cut short or corrupt")
             raw = fh.read(n)
         try:
             header = json.loads(raw)
