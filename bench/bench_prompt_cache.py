@@ -104,8 +104,9 @@ def prompt_cache_counts(url: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.MULTILINE)}
 
 
-#: the restart mode's system prompt, in tokens (as the load generator counts them)
-RESTART_PREFIX = 800
+#: the restart mode's system prompt, as the load generator's token target: ~800 prompt tokens
+#: with Qwen2.5's tokenizer and chat template (its words are longer than it reckons)
+RESTART_PREFIX = 970
 
 
 def one_token(url: str, messages: list[dict]) -> tuple[float, int, int]:

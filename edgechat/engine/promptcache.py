@@ -125,7 +125,8 @@ class PromptCache:
     def _longest_file(self, prompt: list[int], beyond: int) -> tuple[StoredPrompt, int] | None:
         in_ram = {e.key for e in self._entries.values()}
         with self._files_lock:
-            files = [f for f in self._files.values() if f.key not in in_ram]
+            # a state larger than the RAM budget (a restart with a smaller --cache-ram) is never read
+            files = [f for f in self._files.values() if f.key not in in_ram and f.nbytes <= self.budget]
         best, best_n = None, beyond
         for stored in files:
             n = common_prefix(stored.tokens, prompt)
@@ -137,17 +138,19 @@ class PromptCache:
         """A file's state as a RAM entry (not written again); None if it could not be read."""
         assert self.store is not None
         state = self.store.read_state(stored)
-        if state is None:
+        entry = None
+        if state is not None:
+            logits = None
+            if state.logits_n:
+                values = np.frombuffer(state.logits, dtype=np.float32)
+                values.flags.writeable = False  # shared, as a slot's kept logits are
+                logits = NextLogits(state.logits_n, values)
+            self.store.touch(stored.key)
+            entry = self._add(CachedPrompt(state.tokens, state.data, self._tags(), logits), write=False)
+        if entry is None:  # never tried again by this engine (the file stays, if it was whole)
             with self._files_lock:
                 self._files.pop(stored.key, None)
-            return None
-        logits = None
-        if state.logits_n:
-            values = np.frombuffer(state.logits, dtype=np.float32)
-            values.flags.writeable = False  # shared, as a slot's kept logits are
-            logits = NextLogits(state.logits_n, values)
-        self.store.touch(stored.key)
-        return self._add(CachedPrompt(state.tokens, state.data, self._tags(), logits), write=False)
+        return entry
 
     def covers(self, tokens: list[int]) -> bool:
         """An entry already holds these tokens (and maybe more after them)."""
