@@ -32,22 +32,28 @@ PARTS = ("decode", "sample", "logits", "schedule", "update_rest", "step_rest")
 
 
 class Clock:
-    """Seconds spent in wrapped calls, by name, on the engine thread only."""
+    """Seconds spent in wrapped calls by label, each call's own time only (a wrapped call inside
+    another counts for its own label, not for both: argmax reads the logits, update samples)."""
 
     def __init__(self):
         self.total: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self._inner: list[float] = []  # per open call: the time of the wrapped calls inside it
 
     def wrap(self, obj, name: str, label: str):
         inner = getattr(obj, name)
 
         def timed(*args, **kw):
+            self._inner.append(0.0)
             started = time.perf_counter()
             try:
                 return inner(*args, **kw)
             finally:
-                self.total[label] += time.perf_counter() - started
+                took = time.perf_counter() - started
+                self.total[label] += took - self._inner.pop()
                 self.calls[label] += 1
+                if self._inner:
+                    self._inner[-1] += took
 
         setattr(obj, name, timed)
 
@@ -72,40 +78,31 @@ def profile(model: Path, concurrency: int, tokens: int, threads: int, greedy: bo
         clock.wrap(runner, "logits", "logits")
         clock.wrap(sched, "schedule", "schedule")
         clock.wrap(sched, "update", "update")
+        clock.wrap(sched, "step", "step")
         prof = cProfile.Profile() if with_cprofile else None
         step = sched.step
 
-        def timed_step():
-            started = time.perf_counter()
-            if prof is not None:
-                prof.enable()
+        def profiled_step():
+            assert prof is not None
+            prof.enable()
             try:
                 return step()
             finally:
-                if prof is not None:
-                    prof.disable()
-                clock.total["step"] += time.perf_counter() - started
-                clock.calls["step"] += 1
+                prof.disable()
 
-        sched.step = timed_step
+        if prof is not None:
+            sched.step = profiled_step
         wall = batch_of_requests(1)
     t, n = clock.total, max(clock.calls["step"], 1)
-    # sample and logits run inside update; decode, schedule and update inside step
-    parts = {
-        "decode": t["decode"],
-        "sample": t["sample"],
-        "logits": t["logits"],
-        "schedule": t["schedule"],
-        "update_rest": t["update"] - t["sample"] - t["logits"],
-        "step_rest": t["step"] - t["decode"] - t["schedule"] - t["update"],
-    }
+    parts = dict(zip(PARTS, (t["decode"], t["sample"], t["logits"], t["schedule"], t["update"], t["step"]), strict=True))
+    whole = sum(parts.values())
     row = {
         "model": model.name, "concurrency": concurrency, "tokens_per_request": tokens, "threads": threads,
         "sampling": "greedy" if greedy else "temperature 0.7", "steps": clock.calls["step"], "wall_s": wall,
-        "tok_s": concurrency * tokens / wall, "step_ms": 1000 * t["step"] / n,
-        "outside_steps_ms": 1000 * (wall - t["step"]) / n,
+        "tok_s": concurrency * tokens / wall, "step_ms": 1000 * whole / n,
+        "outside_steps_ms": 1000 * (wall - whole) / n,
         "per_step_ms": {k: 1000 * v / n for k, v in parts.items()},
-        "share_of_step": {k: v / t["step"] for k, v in parts.items()},
+        "share_of_step": {k: v / whole for k, v in parts.items()},
     }
     if prof is not None:
         out = io.StringIO()
