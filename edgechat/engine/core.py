@@ -180,7 +180,10 @@ class Engine(PromptQueries):
             mrope=self.projector is not None and self.projector.mrope,
         )
         if self.prompt_cache.enabled and cfg.prompt_cache_disk > 0:
-            self.prompt_cache.attach(self._prompt_store())
+            try:
+                self.prompt_cache.attach(self._prompt_store())
+            except OSError as exc:  # a read-only or full disk: the cache serves from RAM alone
+                log.warning("the prompt cache stays in RAM: cannot use %s (%s)", self.paths.snapshots / "prompts", exc)
         if self.onnx:
             self.draft, self.draft_warning, self.embedder = None, None, None
         else:
