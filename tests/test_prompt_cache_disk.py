@@ -230,3 +230,13 @@ def test_the_folder_and_its_files_are_private(isolated_dirs):
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     files = wait_for_files(isolated_dirs.data, 1)
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+
+
+def test_a_folder_that_cannot_be_made_leaves_the_cache_in_ram(isolated_dirs, caplog):
+    isolated_dirs.snapshots.mkdir(parents=True)
+    (isolated_dirs.snapshots / "prompts").write_text("not a folder")
+    with engine_for(isolated_dirs) as engine:
+        answer(engine, PROMPTS[0])
+        answer(engine, PROMPTS[1])
+        assert answer(engine, PROMPTS[0]).prompt_cache_hit is True  # from RAM
+    assert [r.getMessage() for r in caplog.records if "stays in RAM" in r.getMessage()]
