@@ -1,12 +1,12 @@
 """Engine speed against llama.cpp's own llama-bench, same machine, same run.
 
-For each embedded model: prefill of a 512-token prompt and decode of 128 tokens through
+For each embedded model (or each `--model` file): prefill of a 512-token prompt and decode of 128 tokens through
 edgechat's engine (2 threads), and llama-bench pp512/tg128 on the same file; rounds alternate
 between the two so drift on a noisy machine hits both, and each side's best repetition is
 compared; each round runs the engine in a fresh process, as each llama-bench run is one.
 Prints the ratios (target >= 0.97).
 
-    python -m bench.bench_engine [--rounds 2] [--threads 2] [--json]
+    python -m bench.bench_engine [--rounds 2] [--threads 2] [--model PATH ...] [--json]
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def bench_model(name: str, threads: int, rounds: int) -> dict:
         ours_pp += pp
         ours_tg += tg
     row = {
-        "model": name,
+        "model": Path(name).name,
         "engine_pp512": max(ours_pp),
         "engine_tg128": max(ours_tg),
         "llama_bench_pp512": max(ref_pp),
@@ -122,8 +122,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--engine-round", action="store_true", help=argparse.SUPPRESS)  # one engine round, in this process
-    ap.add_argument("models", nargs="*", default=MODELS)
+    ap.add_argument("--model", dest="files", action="append", default=[], metavar="PATH", help="a GGUF file (repeatable) instead of the embedded models")
+    ap.add_argument("models", nargs="*", default=None)
     args = ap.parse_args()
+    args.models = args.models or args.files or MODELS
     if args.engine_round:
         _engine_round_here(args.models[0], args.threads)
         return

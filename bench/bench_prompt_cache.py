@@ -19,7 +19,18 @@ and the targets:
     edgechat warm pass >= 1.0x llama-server's warm pass
     edgechat cold pass with the cache ~ 1.0x without it (saving states costs the first pass nothing)
 
-    python -m bench.bench_prompt_cache [--rounds 2] [--warm-passes 3] [--max-tokens 32] [--json]
+    python -m bench.bench_prompt_cache [--rounds 2] [--warm-passes 3] [--max-tokens 32] [--model PATH] [--json]
+
+`--restart` measures the prompt cache on disk instead: an 800-token system prompt and a short
+question, answered with one token (its latency is the time to first token) by a fresh
+`edgechat serve` on an empty data folder (cold), again by the same process (warm, RAM), then by
+the server restarted after SIGTERM; and in a second fresh folder, cold again, then after
+`kill -9` once the background write is on disk. Prints the median of each and the cached
+tokens, with the target:
+
+    after a SIGTERM restart and after kill -9: TTFT <= 0.1x of cold
+
+    python -m bench.bench_prompt_cache --restart [--rounds 3] [--model PATH] [--json]
 """
 
 from __future__ import annotations
@@ -31,8 +42,11 @@ import json
 import os
 import random
 import re
+import signal
 import statistics
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -44,6 +58,8 @@ from bench.bench_serve import (
     THREADS,
     _free_port,
     _server,
+    _start,
+    _stop,
 )
 from edgechat.config import get_paths
 from edgechat.loadgen import Run, load, make_prompt, prompt_token_targets, summarize
@@ -65,7 +81,7 @@ def commands(name: str, port: int, model_path: Path) -> list[str]:
             "-np", str(PARALLEL), "--cache-ram", "8192", "--no-webui", "--host", "127.0.0.1", "--port", str(port),
         ]
     cmd = [
-        sys.executable, "-m", "edgechat", "serve", "-m", MODEL, "--threads", str(THREADS), "--ctx", str(CTX_TOTAL // PARALLEL),
+        sys.executable, "-m", "edgechat", "serve", "-m", str(model_path), "--threads", str(THREADS), "--ctx", str(CTX_TOTAL // PARALLEL),
         "--parallel", str(PARALLEL), "--port", str(port), "--degrade-queue-wait", "0", "--speculative", "off",
     ]
     return cmd + (["--cache-ram", "0"] if name == "edgechat-off" else [])
@@ -88,6 +104,77 @@ def prompt_cache_counts(url: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.MULTILINE)}
 
 
+#: the restart mode's system prompt, as the load generator's token target: ~800 prompt tokens
+#: with Qwen2.5's tokenizer and chat template (its words are longer than it reckons)
+RESTART_PREFIX = 970
+
+
+def one_token(url: str, messages: list[dict]) -> tuple[float, int, int]:
+    """(seconds to a 1-token answer, prompt tokens, cached prompt tokens)."""
+    started = time.perf_counter()
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=600, json={"messages": messages, "max_tokens": 1, "temperature": 0})
+    r.raise_for_status()
+    usage = r.json()["usage"]
+    return time.perf_counter() - started, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def restart(model_path: Path, rounds: int, seed: int, log_dir: Path) -> dict:
+    """Cold, warm, after SIGTERM and after kill -9 (see the module doc), `rounds` times."""
+    messages = [{"role": "system", "content": make_prompt(RESTART_PREFIX, random.Random(seed))},
+                {"role": "user", "content": "Summarize the text above in one sentence."}]
+    times: dict[str, list[float]] = {"cold": [], "warm": [], "sigterm": [], "kill-9": []}
+    cached: dict[str, list[int]] = {k: [] for k in times}
+    prompt_tokens = 0
+
+    def measure(phase: str, url: str) -> None:
+        nonlocal prompt_tokens
+        took, prompt_tokens, hit = one_token(url, messages)
+        times[phase].append(took)
+        cached[phase].append(hit)
+        print(f"{phase}: {took:.3f} s, {hit} of {prompt_tokens} prompt tokens cached", file=sys.stderr)
+
+    for _ in range(rounds):
+        for stop_with in ("sigterm", "kill-9"):
+            with tempfile.TemporaryDirectory(prefix="bench-restart-") as data:
+                port = _free_port()
+                cmd = commands("edgechat", port, model_path) + ["--data-dir", data]
+                proc = _start(cmd, port, "edgechat-restart", log_dir)
+                try:
+                    measure("cold", f"http://127.0.0.1:{port}")
+                    if stop_with == "sigterm":
+                        measure("warm", f"http://127.0.0.1:{port}")
+                        proc.send_signal(signal.SIGTERM)
+                    else:
+                        files = Path(data) / "snapshots" / "prompts"
+                        deadline = time.monotonic() + 60
+                        while not any(files.glob("*.kv")) and time.monotonic() < deadline:
+                            time.sleep(0.05)  # the background write, a moment after the answer
+                        proc.kill()
+                    proc.wait(timeout=120)
+                finally:
+                    if proc.poll() is None:
+                        _stop(proc)
+                proc = _start(cmd, port, "edgechat-restart", log_dir)
+                try:
+                    measure(stop_with, f"http://127.0.0.1:{port}")
+                finally:
+                    _stop(proc)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "model": model_path.name, "prompt_tokens": prompt_tokens, "ttft_s": times, "cached_tokens": cached, "median_ttft_s": med,
+        "ratios": {"sigterm_vs_cold": med["sigterm"] / med["cold"], "kill_9_vs_cold": med["kill-9"] / med["cold"], "warm_vs_cold": med["warm"] / med["cold"]},
+    }
+
+
+def print_restart(out: dict) -> None:
+    print(f"{out['model']}: {out['prompt_tokens']} prompt tokens, a 1-token answer; median of {len(out['ttft_s']['cold'])} cold starts")
+    for phase, value in out["median_ttft_s"].items():
+        print(f"{phase:8} {value:8.3f} s   cached {out['cached_tokens'][phase]}")
+    for name, value in out["ratios"].items():
+        mark = f"  (target <= 0.1x: {'met' if value <= 0.1 else 'MISSED'})" if name != "warm_vs_cold" else ""
+        print(f"{name:16} {value:.3f}x{mark}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
@@ -96,9 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--log-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")))
+    ap.add_argument("--model", default=MODEL, help=f"a GGUF file or model name (default {MODEL})")
+    ap.add_argument("--restart", action="store_true", help="TTFT of an 800-token prefix after restarts (see above)")
     args = ap.parse_args(argv)
 
-    model_path = resolve_model(MODEL, get_paths())
+    model_path = resolve_model(args.model, get_paths())
+    if args.restart:
+        out = restart(model_path, args.rounds, args.seed, args.log_dir)
+        if args.json:
+            print(json.dumps(out, indent=2))
+        else:
+            print_restart(out)
+        return 0
     runs: dict[str, dict[str, list[Run]]] = {name: {"cold": [], "warm": []} for name in SERVERS}
     counts: list[dict] = []
     for rnd in range(args.rounds):

@@ -10,7 +10,7 @@ prompts for both. Prints both reports and the ratios the issue sets as targets:
     conc 4: throughput >= 1.0x llama-server and TTFT p95 <= llama-server's
     conc 1: throughput >= 0.95x llama-server
 
-    python -m bench.bench_serve [--rounds 2] [--requests-c1 4] [--requests-c4 8] [--json]
+    python -m bench.bench_serve [--rounds 2] [--requests-c1 4] [--requests-c4 8] [--model PATH] [--json]
     (requests per round and server)
 """
 
@@ -43,31 +43,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start(cmd: list[str], port: int, name: str, log_dir: Path) -> subprocess.Popen:
+    """Start a server process (its output appended to `name`.log) and wait until /health answers 200."""
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}; see {log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    return proc
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not become healthy in 120 s; see {log_path}")
+            time.sleep(0.2)
+    except BaseException:
+        _stop(proc)
+        raise
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextlib.contextmanager
 def _server(cmd: list[str], port: int, name: str, log_dir: Path):
     """Start a server process, wait until /health answers 200, stop it afterwards."""
-    log_path = log_dir / f"{name}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.returncode}; see {log_path}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not become healthy in 120 s; see {log_path}")
-                time.sleep(0.2)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    proc = _start(cmd, port, name, log_dir)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        _stop(proc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,12 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the reports and ratios as JSON")
     ap.add_argument("--log-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")))
+    ap.add_argument("--model", default=MODEL, help=f"a GGUF file or model name (default {MODEL})")
     args = ap.parse_args(argv)
 
     from bench.llamabench import find_llama_server
     from quantize.llm import use_extra_buffers
 
-    model_path = resolve_model(MODEL, get_paths())
+    model_path = resolve_model(args.model, get_paths())
     plan = [(1, args.requests_c1), (4, args.requests_c4)]
     runs: dict[str, dict[int, list[Run]]] = {"llama-server": {1: [], 4: []}, "edgechat": {1: [], 4: []}}
     for rnd in range(args.rounds):
@@ -96,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             *([] if use_extra_buffers() else ["--no-repack"]),
         ]
         edge_cmd = [
-            sys.executable, "-m", "edgechat", "serve", "-m", MODEL, "--threads", str(THREADS),
+            sys.executable, "-m", "edgechat", "serve", "-m", str(model_path), "--threads", str(THREADS),
             "--ctx", str(CTX_TOTAL // PARALLEL), "--parallel", str(PARALLEL), "--port", str(edge_port),
             "--degrade-queue-wait", "0",
             # llama-server guesses nothing by default: compare batching alone (bench_serve_spec

@@ -28,7 +28,7 @@ PATIENCE_S = 120
 
 def _config(path, paths, **kw) -> EngineConfig:
     return EngineConfig(model=str(path), n_ctx=kw.pop("n_ctx", 1024), n_parallel=kw.pop("n_parallel", 1), paths=paths,
-                        prompt_cache_budget=64 << 20, **kw)
+                        prompt_cache_budget=64 << 20, prompt_cache_disk=64 << 20, **kw)
 
 
 def _pool(paths, models: dict, budget: int | None = None, idle: dict | None = None) -> ModelPool:

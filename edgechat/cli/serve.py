@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import signal
 from pathlib import Path
 
 import click
@@ -51,6 +52,13 @@ def _aliases(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(a.strip() for a in value)
 
 
+def _stop_on_sigterm(signum, frame) -> None:
+    # uvicorn stops gracefully on SIGTERM, then raises it again under the handler it found: this
+    # one ends the command through its `finally`, which closes the pool (conversations' snapshots
+    # and prompt states written), where the default handler would end the process first
+    raise SystemExit(0)
+
+
 def _model_id(ref: str) -> str | None:
     """A short name is the friendliest id; for a path or Hub reference, the file's name (None)."""
     return None if ref.endswith(".gguf") or "/" in ref else ref
@@ -93,6 +101,15 @@ def _models_dir(ctx, param, value: str | None) -> list[str]:
     show_default=True,
     metavar="MIB",
     help="Host RAM (MiB) for the KV states of recent prompts beyond the sequences; a re-sent prefix is restored, not prefilled. 0 = off.",
+)
+@click.option(
+    "--cache-disk",
+    type=click.IntRange(min=0),
+    default=1024,
+    show_default=True,
+    metavar="MIB",
+    help="Disk (MiB) for the prompt cache's states, so they outlive a restart or an unload (written while serving "
+         "and at shutdown; least recently used out first). 0 = off.",
 )
 @flash_attn_option
 @swa_cache_option
@@ -144,6 +161,7 @@ def serve_cmd(
     parallel: int,
     kv_type: str,
     cache_ram: int,
+    cache_disk: int,
     flash_attn: str,
     swa_cache: str,
     speculative: str,
@@ -221,6 +239,7 @@ def serve_cmd(
             n_parallel=own(name, "parallel", parallel),
             kv_type=kv_type,
             prompt_cache_budget=cache_ram << 20,
+            prompt_cache_disk=cache_disk << 20,
             flash_attn=flash_attn,
             swa_cache=swa_cache,
             speculative=speculative,
@@ -236,6 +255,7 @@ def serve_cmd(
 
     pool = ModelPool(memory_budget << 20 if memory_budget is not None else None)
     fallback = None
+    sigterm = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         for i, ref in enumerate(refs):
             pool.add(_model_id(ref), config(ref, first=i == 0), own(ref, "idle_unload", idle_unload, float, 0))
@@ -280,6 +300,7 @@ def serve_cmd(
         for sock in sockets:
             sock.close()
         pool.close()
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 def register(cli: click.Group) -> None:

@@ -35,7 +35,7 @@ from edgechat.engine.request import ChatRequest, ContextPolicy, Grammar, Request
 from edgechat.engine.sampling import grammar_parses
 from edgechat.engine.scheduler import Running, Scheduler
 from edgechat.engine.sessions import ConversationStates
-from edgechat.engine.snapshots import SnapshotStore, model_fingerprint
+from edgechat.engine.snapshots import PromptStore, SnapshotStore, model_fingerprint
 from edgechat.engine.templates import choose_format
 from edgechat.errors import EdgechatError, EngineStoppedError, UsageError
 from edgechat.models import catalog_draft, display_name, find_projector, read_model_info, resolve_model
@@ -47,6 +47,8 @@ log = logging.getLogger("edgechat.engine")
 
 #: an idle engine writes changed conversations' snapshots after this many seconds
 IDLE_SNAPSHOT_S = 30.0
+#: with the prompt cache on disk, a sequence idle this long has its state written there
+PROMPT_IDLE_S = 1.0
 #: after idling, wait this long for requests sent together, so they are prefilled together
 BATCH_WINDOW_S = 0.003
 #: how long a caller waits for the engine thread to answer a command (a snapshot write included)
@@ -105,10 +107,12 @@ class EngineConfig:
     ep: str | None = None  # an ONNX folder's onnxruntime execution provider (engine/onnxrt.py)
     #: called from the loading thread with the fraction of the model read (0..1)
     on_load_progress: Callable[[float], None] | None = None
-    #: close() writes the prompt cache and the idle sequences' states to disk, and the next
-    #: engine on this model starts with them in its prompt cache: a model the server unloads
-    #: when idle (engine/pool.py) resumes its clients' conversations without prefilling them
-    keep_prompts: bool = False
+    #: bytes of disk for the prompt cache's states (`serve --cache-disk`; 0 = off): written in the
+    #: background while serving (a crash loses the last seconds), with the idle sequences' at
+    #: close(), and found again by the next engine on this model, tags permitting: a restarted
+    #: server, or a model the pool unloaded (engine/pool.py), resumes its clients' prompts
+    #: without prefilling them
+    prompt_cache_disk: int = 0
 
     def __post_init__(self):
         # the enums' words from any caller; a wrong one is one line naming the others
@@ -171,12 +175,16 @@ class Engine(PromptQueries):
         # a restored state's cells were computed in other batches than a fresh prefill's
         budget = 0 if cfg.deterministic else cfg.prompt_cache_budget
         self.prompt_cache = PromptCache(budget, lambda: self._snapshot_store().tags)
+        self._kept_idle: dict[int, float] = {}  # seq -> the idle spell (last_used) whose state was kept
         self.kv = KVManager(
             be, self.n_slots, self._snapshot_store, self._saved_state, self._restored_state, self.prompt_cache,
             mrope=self.projector is not None and self.projector.mrope,
         )
-        if cfg.keep_prompts and self.prompt_cache.enabled:
-            self._reload_prompts()
+        if self.prompt_cache.enabled and cfg.prompt_cache_disk > 0:
+            try:
+                self.prompt_cache.attach(self._prompt_store())
+            except OSError as exc:  # a read-only or full disk: the cache serves from RAM alone
+                log.warning("the prompt cache stays in RAM: cannot use %s (%s)", self.paths.snapshots / "prompts", exc)
         if self.onnx:
             self.draft, self.draft_warning, self.embedder = None, None, None
         else:
@@ -516,10 +524,12 @@ class Engine(PromptQueries):
         try:
             while True:
                 block = not sched.active and not sched.waiting and not (embedder is not None and embedder.pending)
+                keep_in = self._keep_idle_prompts()
                 try:
                     if block or stalled:
                         # an encode's end puts a wake-up in the inbox (Scheduler's `wake`)
-                        item = self._inbox.get(timeout=IDLE_SNAPSHOT_S if block else ENCODE_POLL_S)
+                        wait = IDLE_SNAPSHOT_S if block else ENCODE_POLL_S
+                        item = self._inbox.get(timeout=wait if keep_in is None else min(wait, keep_in))
                     else:
                         item = self._inbox.get_nowait()
                 except queue.Empty:
@@ -536,7 +546,7 @@ class Engine(PromptQueries):
                     elif isinstance(item, _Command):
                         if self._command(item):
                             return
-                    elif block:  # idle for a while: put the conversations that changed on disk
+                    elif block and keep_in is None:  # idle for a while: put the conversations that changed on disk
                         for slot in self.slots:
                             self.kv.save_snapshot(slot)
                     else:
@@ -584,8 +594,8 @@ class Engine(PromptQueries):
             if cmd.name == "close":
                 for slot in self.slots:
                     self.kv.save_snapshot(slot)
-                if self.config.keep_prompts and self.prompt_cache.enabled:
-                    self._save_prompts()
+                self._keep_idle_prompts(at_close=True)
+                self.prompt_cache.close()
                 return True
             found = self.kv.slot_of(cmd.arg) if isinstance(cmd.arg, str) else None
             if cmd.name == "positions":
@@ -614,26 +624,27 @@ class Engine(PromptQueries):
         return False
 
     # ------------------------------------------------------------------ snapshots
-    def _save_prompts(self) -> None:
-        """Closing with keep_prompts: every idle sequence's state joins the prompt cache, and
-        the prompt cache goes to disk (the snapshot store's files, tags and budget)."""
+    def _keep_idle_prompts(self, at_close: bool = False) -> float | None:
+        """With the prompt cache on disk: each idle sequence's state joins the prompt cache (which
+        writes it) once the sequence has idled PROMPT_IDLE_S, or at close, so a hot prefix a slot
+        holds outlives the process too. Returns the seconds until the next is due (None: none)."""
+        if not self.prompt_cache.enabled or self.config.prompt_cache_disk <= 0:
+            return None
+        now, due = time.monotonic(), None
         for slot in self.slots:
-            if slot.session is None:
+            if slot.busy or slot.session is not None or not slot.tokens or self._kept_idle.get(slot.seq) == slot.last_used:
+                continue
+            wait = slot.last_used + PROMPT_IDLE_S - now
+            if wait <= 0 or at_close:
                 self.kv.stash(slot)
-        store = self._snapshot_store()
-        for entry in self.prompt_cache.entries():
-            try:
-                store.save_prompt(entry.tokens, entry.data)
-            except OSError as exc:
-                log.warning("could not save a prompt state to %s: %s", store.root, exc)
-                return
+                self._kept_idle[slot.seq] = slot.last_used
+            else:
+                due = wait if due is None else min(due, wait)
+        return due
 
-    def _reload_prompts(self) -> None:
-        """The prompt states an earlier engine on this model saved at close, back in the prompt
-        cache (their files go: the cache writes them again when this engine closes)."""
-        for tokens, data in self._snapshot_store().take_prompts():
-            if len(tokens) <= self.n_ctx:
-                self.prompt_cache.put(tokens, bytearray(data))
+    def _prompt_store(self) -> PromptStore:
+        store = self._snapshot_store()
+        return PromptStore(self.paths.snapshots / "prompts", store.tags, self.config.prompt_cache_disk)
 
     def _snapshot_store(self) -> SnapshotStore:
         if self._snapshots is None:

@@ -412,7 +412,8 @@ class KVManager:
         donor = max(self.slots, key=lambda s: common_prefix(s.tokens, prompt))
         theirs = common_prefix(donor.tokens, prompt)
         if self._prompt_cache_usable():
-            entry, n = self.prompt_cache.longest(prompt)
+            # a file on disk is read only if it could beat what the slots hold
+            entry, n = self.prompt_cache.longest(prompt, beyond=max(mine, theirs) + MIN_RESTORE_GAIN - 1)
             slot.cache_restored = 0
             if entry is not None and n >= max(mine, theirs) + MIN_RESTORE_GAIN and not short_prefix(n, len(prompt)) and self.restore_prompt(slot, entry):
                 slot.cache_restored = n

@@ -15,7 +15,8 @@ Rules, all under one lock:
   unloaded (the next request tries again: the file may be fixed);
 - a model whose last lease ended `keep_alive` seconds ago (per request, else the model's
   `idle_unload`) is unloaded by the pool's reaper thread. Closing an engine snapshots its
-  conversations and prompt states to disk (Engine.close), so a reload resumes from them.
+  conversations, and its prompt states where the prompt cache has disk (`prompt_cache_disk`),
+  so a reload resumes from them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import platform
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from edgechat.engine import planner
@@ -111,7 +112,7 @@ def plan_model(name: str | None, config, idle_unload: float | None = None) -> Po
     n_seq = config.n_parallel + config.hot_sessions
     projector = planner.projector_bytes(find_projector(config.mmproj, path, config.model, paths))
     plan = planner.choose_context(info, config.n_ctx, n_seq, config.kv_type, swa=config.swa_cache, label=label, projector=projector)
-    return PoolModel(name or path.stem, replace(config, keep_prompts=True), info, label, plan.total, plan.n_ctx, config.n_parallel, idle_unload)
+    return PoolModel(name or path.stem, config, info, label, plan.total, plan.n_ctx, config.n_parallel, idle_unload)
 
 
 class ModelPool:
