@@ -330,8 +330,8 @@ class JsonPrefix:
                 top = self._stack[-1]
                 props = _properties(top.schema, self.root)
                 names = [k for k in _required(top.schema, self.root) if k not in top.keys] + [k for k in props if k not in top.keys]
-                written = [(k, json.dumps(k, ensure_ascii=False)[1:-1]) for k in names]
-                match = next((w for _, w in written if w.startswith(self._buf + out)), None)
+                keys = [json.dumps(k, ensure_ascii=False)[1:-1] for k in names]
+                match = next((k for k in keys if k.startswith(self._buf + out)), None)
                 out += match[len(self._buf + out):] if match is not None else ""
             out += '"'
             if self._scalar == "key":
