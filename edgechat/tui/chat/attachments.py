@@ -46,8 +46,12 @@ class AttachmentsPart(ChatBase):
                    f"prompt, so about {room_left:,} tokens of attachments would fit")
         if callable(getattr(self.client, "embed", None)) and text.strip() and room_left > 0:
             question = f"Too large: {figures}. Send only the parts most relevant to your question?"
-            self.app.push_screen(ConfirmScreen(question, yes="Send the relevant parts", enter_confirms=True),
-                                 lambda yes: yes and self._send_excerpts(text, room_left))
+
+            def answered(yes: bool | None) -> None:
+                if yes:
+                    self._send_excerpts(text, room_left)
+
+            self.app.push_screen(ConfirmScreen(question, yes="Send the relevant parts", enter_confirms=True), answered)
             return False
         self.notify(f"Too large: {figures}; remove some (click a chip, or /detach).", severity="error", timeout=12)
         return False
@@ -113,7 +117,12 @@ class AttachmentsPart(ChatBase):
 
     def action_attach(self, arg: str = "") -> None:
         if not arg.strip():
-            self.app.push_screen(AttachPickerScreen(Path.cwd()), lambda picked: picked and self.action_attach(picked))
+
+            def picked(paths: str | None) -> None:
+                if paths:
+                    self.action_attach(paths)
+
+            self.app.push_screen(AttachPickerScreen(Path.cwd()), picked)
             return
         if (found := self._gather(arg)) is not None:
             self._add_attachments(found)

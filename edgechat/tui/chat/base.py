@@ -19,6 +19,11 @@ from edgechat.tui.widgets.sidebar import Sidebar
 from edgechat.tui.widgets.statusbar import StatusBar
 
 if TYPE_CHECKING:
+    from textual import getters
+
+    from edgechat.attachments import ImageAttachment
+    from edgechat.engine.request import ChatRequest
+    from edgechat.store import Message as StoredMessage
     from edgechat.tui.app import EdgechatApp
 
 
@@ -106,3 +111,23 @@ class ChatBase(Screen):
             self.notify("Still answering: wait, or press Esc to stop.", severity="warning")
             return False
         return True
+
+    if TYPE_CHECKING:
+        # Textual types `app` as any App; this screen runs in edgechat's (its store, client, config, tools)
+        app = getters.app(EdgechatApp)
+
+        # What the parts call of each other, each defined in the part named.
+        async def open_conversation(self, conv_id: str | None) -> None: ...  # the screen
+        def _welcome(self, model_ref: str | None) -> Worker[None]: ...  # the screen
+        def _save_draft(self) -> None: ...  # the screen
+        async def send(self, text: str) -> None: ...  # turn
+        async def start_answer(self, user_id: int | None, prompt: str, tool_step: bool = False) -> None: ...  # turn
+        def edit_message(self, message: StoredMessage) -> None: ...  # turn
+        async def action_regenerate(self, arg: str = "") -> None: ...  # turn
+        def _image_refusal(self) -> str | None: ...  # attachments
+        def _attachments_fit(self, text: str, content: str, images: list[ImageAttachment]) -> bool: ...  # attachments
+        def _restore_attachments(self, turn: StoredAnswer) -> None: ...  # attachments
+        def _reattach(self, message: StoredMessage) -> str: ...  # attachments
+        def _offer_tools(self, conv: Conversation, request: ChatRequest, box: MessageBox) -> Worker[None]: ...  # tools
+        def _run_calls(self, conv_id: str, message_id: int, calls: list[dict]) -> Worker[None]: ...  # tools
+        def _measure_context(self, conv: Conversation) -> Worker[None]: ...  # gauge

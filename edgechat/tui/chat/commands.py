@@ -5,6 +5,7 @@ the sidebar, stats, thoughts and theme, help and quit; and a message's own butto
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from textual import on, work
 from textual.widgets import Button
@@ -141,7 +142,12 @@ class CommandsPart(ChatBase):
         except UsageError as exc:
             self.notify(str(exc), severity="warning", timeout=10)
             return
-        self.app.push_screen(PresetPickerScreen(presets), lambda name: name and self._apply_preset(name, presets))
+
+        def picked(name: str | None) -> None:
+            if name:
+                self._apply_preset(name, presets)
+
+        self.app.push_screen(PresetPickerScreen(presets), picked)
 
     def _apply_preset(self, name: str, presets) -> None:
         preset = presets[name]
@@ -171,7 +177,7 @@ class CommandsPart(ChatBase):
             self.notify(str(exc), severity="error")
             return
         pool = self.app.local_models
-        loaded = pool.loaded() if pool is not None and names is None else {}
+        loaded: dict[str, tuple[str, int]] = pool.loaded() if pool is not None and names is None else {}
         self.app.push_screen(ModelPickerScreen(self.app.paths, current, names, loaded), picked)
 
     def action_export(self, arg: str = "") -> None:
@@ -180,6 +186,7 @@ class CommandsPart(ChatBase):
             return
         arg = arg.strip()
         fmt = "json" if arg.lower() == "json" or arg.endswith(".json") else "markdown"
+        path: str | Path
         if arg and arg.lower() not in ("json", "md", "markdown"):
             path = arg
         else:
@@ -255,11 +262,11 @@ class CommandsPart(ChatBase):
         """Expand or collapse the thoughts of the focused answer, else of the last answer that has some."""
         focused = self.focused if isinstance(self.focused, MessageBox) else None
         boxes = [focused] if focused is not None else list(reversed(self.chat.boxes()))
-        box = next((b for b in boxes if b.thoughts is not None and b.thoughts.text), None)
-        if box is None:
+        thoughts = next((b.thoughts for b in boxes if b.thoughts is not None and b.thoughts.text), None)
+        if thoughts is None:
             self.notify("No thoughts to show: the answers here came without any.")
             return
-        box.thoughts.toggle()
+        thoughts.toggle()
 
     def action_theme(self, arg: str = "") -> None:
         if arg:

@@ -117,7 +117,7 @@ class ToolsPart(ChatBase):
         verb, names = words[0].lower(), words[1:]
         try:
             if verb in CHOICES and not names:
-                changes = {"tool_choice": verb}
+                changes: dict[str, object] = {"tool_choice": verb}
             elif verb in ("on", "off") and names:
                 for name in names:
                     server, _ = split_name(name)
@@ -158,7 +158,7 @@ class ToolsPart(ChatBase):
                         lines.append(f"{line}: {tool.description.splitlines()[0]}" if tool.description.strip() else line)
                 except EdgechatError as exc:
                     lines.append(f"{name}: {exc}")
-        self.app.call_from_thread(self._show_note, "\n".join(lines))
+        self.app.call_from_thread(self._show_note, "\n".join(lines))  # type: ignore[arg-type]  # Textual's `T | Awaitable[T]` callback: mypy solves no T for a coroutine
 
     async def _show_note(self, text: str) -> None:
         await self.chat.add_note(text)

@@ -5,6 +5,7 @@ Esc, undo of an answer that never came, regenerate, edit."""
 from __future__ import annotations
 
 from textual import on
+from textual.widgets import Input
 from textual.worker import Worker, WorkerState
 
 from edgechat import attachments
@@ -280,8 +281,8 @@ class TurnPart(ChatBase):
             self._editing = None
             self.prompt.clear()
             self.notify("Edit cancelled.")
-        elif self.query_one("#search").value:
-            self.query_one("#search").value = ""
+        elif self.query_one("#search", Input).value:
+            self.query_one("#search", Input).value = ""
             self.prompt.focus()
 
     async def action_regenerate(self, arg: str = "") -> None:

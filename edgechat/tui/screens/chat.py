@@ -64,7 +64,7 @@ class ChatScreen(TurnPart, AttachmentsPart, ToolsPart, GaugePart, CommandsPart):
         # Reads free memory and the Hub cache: not on the UI thread, which draws the first frame.
         text = welcome_markdown(model_ref, self.app.paths)
         if not get_current_worker().is_cancelled:  # a model loaded since: its own call says what to show
-            self.app.call_from_thread(self.chat.set_welcome, text)
+            self.app.call_from_thread(self.chat.set_welcome, text)  # type: ignore[arg-type]  # Textual's `T | Awaitable[T]` callback: mypy solves no T for a coroutine
 
     def _draft_file(self):
         return self.app.paths.data / "draft.txt"

@@ -17,6 +17,7 @@ from textual import on, work
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
+from textual.widget import Widget
 from textual.widgets import Button, Label, Markdown, Static
 
 from edgechat.attachments import file_size, split
@@ -370,7 +371,7 @@ class ChatView(VerticalScroll):
         """Replace what is shown: the newest `messages`, and a button for the `total - len` older ones."""
         with self.app.batch_update():
             await self.remove_children()
-            widgets = []
+            widgets: list[Widget] = []
             if total > len(messages):
                 widgets.append(Button(f"▲ {total - len(messages)} earlier messages", id="load-earlier"))
             widgets += [MessageBox(m, streaming=m.id == streaming_id) for m in messages]
@@ -448,7 +449,8 @@ class ChatView(VerticalScroll):
         thoughts: list[str] = []
         last = time.monotonic()
         #: when the first thought came, how many deltas of thoughts, whether the answer has started since
-        think_start, n_thoughts, thinking = None, 0, False
+        think_start: float | None = None
+        n_thoughts, thinking = 0, False
 
         def flush() -> None:
             # thoughts first: they come before the answer
@@ -460,6 +462,7 @@ class ChatView(VerticalScroll):
                 pending.clear()
 
         def end_thoughts() -> None:
+            assert think_start is not None  # (only once a thought came)
             flush()
             self.post_message(self.AnswerThoughtsEnded(box, time.monotonic() - think_start, n_thoughts))
 
