@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from textual.screen import Screen
+from textual.timer import Timer
 from textual.widgets import Label
 from textual.worker import Worker
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 
 class ChatBase(Screen):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.conv: Conversation | None = None
         #: the answer being generated, wherever the user is looking meanwhile
@@ -39,7 +40,7 @@ class ChatBase(Screen):
         self._editing: int | None = None
         #: the last deleted conversation, for undo
         self._deleted: dict | None = None
-        self._draft_timer = None
+        self._draft_timer: Timer | None = None
         #: the tools offered to the answer being generated (None: none)
         self._offered = None
         #: answers in a row that called tools since the question

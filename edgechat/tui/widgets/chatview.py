@@ -32,7 +32,7 @@ from edgechat.engine.request import (
 from edgechat.errors import EdgechatError
 from edgechat.store import Message as StoredMessage
 from edgechat.store import image_names
-from edgechat.tui.client import ChatClient
+from edgechat.tui.client import ChatClient, Handle
 from edgechat.tui.toolrun import call_line
 
 #: seconds between UI updates while an answer streams (per-token updates halve decode speed)
@@ -354,9 +354,9 @@ class ChatView(VerticalScroll):
     class LoadEarlier(Message):
         pass
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self._handle = None
+        self._handle: Handle | None = None
         self._cancel = threading.Event()
         #: seconds between updates now; written on the UI thread, read by the worker
         self._interval = FLUSH_INTERVAL
