@@ -11,7 +11,7 @@ from textual.widgets import Label
 from textual.worker import Worker
 
 from edgechat.errors import StoreError
-from edgechat.store import Conversation
+from edgechat.store import Conversation, Store
 from edgechat.store.answer import StoredAnswer
 from edgechat.tui.widgets.attachbar import AttachBar
 from edgechat.tui.widgets.chatview import ChatView, MessageBox
@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 
 class ChatBase(Screen):
+    """The screen every part of the chat screen extends: Textual collects `@on` handlers only
+    from the classes of a message pump (a part that were a plain mixin would never hear its messages)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.conv: Conversation | None = None
@@ -54,7 +57,7 @@ class ChatBase(Screen):
         self.app.notify(message, **kwargs)
 
     @property
-    def store(self):
+    def store(self) -> Store:
         return self.app.store
 
     @property

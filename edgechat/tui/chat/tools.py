@@ -80,6 +80,9 @@ class ToolsPart(ChatBase):
             call.update(outcome="error", result=f"There is no tool named {call['name']!r}.")
             return
         conv = self.store.get_conversation(conv_id)
+        if conv is None:  # deleted while its calls waited: none of them runs
+            call.update(outcome="stopped", result=STOPPED)
+            return
         always = list(conv.settings.get("tools_always") or [])
         answer = "yes" if qualified in always else await self.app.push_screen_wait(ToolApprovalScreen(call_line(call)))
         if answer == "always":
