@@ -91,7 +91,7 @@ class Gathered:
 
     def summary(self) -> str:
         """One line on what was attached and what was skipped (and why)."""
-        attached = [*self.attachments, *self.images]
+        attached: list[Attachment | ImageAttachment] = [*self.attachments, *self.images]
         names = ", ".join(a.name for a in attached[:3])
         if len(attached) > 3:
             names += f" and {len(attached) - 3} more"

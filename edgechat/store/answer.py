@@ -85,7 +85,7 @@ class StoredAnswer:
 
     def finish(self, finished: Finished) -> Message:
         """The answer ended: store its final text, status and metrics; returns the message (as
-        stored, or as it would have been when the write failed)."""
+        stored, or as it would have been when the write failed or the message is gone)."""
         m = finished.metrics
         meta = {
             "finish_reason": finished.reason,
@@ -105,8 +105,8 @@ class StoredAnswer:
             if self.thought_s is not None:
                 meta["thought_s"] = round(self.thought_s, 2)
         status = _STATUS.get(finished.reason, "error")
-        if self._write(**self._texts(), status=status, meta=meta):
-            return self.store.get_message(self.id)
+        if self._write(**self._texts(), status=status, meta=meta) and (stored := self.store.get_message(self.id)):
+            return stored
         return Message(self.id, self.conversation_id, "assistant", finished.text, status,
                        {**self.message.meta, **meta}, self.message.created_at, self.reasoning)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from textual import work
 from textual.app import App
@@ -22,7 +23,10 @@ from edgechat.tui.config import load_config, save_tui_setting
 from edgechat.tui.mcp import ToolServers
 from edgechat.tui.screens.chat import ChatScreen
 
-ClientFactory = Callable[[str], ChatClient]
+if TYPE_CHECKING:
+    from edgechat.tui.client import LocalModels
+
+ClientFactory = Callable[[str | None], ChatClient]
 
 
 class EdgechatApp(App):
@@ -30,7 +34,7 @@ class EdgechatApp(App):
     TITLE = "edgechat"
     COMMANDS = App.COMMANDS | {ChatCommands}
     # Textual's own Ctrl+Q, shown in the footer of main keys like the chat screen's others
-    BINDINGS = [Binding(a.key, a.name, a.hint, priority=True) for a in ACTIONS if a.name == "quit"]
+    BINDINGS = [Binding(a.key, a.name, a.hint, priority=True) for a in ACTIONS if a.name == "quit" and a.key]
 
     def __init__(
         self,
@@ -54,7 +58,7 @@ class EdgechatApp(App):
         #: EngineConfig fields from the command line for local models (--gpu-layers, --rpc, --draft-model, --mmproj)
         self.engine_options = engine_options or {}
         #: the local models this app loaded and keeps while memory allows (None: remote, or a caller's factory)
-        self.local_models = None
+        self.local_models: LocalModels | None = None
         self._client_factory = client_factory or self._default_factory(url, api_key)
         #: clients from a caller's factory belong to the caller (tests share one engine between apps)
         self._owns_clients = client_factory is None
@@ -175,16 +179,17 @@ class EdgechatApp(App):
         if event.worker.group != "load-model":
             return
         screen = self.chat_screen
+        loaded: ChatClient | None = event.worker.result if event.state == WorkerState.SUCCESS else None
         if event.worker is not self._wanted:
             # a model asked for before the last switch: close it, and say nothing of its failure
-            if event.state == WorkerState.SUCCESS and self._take(event.worker.result) and self._owns_clients:
-                self._close_client(event.worker.result)
+            if loaded is not None and self._take(loaded) and self._owns_clients:
+                self._close_client(loaded)
             return
-        if event.state == WorkerState.SUCCESS:
-            if not self._take(event.worker.result):
+        if loaded is not None:
+            if not self._take(loaded):
                 return
-            old, self.client = self.client, event.worker.result
-            self.model_ref = self.client.model_name
+            old, self.client = self.client, loaded
+            self.model_ref = loaded.model_name
             if old is not None and self._owns_clients:
                 self._close_client(old)
             screen.model_ready()

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from edgechat.config import Paths
 from edgechat.engine.params import KVType
@@ -25,6 +25,9 @@ from edgechat.engine.request import (
     TextDelta,
 )
 from edgechat.errors import EdgechatError, ModelNotFoundError, UsageError
+
+if TYPE_CHECKING:
+    import httpx
 
 
 class Handle(Protocol):
@@ -174,7 +177,7 @@ class LocalClient:
 @dataclass
 class _RemoteState:
     cancelled: bool = False
-    response: object | None = None
+    response: httpx.Response | None = None
 
 
 class RemoteHandle:
@@ -303,16 +306,16 @@ class RemoteClient:
         self.url = url
         self.backend = f"remote {url}"
         self.template_mode = "chat"
-        self.template_warning = None
-        self.n_ctx = None
+        self.template_warning: str | None = None
+        self.n_ctx: int | None = None
         models = self.list_models()
         if model is None:
             if not models:
                 raise ModelNotFoundError(f"the server at {url} lists no models; pass one with -m")
             model = models[0]
         self.model_name = model
-        self.tool_family = None
-        self.image_refusal = None
+        self.tool_family: object | None = None
+        self.image_refusal: str | None = None
 
     def list_models(self) -> list[str]:
         import httpx

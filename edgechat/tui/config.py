@@ -142,7 +142,9 @@ def thinking_setting(value) -> str | int:
 def reasoning_budget(thinking) -> int | None:
     """The thinking setting as ChatRequest.reasoning_budget: None no limit, 0 off, N tokens."""
     value = thinking_setting(thinking)
-    return None if value == "on" else 0 if value == "off" else value
+    if isinstance(value, int):
+        return value
+    return None if value == "on" else 0
 
 
 def build_request(settings: dict, history: list[dict], session: str | None) -> ChatRequest:

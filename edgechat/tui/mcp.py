@@ -19,9 +19,13 @@ import json
 import os
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from edgechat.errors import EdgechatError, UsageError
+
+if TYPE_CHECKING:
+    from mcp import ClientSession
 
 #: how long a server may take to start and list its tools, and one call to answer
 START_TIMEOUT_S = 60.0
@@ -123,7 +127,7 @@ class ToolServers:
         self.call_timeout = call_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._sessions: dict[str, tuple[object, asyncio.Event, asyncio.Task]] = {}
+        self._sessions: dict[str, tuple[ClientSession, asyncio.Event, asyncio.Task]] = {}
         self._tools: dict[str, list[ToolInfo]] = {}
         self._lock = threading.Lock()
 
@@ -143,7 +147,7 @@ class ToolServers:
             raise
 
     def close(self) -> None:
-        if self._loop is None:
+        if self._loop is None or self._thread is None:
             return
         with contextlib.suppress(Exception):
             self._run(self._close_all(), 10)
@@ -177,6 +181,7 @@ class ToolServers:
             else:
                 from mcp.client.streamable_http import streamable_http_client
 
+                assert config.url is not None  # (parse_servers: a command or a url)
                 transport = streamable_http_client(config.url)
             async with transport as streams:
                 async with ClientSession(streams[0], streams[1]) as session:
@@ -240,8 +245,8 @@ class ToolServers:
 
 def _describe(exc: BaseException) -> str:
     # an anyio task group wraps the real cause
-    while getattr(exc, "exceptions", None):
-        exc = exc.exceptions[0]
+    while inner := getattr(exc, "exceptions", None):
+        exc = inner[0]
     text = str(exc).strip().splitlines()
     return text[0][:200] if text else type(exc).__name__
 

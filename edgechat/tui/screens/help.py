@@ -49,5 +49,5 @@ class HelpScreen(ModalScreen[None]):
             with VerticalScroll():
                 yield Markdown(help_markdown())
 
-    def action_dismiss(self) -> None:
+    async def action_dismiss(self, result: None = None) -> None:
         self.dismiss(None)

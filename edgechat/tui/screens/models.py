@@ -160,6 +160,7 @@ class ModelPickerScreen(ModalScreen[str | None]):
     @on(OptionList.OptionSelected, "#model-list")
     def _picked(self, event: OptionList.OptionSelected) -> None:
         ref = event.option.id
+        assert ref is not None  # (every row's id is its ref)
         if not self._rows[ref].to_download:
             self.dismiss(ref)
             return

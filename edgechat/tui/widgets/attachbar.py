@@ -81,7 +81,7 @@ class AttachBar(VerticalScroll):
         a text; None: a length estimate)."""
         chips = [Chip(a) for a in attachments]
         self.mount_all(chips, before="#attach-summary")
-        self._count([c for c in chips if not c.is_image], count)
+        self._count([(c, c.attachment) for c in chips if isinstance(c.attachment, Attachment)], count)
         self.refresh_summary()
 
     def remove_named(self, name: str) -> bool:
@@ -97,9 +97,9 @@ class AttachBar(VerticalScroll):
         self.call_after_refresh(self.refresh_summary)
 
     @work(thread=True, group="count-attachments", exit_on_error=False)
-    def _count(self, chips: list[Chip], count: Callable[[str], int] | None) -> None:
-        for chip in chips:
-            text = chip.attachment.block()
+    def _count(self, files: list[tuple[Chip, Attachment]], count: Callable[[str], int] | None) -> None:
+        for chip, attachment in files:
+            text = attachment.block()
             # ~4 characters a token: what English and code average in common tokenizers
             tokens = count(text) if count is not None else len(text) // 4
             self.app.call_from_thread(self._counted, chip, tokens, count is None)

@@ -17,6 +17,7 @@ from textual import on, work
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
+from textual.widget import Widget
 from textual.widgets import Button, Label, Markdown, Static
 
 from edgechat.attachments import file_size, split
@@ -31,7 +32,7 @@ from edgechat.engine.request import (
 from edgechat.errors import EdgechatError
 from edgechat.store import Message as StoredMessage
 from edgechat.store import image_names
-from edgechat.tui.client import ChatClient
+from edgechat.tui.client import ChatClient, Handle
 from edgechat.tui.toolrun import call_line
 
 #: seconds between UI updates while an answer streams (per-token updates halve decode speed)
@@ -353,9 +354,9 @@ class ChatView(VerticalScroll):
     class LoadEarlier(Message):
         pass
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self._handle = None
+        self._handle: Handle | None = None
         self._cancel = threading.Event()
         #: seconds between updates now; written on the UI thread, read by the worker
         self._interval = FLUSH_INTERVAL
@@ -370,7 +371,7 @@ class ChatView(VerticalScroll):
         """Replace what is shown: the newest `messages`, and a button for the `total - len` older ones."""
         with self.app.batch_update():
             await self.remove_children()
-            widgets = []
+            widgets: list[Widget] = []
             if total > len(messages):
                 widgets.append(Button(f"▲ {total - len(messages)} earlier messages", id="load-earlier"))
             widgets += [MessageBox(m, streaming=m.id == streaming_id) for m in messages]
@@ -448,7 +449,8 @@ class ChatView(VerticalScroll):
         thoughts: list[str] = []
         last = time.monotonic()
         #: when the first thought came, how many deltas of thoughts, whether the answer has started since
-        think_start, n_thoughts, thinking = None, 0, False
+        think_start: float | None = None
+        n_thoughts, thinking = 0, False
 
         def flush() -> None:
             # thoughts first: they come before the answer
@@ -460,6 +462,7 @@ class ChatView(VerticalScroll):
                 pending.clear()
 
         def end_thoughts() -> None:
+            assert think_start is not None  # (only once a thought came)
             flush()
             self.post_message(self.AnswerThoughtsEnded(box, time.monotonic() - think_start, n_thoughts))
 

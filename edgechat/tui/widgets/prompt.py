@@ -30,7 +30,7 @@ class PromptInput(TextArea):
             self.prompt = prompt
             self.text = text
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs) -> None:
         super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
         self.sent: list[str] = []
         #: position in history while browsing with Up/Down; None when editing a fresh draft

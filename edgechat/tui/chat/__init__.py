@@ -1,0 +1,9 @@
+"""The chat screen's parts, one job each, composed by `screens/chat.py`'s `ChatScreen`.
+
+base.py (the state, widgets and helpers every part shares), turn.py (a chat turn: sending,
+streaming an answer into its box, finishing, stopping, undo, regenerate, edit), attachments.py
+(files and pictures above the input), tools.py (the tools offered to an answer, approving and
+running its calls, `/tools`), gauge.py (the context gauge in the status bar), commands.py (the
+slash commands and keys not owned by another part: conversations, settings, presets, the model,
+export, copying, what is shown).
+"""
