@@ -148,15 +148,17 @@ def fallback_triggers(names: list[str]) -> tuple[str, ...]:
 
 
 def _fallback_rules(offered: list[dict], many: bool) -> list[str]:
-    """json-calls: one call object (several, each on its own line, when parallel calls are on)
-    or a list of them, with the whitespace a model writes in pretty JSON, then an optional
-    closing fence."""
+    """json-calls: one call object, or a list of them, with the whitespace a model writes in
+    pretty JSON, then an optional closing fence (and, with parallel calls on, more calls each in
+    a fence of its own). No second bare object: a small model that writes one after its call is
+    imagining the call's result (`{"result": 1813}`), which held to the tools would become a call
+    it never meant; the parser still reads two bare calls where no grammar holds the answer."""
     repeat = f"{{0,{MAX_PARALLEL_CALLS - 1}}}" if many else ""
     # after a fenced call, more calls each in a fence of its own (as small models write them)
     more = f' (call-ws "```" "json"? call-ws json-call call-ws "```"){repeat}' if many else ""
     lines = [
         r"call-ws ::= [ \t\n]{0,24}",
-        f'json-calls ::= (json-call (call-ws json-call){repeat} | "[" call-ws json-call (call-ws "," call-ws json-call){repeat} call-ws "]")'
+        f'json-calls ::= (json-call | "[" call-ws json-call (call-ws "," call-ws json-call){repeat} call-ws "]")'
         f' (call-ws "```"{more})?',
         "json-call ::= " + " | ".join(f"json-call-{i}" for i in range(len(offered))),
     ]
