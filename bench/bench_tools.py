@@ -10,7 +10,7 @@ right intent: llama-server's answer read whole, its `content` included (where it
 recognize a call, the model's raw call JSON is there), so a case counts as intended when the
 right calls appear in it as calls or as JSON objects anywhere in the text.
 
-Then decode speed: a long answer with the six tools declared (`auto`, no call wanted) against
+First, decode speed: a long answer with the six tools declared (`auto`, no call wanted) against
 the same request without tools, tokens/s from each response's `timings`, rounds alternating.
 
     python -m bench.bench_tools [--threads 2] [--speed-rounds 3] [--json out.json] [--only simple]
@@ -346,12 +346,26 @@ def report(rows: list[tuple[Case, dict[str, Outcome]]], speed: dict) -> tuple[st
         scores["json_valid"][n] = valid
         lines.append(f"json_schema at max_tokens {n}: valid " + ", ".join(f"{s} {valid[s]}/{len(jc)}" for s in servers))
     for name, by in speed.items():
+        if not (by.get("plain") and by.get("tools")):
+            continue
         plain = statistics.median(t for t, _ in by["plain"])
         tools = statistics.median(t for t, _ in by["tools"])
         scores["speed_ratio"][name] = tools / plain if plain else 0.0
         lines.append(f"decode {name}: tools declared {tools:.1f} t/s, without {plain:.1f} t/s: {scores['speed_ratio'][name]:.3f}x "
                      f"(tokens {[n for _, n in by['tools']]} / {[n for _, n in by['plain']]})")
     return "\n".join(lines), scores
+
+
+def save(path: Path, model_path: Path, threads: int, rows: list[tuple[Case, dict[str, Outcome]]], speed: dict) -> None:
+    """Every case's outcome on each server and the scores so far, as JSON."""
+    servers = list(rows[0][1]) if rows else []
+    reader = "llama-server" if "llama-server" in servers else servers[0] if servers else ""
+    path.write_text(json.dumps({
+        "model": model_path.name, "threads": threads, **report(rows, speed)[1], "speed": speed,
+        "cases": [{"id": c.id, "kind": c.kind, "expected": c.expected, "intent": intended(c, o[reader]),
+                   **{s: {"passed": passed(c, o[s]), "calls": o[s].calls, "content": o[s].content, "finish": o[s].finish,
+                          "completion_tokens": o[s].completion_tokens, "error": o[s].error} for s in servers}} for c, o in rows],
+    }, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,28 +391,31 @@ def main(argv: list[str] | None = None) -> int:
         urls = {s: stack.enter_context(_server(commands[s], ports[s], s, args.log_dir)) for s in which}
         clients = {s: openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=900, max_retries=0) for s, url in urls.items()}
         models = {s: c.models.list().data[0].id for s, c in clients.items()}
-        for i, case in enumerate(todo):
-            outs = {}
-            for s in which if i % 2 == 0 else reversed(which):
-                t0 = time.monotonic()
-                outs[s] = ask(clients[s], models[s], case)
-                print(f"[{i + 1}/{len(todo)}] {case.id} {s} {time.monotonic() - t0:.1f}s: {outs[s].show()}", file=sys.stderr, flush=True)
-            rows.append((case, {s: outs[s] for s in which}))
         for r in range(args.speed_rounds):
             for s in which if r % 2 == 0 else reversed(which):
                 for tools in (False, True) if r % 2 == 0 else (True, False):
-                    tps, n = decode_tps(clients[s], models[s], tools)
-                    speed.setdefault(s, {}).setdefault("tools" if tools else "plain", []).append((tps, n))
-                    print(f"speed round {r + 1} {s} {'tools' if tools else 'plain'}: {tps:.1f} t/s over {n} tokens", file=sys.stderr, flush=True)
+                    tps, count = decode_tps(clients[s], models[s], tools)
+                    speed.setdefault(s, {}).setdefault("tools" if tools else "plain", []).append((tps, count))
+                    if args.json:
+                        save(args.json, model_path, args.threads, rows, speed)
+                    print(f"speed round {r + 1} {s} {'tools' if tools else 'plain'}: {tps:.1f} t/s over {count} tokens", file=sys.stderr, flush=True)
+        # the kinds take turns, so a run cut short has measured each of them
+        order = sorted(range(len(todo)), key=lambda i: sum(c.kind == todo[i].kind for c in todo[:i]))
+        done: dict[int, dict[str, Outcome]] = {}
+        for n, i in enumerate(order):
+            case, outs = todo[i], {}
+            for s in which if n % 2 == 0 else reversed(which):
+                t0 = time.monotonic()
+                outs[s] = ask(clients[s], models[s], case)
+                print(f"[{n + 1}/{len(todo)}] {case.id} {s} {time.monotonic() - t0:.1f}s: {outs[s].show()}", file=sys.stderr, flush=True)
+            done[i] = {s: outs[s] for s in which}
+            rows = [(todo[k], done[k]) for k in sorted(done)]
+            if args.json:
+                save(args.json, model_path, args.threads, rows, speed)
     table, scores = report(rows, speed)
     print(table)
     if args.json:
-        args.json.write_text(json.dumps({
-            "model": model_path.name, "threads": args.threads, **scores, "speed": speed,
-            "cases": [{"id": c.id, "kind": c.kind, "expected": c.expected, "intent": intended(c, o.get("llama-server", o[which[0]])),
-                       **{s: {"passed": passed(c, o[s]), "calls": o[s].calls, "content": o[s].content, "finish": o[s].finish,
-                              "completion_tokens": o[s].completion_tokens, "error": o[s].error} for s in which}} for c, o in rows],
-        }, indent=1))
+        save(args.json, model_path, args.threads, rows, speed)
     return 0
 
 
