@@ -283,7 +283,9 @@ def ask(client: openai.OpenAI, model: str, case: Case) -> Outcome:
     return Outcome(calls, choice.message.content or "", choice.finish_reason or "", tokens)
 
 
-SPEED_PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
+# a coding task: with the tools declared too this model answers it at length, where a story request
+# gets a short refusal or a call
+SPEED_PROMPT = "Write a Python class for a linked list with insert, delete, search and reverse methods, each with a docstring."
 SPEED_TOKENS = 128
 
 
