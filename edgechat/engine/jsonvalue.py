@@ -325,6 +325,17 @@ class JsonPrefix:
                 written = [json.dumps(v, ensure_ascii=False)[1:-1] for v in options]
                 rest = [v[len(self._buf):] for v in written if v.startswith(self._buf)]
                 out += min(rest, key=len) if rest else ""
+            else:
+                # a key the object still lacks, a required one first: an empty or unknown key
+                # would not fit a schema that allows no others
+                frame = self._stack[-1]
+                unused = [k for k in _properties(frame.schema, self.root) if k not in frame.keys]
+                required = [k for k in _required(frame.schema, self.root) if k in unused]
+                for names in (required, unused):
+                    rest = [w[len(self._buf):] for w in (json.dumps(k, ensure_ascii=False)[1:-1] for k in names) if w.startswith(self._buf)]
+                    if rest:
+                        out += rest[0] if names is required else min(rest, key=len)
+                        break
             out += '"'
             if self._scalar == "key":
                 closed_key = json.loads('"' + self._buf + out)  # out ends an open escape first
