@@ -239,10 +239,13 @@ def passed(case: Case, out: Outcome) -> bool:
         except (json.JSONDecodeError, jsonschema.ValidationError):
             return False
         return True
+    # an answer holding a call to an offered tool as text is no answer: the client got neither
+    # the call nor prose (a call to a tool nobody offered is text the model chose to write)
+    as_text = [name for name, _ in json_calls_in(out.content) if name in case.tools]
     if case.kind == "result":
-        return not out.calls and case.answer.lower() in out.content.lower()
+        return not out.calls and not as_text and case.answer.lower() in out.content.lower()
     if not case.calls:
-        return not out.calls and bool(out.content.strip())
+        return not out.calls and not as_text and bool(out.content.strip())
     return calls_match(case.calls, out.calls)
 
 
