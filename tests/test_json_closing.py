@@ -1,5 +1,6 @@
 """The shortest valid end of a JSON answer cut short under a schema (jsonvalue.JsonPrefix.closing),
-on the texts Qwen2.5-Coder-0.5B wrote in bench/bench_tools.py's json_schema cases at max_tokens 24."""
+on the texts Qwen2.5-Coder-0.5B writes in bench/bench_tools.py's json_schema cases, and on the
+model itself."""
 
 from __future__ import annotations
 
@@ -8,14 +9,11 @@ import json
 import jsonschema
 import pytest
 
+from bench.bench_tools import JSON_PROMPTS, PERSON, RECIPE
+from edgechat.engine import Engine, EngineConfig
 from edgechat.engine.jsonvalue import JsonPrefix
-
-S = {"type": "string"}
-PERSON = {"type": "object", "properties": {"name": S, "age": {"type": "integer"}, "city": S},
-          "required": ["name", "age", "city"], "additionalProperties": False}
-RECIPE = {"type": "object", "properties": {"title": S, "ingredients": {"type": "array", "items": S, "minItems": 1},
-                                           "minutes": {"type": "integer"}},
-          "required": ["title", "ingredients", "minutes"], "additionalProperties": False}
+from edgechat.engine.request import SamplingParams
+from edgechat.server.schemas import parse_chat
 
 
 @pytest.mark.parametrize("schema, text", [
@@ -33,3 +31,31 @@ def test_a_cut_answer_closes_valid_under_its_schema(schema, text):
     assert prefix.valid
     whole = text + prefix.closing()
     jsonschema.validate(json.loads(whole), schema)
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_coder_path, models_root):
+    eng = Engine(EngineConfig(model=str(qwen_coder_path), n_ctx=1024, n_parallel=1, paths=models_root))
+    yield eng
+    eng.close()
+
+
+# opening an object whose schema requires fields makes its shortest end several tokens longer in
+# one step; the scheduler's _close_json starts closing only when the tokens left equal the end's
+# length, so here the closed answer runs to 30 tokens
+_OVER = pytest.mark.xfail(strict=True, reason="the closing of a just-opened object overruns max_tokens (30 of 24)")
+CUT = [pytest.param(name, schema, prompt, n, id=f"{name}-{n}", marks=[_OVER] if (name, n) == ("meeting", 24) else [])
+       for name, schema, prompt in JSON_PROMPTS for n in (24, 48)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, schema, prompt, max_tokens", CUT)
+def test_a_json_answer_ends_valid_within_max_tokens_on_the_real_model(qwen, name, schema, prompt, max_tokens):
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}}
+    request = parse_chat(body).request
+    request.sampling = SamplingParams(temperature=0)
+    finished = qwen.submit(request).result()
+    jsonschema.validate(json.loads(finished.text), schema)
+    # the closing counts against max_tokens like any token the model writes
+    assert finished.metrics.completion_tokens <= max_tokens, finished.text
