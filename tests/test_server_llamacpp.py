@@ -85,6 +85,20 @@ def test_unprefixed_openai_routes_answer(http):
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
 
 
+def test_openai_answers_and_chunks_carry_the_system_fingerprint(http):
+    client = openai.OpenAI(base_url=str(http.base_url), api_key=KEY, max_retries=0)
+    chat = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=4, temperature=0)
+    fingerprint = chat.system_fingerprint
+    # llama-server's shape ("b" and the build), which llama.cpp's own tests check
+    assert fingerprint and fingerprint.startswith("b")
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).system_fingerprint == fingerprint
+    for path, body in (("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "Hi"})):
+        body = {**body, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+        with http.stream("POST", path, json=body) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert len(chunks) > 2 and all(c["system_fingerprint"] == fingerprint for c in chunks), path
+
+
 def test_errors_in_llama_servers_shape(http):
     for r in (
         http.get("/props", headers={"Authorization": "Bearer wrong"}),

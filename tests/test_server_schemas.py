@@ -8,7 +8,7 @@ import time
 import pytest
 
 from edgechat.engine.fim import Infill
-from edgechat.errors import EngineBusyError, EngineStoppedError, PromptTooLongError
+from edgechat.errors import EngineBusyError, EngineStoppedError, InvalidFieldError, PromptTooLongError
 from edgechat.loadgen import RequestResult, Run, make_prompt, prompt_token_targets, summarize
 from edgechat.server.degrade import DegradeSwitch
 from edgechat.server.errors import ApiError, from_engine_error
@@ -110,6 +110,16 @@ def test_completion_defaults_to_sixteen_tokens_like_openai():
 )
 def test_bad_chat_bodies_name_the_field(body, param):
     assert _error(parse_chat, body).param == param
+
+
+def test_json_object_takes_llama_servers_schema():
+    fmt = {"type": "json_object", "schema": {"type": "array", "items": {"type": "integer"}}}
+    grammar = parse_chat({"messages": USER, "response_format": fmt}).request.grammar
+    assert grammar is not None and grammar.json_schema == fmt["schema"]
+    assert parse_chat({"messages": USER, "response_format": {"type": "json_object"}}).request.grammar.json_schema == {"type": "object"}
+    with pytest.raises(InvalidFieldError) as bad:  # a 400 naming the field, as for json_schema's
+        parse_chat({"messages": USER, "response_format": {"type": "json_object", "schema": 123}})
+    assert bad.value.param == "response_format.schema"
 
 
 @pytest.mark.parametrize(

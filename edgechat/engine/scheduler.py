@@ -610,7 +610,9 @@ class Scheduler:
         if closing != run.json_closing[0]:
             run.json_closing = (closing, self.runner.tokenize(closing, add_bos=False, special=False) if closing else [])
         tokens = run.json_closing[1]
-        if not tokens or left > len(tokens) + 1:
+        # twice the end's length, not once: the next token may open an object whose required
+        # fields make the end several tokens longer in one step
+        if not tokens or left > 2 * len(tokens) + 2:
             return False
         for token in tokens:
             run.n_out += 1

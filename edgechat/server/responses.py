@@ -8,7 +8,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from edgechat import __version__
+from edgechat.engine.llama import llama_version
 from edgechat.engine.request import Finished, RequestMetrics, TokenLogprob, ToolCall
+
+#: OpenAI's `system_fingerprint`, what answers are computed with (llama.cpp's build and ours), in
+#: llama-server's "b<build>-<commit>" shape: a client pairing it with `seed` sees when it changes
+SYSTEM_FINGERPRINT = f"b{llama_version()}-edgechat{__version__}"
 
 
 class ResponseIds(NamedTuple):
@@ -125,8 +131,8 @@ def completion_body(choices: list[Choice], kind: str, ids: ResponseIds) -> dict:
         out.append(choice)
     obj = "chat.completion" if kind == "chat" else "text_completion"
     finished = [c.finished for c in choices]
-    return {"id": ids.id, "object": obj, "created": ids.created, "model": ids.model, "choices": out, "usage": usage(finished),
-            "timings": timings(finished[0].metrics)}
+    return {"id": ids.id, "object": obj, "created": ids.created, "model": ids.model, "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": out, "usage": usage(finished), "timings": timings(finished[0].metrics)}
 
 
 def chunk(
@@ -154,7 +160,8 @@ def chunk(
         choice = {"index": index, "text": text or ""}
         obj = "text_completion"
     choice.update(logprobs=logprobs, finish_reason=finish_reason)
-    return {"id": ids.id, "object": obj, "created": ids.created, "model": ids.model, "choices": [choice]}
+    return {"id": ids.id, "object": obj, "created": ids.created, "model": ids.model, "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": [choice]}
 
 
 def tool_call_deltas(index: int, call: ToolCall) -> list[list[dict]]:

@@ -22,7 +22,10 @@ def response_format_grammar(value: object) -> Grammar | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return Grammar(schema_rules([("", {"type": "object"})], param), json_schema={"type": "object"})
+        # llama-server's extension: a `schema` beside the type (any JSON value under it)
+        schema = value.get("schema", {"type": "object"})
+        check_schema(schema, f"{param}.schema")
+        return Grammar(schema_rules([("", schema)], f"{param}.schema"), json_schema=schema)
     if kind != "json_schema":
         raise bad_request(
             "response_format.type must be one of text, json_object, json_schema", param="response_format.type", code="invalid_value"
