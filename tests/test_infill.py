@@ -18,6 +18,8 @@ from edgechat.server import ServerSettings, create_app
 pytestmark = pytest.mark.slow
 
 N_CTX = 4096
+#: a long fill prefills ~2,000 tokens: minutes on a loaded 2-core machine
+TIMEOUT_S = 900
 
 # the line the cursor is on is missing: the model writes it from what comes after (`message`)
 PREFIX = "def greet(name):\n    "
@@ -37,7 +39,7 @@ def engine(qwen_coder_path, models_root):
 def http(engine):
     settings = ServerSettings(model_id="qwen-coder", degrade_queue_wait=None)
     with serving(create_app(settings, engine)) as url:
-        with httpx.Client(base_url=url, timeout=120) as client:
+        with httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
             yield client
 
 
@@ -51,7 +53,7 @@ def llama_server(llama_tools, qwen_coder_path, tmp_path_factory):
     cmd = [str(llama_tools / "llama-server"), "-m", str(qwen_coder_path), "-c", str(N_CTX), "-np", "1", "-t", str(default_threads()),
            "--no-webui", "--host", "127.0.0.1", "--port", str(port), *([] if use_extra_buffers() else ["--no-repack"])]
     with _server(cmd, port, "llama-server", tmp_path_factory.mktemp("llama-server")) as url:
-        with httpx.Client(base_url=url, timeout=120) as client:
+        with httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
             yield client
 
 
