@@ -112,14 +112,28 @@ def test_a_long_file_loses_its_far_ends_not_the_cursor(engine, llama_server):
     assert theirs["prompt"] == engine.detokenize(tokens, special=True)
 
 
-def test_the_next_keystroke_reuses_the_prefix(http, engine):
+def test_the_next_keystrokes_reuse_the_cache(http, engine):
     prefix, suffix = _long_file()
-    prefix, suffix = prefix[-3000:], suffix[:400]
-    first = http.post("/infill", json={"input_prefix": prefix, "input_suffix": suffix, "n_predict": 4}).json()
+    suffix = suffix[:400]
+    fim = engine.backend.fim_tokens()
+
+    def fill(prefix: str) -> tuple[dict, list[int]]:
+        body = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": 4}
+        return http.post("/infill", json=body).json(), engine.prompt_tokens(ChatRequest(infill=Infill(prefix, suffix), max_tokens=4))
+
+    first, _ = fill(prefix)
     # one more character typed at the cursor: the file before it is in the cache (its last token
-    # may merge with the new character)
-    second = http.post("/infill", json={"input_prefix": prefix + "d", "input_suffix": suffix, "n_predict": 4}).json()
-    assert second["tokens_cached"] >= len(engine.tokenize(prefix)) - 1 > 500, (first, second)
+    # may merge with the new character, and the prefix's budget may push its first token out)
+    typed, _ = fill(prefix + "d")
+    assert typed["tokens_cached"] >= 1536 - 2, (first, typed)
+    # the cursor a function further down: the file's start left the prompt, the rest of the
+    # prefix is still in the cache, moved down as llama-server --cache-reuse moves it
+    moved_prefix = prefix + "def g(x):\n    return x * 2\n\n"
+    moved, tokens = fill(moved_prefix)
+    added = len(engine.tokenize(moved_prefix)) - len(engine.tokenize(prefix))
+    assert tokens.index(fim.suf) - 1 == 1536
+    assert moved["tokens_cached"] >= 1536 - added - 2, (typed, moved)
+    assert engine.kv_problems() == []
 
 
 def test_a_disconnect_cancels_the_fill(http, engine):
