@@ -16,11 +16,12 @@ reported beside it. Targets:
 
 Exact match: 30 lines cut from functions of this repository's code (a line of a function's
 body removed, its indentation left at the cursor, the function and the lines around it as
-prefix and suffix); a fill scores when its first line equals the removed line (both stripped).
+prefix and suffix); a fill (up to its first newline) scores when it equals the removed line,
+both stripped.
 Both servers' scores are reported: the same prompt tokens give the same answers, so they
 should agree.
 
-    python -m bench.bench_infill [--threads N] [--ctx 4096] [--file-tokens 2000] [--json]
+    python -m bench.bench_infill [--threads N] [--ctx 4096] [--file-tokens 2000] [--fills 20] [--cases 30] [--json]
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import argparse
 import ast
 import contextlib
 import json
-import os
+import math
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,9 +51,9 @@ FILE_SOURCES = ("edgechat/engine/kvcache.py", "edgechat/engine/prompt.py")
 #: where the exact-match cases are cut from
 CASE_SOURCES = ("edgechat/engine", "edgechat/server", "quantize")
 N_PREDICT = 32
-#: an exact-match case's context: from 15 lines before the function (at most 40 before the cut)
-#: to 8 lines after it (at most 15 after the cut)
-CASE_LINES_BEFORE, CASE_MAX_BEFORE, CASE_LINES_AFTER, CASE_MAX_AFTER = 15, 40, 8, 15
+#: an exact-match case's context: from 15 lines before the function (at most 25 before the cut)
+#: to 8 lines after it (at most 10 after the cut)
+CASE_LINES_BEFORE, CASE_MAX_BEFORE, CASE_LINES_AFTER, CASE_MAX_AFTER = 15, 25, 8, 10
 SERVERS = ("edgechat", "llama-server")
 
 
@@ -153,9 +155,9 @@ def cases(seed: int, n_cases: int) -> list[tuple[str, str, str]]:
     return out
 
 
-def infill(client: httpx.Client, prefix: str, suffix: str) -> Fill:
+def infill(client: httpx.Client, prefix: str, suffix: str, **fields) -> Fill:
     body = {"input_prefix": prefix, "input_suffix": suffix, "input_extra": [], "n_predict": N_PREDICT,
-            "temperature": 0, "stream": True}
+            "temperature": 0, "stream": True, **fields}
     sent = time.perf_counter()
     first = None
     parts: list[str] = []
@@ -194,16 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--speculative", default="auto", help="edgechat's --speculative (off: to tell a near-tie from drafting)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--log-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")))
+    ap.add_argument("--log-dir", type=Path, help="where the servers' logs go (default: a new temporary folder)")
     args = ap.parse_args(argv)
 
     model = real_model_path()
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-infill-"))
+    print(f"server logs in {log_dir}", file=sys.stderr)
     res = Results()
     with contextlib.ExitStack() as stack:
         clients = {}
         for name in SERVERS:
             port = _free_port()
-            url = stack.enter_context(_server(commands(name, port, model, args.ctx, args.threads, args.speculative), port, name, args.log_dir))
+            url = stack.enter_context(_server(commands(name, port, model, args.ctx, args.threads, args.speculative), port, name, log_dir))
             clients[name] = stack.enter_context(httpx.Client(base_url=url, timeout=1800))
         text = source_file(clients["llama-server"], args.file_tokens)
         file_tokens = n_tokens_of(clients["llama-server"], text)
@@ -220,15 +224,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"fill {k + 1}: the completions differ: {ours!r} / {theirs!r}", file=sys.stderr)
         for k, (prefix, suffix, removed) in enumerate(cases(args.seed, args.cases)):
             for name in SERVERS[k % 2 :] + SERVERS[: k % 2]:
-                answer = infill(clients[name], prefix, suffix).content
+                # only the first line is scored: the rest is not generated
+                answer = infill(clients[name], prefix, suffix, stop=["\n"]).content
                 res.hits[name].append(answer.lstrip("\n").split("\n")[0].strip() == removed)
             print(f"case {k + 1}/{args.cases}: {removed[:60]!r} " + " ".join(f"{n}={'hit' if res.hits[n][-1] else 'miss'}" for n in SERVERS),
                   file=sys.stderr)
 
     def summary(name: str) -> dict:
         fills = res.fills[name]
-        ttft = [f.ttft_s for f in fills]
-        prompt = [f.prompt_ms / 1e3 for f in fills]
+        # nan with --fills 0 (only the exact-match cases run)
+        ttft = [f.ttft_s for f in fills] or [math.nan]
+        prompt = [f.prompt_ms / 1e3 for f in fills] or [math.nan]
         return {"ttft_p50_s": statistics.median(ttft), "ttft_p95_s": percentile(ttft, 0.95),
                 "prompt_ms_p50_s": statistics.median(prompt), "prompt_ms_p95_s": percentile(prompt, 0.95),
                 "total_s": sum(f.total_s for f in fills), "prompt_tokens": sum(f.tokens_evaluated for f in fills),
