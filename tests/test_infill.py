@@ -92,6 +92,19 @@ def test_extra_files_come_before_the_prefix(engine):
     assert tokens.index(fim.sep) < tokens.index(fim.pre) < tokens.index(fim.suf) < tokens.index(fim.mid) == len(tokens) - 1
 
 
+def test_other_files_take_what_the_context_holds_beyond_the_batch(engine):
+    # llama-server's budget for them (format_prompt_infill): the slot's context less its batch
+    # less twice its own n_predict (-1 unless started with -n), whatever the request's n_predict
+    chunk = "".join(f"LIMIT_{i} = {i * 7}\n" for i in range(500))
+    fim = engine.backend.fim_tokens()
+    tokens = engine.prompt_tokens(ChatRequest(infill=Infill(PREFIX, SUFFIX, (("limits.py", chunk),)), max_tokens=32))
+    extra = [fim.rep, *engine.tokenize("myproject\n"), fim.sep, *engine.tokenize("limits.py\n"), *engine.tokenize(chunk),
+             fim.sep, *engine.tokenize("filename\n")]
+    n_extra = N_CTX - 2048 + 2
+    assert len(extra) > n_extra
+    assert tokens[: tokens.index(fim.pre)] == extra[-n_extra:]
+
+
 def _long_file() -> tuple[str, str]:
     lines = [f"def f{i}(x):\n    return x + {i}\n\n" for i in range(400)]
     return "".join(lines[:300]), "".join(lines[300:])
