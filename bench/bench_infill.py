@@ -208,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in SERVERS:
             port = _free_port()
             url = stack.enter_context(_server(commands(name, port, model, args.ctx, args.threads, args.speculative), port, name, log_dir))
-            clients[name] = stack.enter_context(httpx.Client(base_url=url, timeout=1800))
+            # a new connection per request: llama-server closed a kept-alive one under a request
+            # sent a moment after a minute-long answer (loopback connects cost both alike, ~0.1 ms)
+            clients[name] = stack.enter_context(httpx.Client(base_url=url, timeout=1800, limits=httpx.Limits(max_keepalive_connections=0)))
         text = source_file(clients["llama-server"], args.file_tokens)
         file_tokens = n_tokens_of(clients["llama-server"], text)
         for name in SERVERS:  # weights paged in, first-request costs paid, before anything is timed
