@@ -62,6 +62,8 @@ class Fill:
     """One /infill answer as the client saw it."""
 
     content: str
+    #: the prompt as the server reports it (its tokens' text): the same for the same request
+    prompt: str
     ttft_s: float
     total_s: float
     prompt_ms: float
@@ -73,6 +75,8 @@ class Fill:
 class Results:
     fills: dict[str, list[Fill]] = field(default_factory=lambda: {name: [] for name in SERVERS})
     hits: dict[str, list[bool]] = field(default_factory=lambda: {name: [] for name in SERVERS})
+    #: exact-match cases both servers answered alike
+    agreed: int = 0
 
 
 def commands(name: str, port: int, model: Path, ctx: int, threads: int, speculative: str) -> list[str]:
@@ -177,7 +181,7 @@ def infill(client: httpx.Client, prefix: str, suffix: str, **fields) -> Fill:
     done = time.perf_counter()
     timings = last.get("timings", {})
     # timings.cache_n: the prompt tokens reused (llama-server's tokens_cached counts the answer too)
-    return Fill("".join(parts), (first or done) - sent, done - sent, timings.get("prompt_ms", 0.0),
+    return Fill("".join(parts), last.get("prompt", ""), (first or done) - sent, done - sent, timings.get("prompt_ms", 0.0),
                 last.get("tokens_evaluated", 0), timings.get("cache_n", 0))
 
 
@@ -223,14 +227,17 @@ def main(argv: list[str] | None = None) -> int:
                       f"{fill.tokens_cached} cached", file=sys.stderr)
             ours, theirs = res.fills["edgechat"][-1].content, res.fills["llama-server"][-1].content
             if ours != theirs:
-                print(f"fill {k + 1}: the completions differ: {ours!r} / {theirs!r}", file=sys.stderr)
+                same_prompt = res.fills["edgechat"][-1].prompt == res.fills["llama-server"][-1].prompt
+                print(f"fill {k + 1}: the completions differ ({'same' if same_prompt else 'DIFFERENT'} prompts): {ours!r} / {theirs!r}",
+                      file=sys.stderr)
         for k, (prefix, suffix, removed) in enumerate(cases(args.seed, args.cases)):
+            answers = {}
             for name in SERVERS[k % 2 :] + SERVERS[: k % 2]:
                 # only the first line is scored: the rest is not generated
-                answer = infill(clients[name], prefix, suffix, stop=["\n"]).content
-                res.hits[name].append(answer.lstrip("\n").split("\n")[0].strip() == removed)
-            print(f"case {k + 1}/{args.cases}: {removed[:60]!r} " + " ".join(f"{n}={'hit' if res.hits[n][-1] else 'miss'}" for n in SERVERS),
-                  file=sys.stderr)
+                answers[name] = infill(clients[name], prefix, suffix, stop=["\n"]).content.strip()
+                res.hits[name].append(answers[name] == removed)
+            res.agreed += answers["edgechat"] == answers["llama-server"]
+            print(f"case {k + 1}/{args.cases}: {removed!r}: " + ", ".join(f"{n} {answers[n]!r}" for n in SERVERS), file=sys.stderr)
 
     def summary(name: str) -> dict:
         fills = res.fills[name]
@@ -243,13 +250,15 @@ def main(argv: list[str] | None = None) -> int:
                 "cached_tokens": sum(f.tokens_cached for f in fills), "exact_match": sum(res.hits[name])}
 
     ours, theirs = summary("edgechat"), summary("llama-server")
-    same = sum(a.content == b.content for a, b in zip(res.fills["edgechat"], res.fills["llama-server"], strict=True))
+    pairs = list(zip(res.fills["edgechat"], res.fills["llama-server"], strict=True))
+    same = sum(a.content == b.content for a, b in pairs)
+    same_prompts = sum(a.prompt == b.prompt for a, b in pairs)
     ratios = {"ttft_p50": ours["ttft_p50_s"] / theirs["ttft_p50_s"], "ttft_p95": ours["ttft_p95_s"] / theirs["ttft_p95_s"],
               "prompt_ms_p50": ours["prompt_ms_p50_s"] / theirs["prompt_ms_p50_s"], "total": ours["total_s"] / theirs["total_s"]}
     targets = {"ttft_p50": ratios["ttft_p50"] <= 0.7, "ttft_p95": ratios["ttft_p95"] <= 0.9, "same_completions": same >= 0.9 * args.fills}
     report = {"model": model.name, "threads": args.threads, "ctx": args.ctx, "speculative": args.speculative, "file_tokens": file_tokens,
-              "edgechat": ours, "llama-server": theirs, "same_completions": same, "ratios": ratios, "targets_met": targets,
-              "completions": [[a.content, b.content] for a, b in zip(res.fills["edgechat"], res.fills["llama-server"], strict=True)]}
+              "edgechat": ours, "llama-server": theirs, "same_completions": same, "same_prompts": same_prompts, "same_case_answers": res.agreed, "ratios": ratios, "targets_met": targets,
+              "completions": [[a.content, b.content] for a, b in pairs]}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -261,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in ratios.items():
         mark = f"  (target: {'met' if targets[name] else 'MISSED'})" if name in targets else ""
         print(f"{name:14} {value:.2f}x{mark}")
-    print(f"same completions: {same}/{args.fills}  (target: {'met' if targets['same_completions'] else 'MISSED'})")
+    print(f"exact-match cases answered alike by both: {res.agreed}/{args.cases}")
+    print(f"same completions: {same}/{args.fills}  (target: {'met' if targets['same_completions'] else 'MISSED'}); same prompt tokens: {same_prompts}/{args.fills}")
     return 0
 
 
