@@ -18,6 +18,8 @@ from edgechat.server import ServerSettings, create_app
 pytestmark = pytest.mark.slow
 
 N_CTX = 4096
+#: a long fill prefills ~2,000 tokens: minutes on a loaded 2-core machine
+TIMEOUT_S = 900
 
 # the line the cursor is on is missing: the model writes it from what comes after (`message`)
 PREFIX = "def greet(name):\n    "
@@ -37,7 +39,7 @@ def engine(qwen_coder_path, models_root):
 def http(engine):
     settings = ServerSettings(model_id="qwen-coder", degrade_queue_wait=None)
     with serving(create_app(settings, engine)) as url:
-        with httpx.Client(base_url=url, timeout=120) as client:
+        with httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
             yield client
 
 
@@ -51,7 +53,7 @@ def llama_server(llama_tools, qwen_coder_path, tmp_path_factory):
     cmd = [str(llama_tools / "llama-server"), "-m", str(qwen_coder_path), "-c", str(N_CTX), "-np", "1", "-t", str(default_threads()),
            "--no-webui", "--host", "127.0.0.1", "--port", str(port), *([] if use_extra_buffers() else ["--no-repack"])]
     with _server(cmd, port, "llama-server", tmp_path_factory.mktemp("llama-server")) as url:
-        with httpx.Client(base_url=url, timeout=120) as client:
+        with httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
             yield client
 
 
@@ -90,6 +92,19 @@ def test_extra_files_come_before_the_prefix(engine):
     assert tokens.index(fim.sep) < tokens.index(fim.pre) < tokens.index(fim.suf) < tokens.index(fim.mid) == len(tokens) - 1
 
 
+def test_other_files_take_what_the_context_holds_beyond_the_batch(engine):
+    # llama-server's budget for them (format_prompt_infill): the slot's context less its batch
+    # less twice its own n_predict (-1 unless started with -n), whatever the request's n_predict
+    chunk = "".join(f"LIMIT_{i} = {i * 7}\n" for i in range(500))
+    fim = engine.backend.fim_tokens()
+    tokens = engine.prompt_tokens(ChatRequest(infill=Infill(PREFIX, SUFFIX, (("limits.py", chunk),)), max_tokens=32))
+    extra = [fim.rep, *engine.tokenize("myproject\n"), fim.sep, *engine.tokenize("limits.py\n"), *engine.tokenize(chunk),
+             fim.sep, *engine.tokenize("filename\n")]
+    n_extra = N_CTX - 2048 + 2
+    assert len(extra) > n_extra
+    assert tokens[: tokens.index(fim.pre)] == extra[-n_extra:]
+
+
 def _long_file() -> tuple[str, str]:
     lines = [f"def f{i}(x):\n    return x + {i}\n\n" for i in range(400)]
     return "".join(lines[:300]), "".join(lines[300:])
@@ -110,14 +125,28 @@ def test_a_long_file_loses_its_far_ends_not_the_cursor(engine, llama_server):
     assert theirs["prompt"] == engine.detokenize(tokens, special=True)
 
 
-def test_the_next_keystroke_reuses_the_prefix(http, engine):
+def test_the_next_keystrokes_reuse_the_cache(http, engine):
     prefix, suffix = _long_file()
-    prefix, suffix = prefix[-3000:], suffix[:400]
-    first = http.post("/infill", json={"input_prefix": prefix, "input_suffix": suffix, "n_predict": 4}).json()
+    suffix = suffix[:400]
+    fim = engine.backend.fim_tokens()
+
+    def fill(prefix: str) -> tuple[dict, list[int]]:
+        body = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": 4}
+        return http.post("/infill", json=body).json(), engine.prompt_tokens(ChatRequest(infill=Infill(prefix, suffix), max_tokens=4))
+
+    first, _ = fill(prefix)
     # one more character typed at the cursor: the file before it is in the cache (its last token
-    # may merge with the new character)
-    second = http.post("/infill", json={"input_prefix": prefix + "d", "input_suffix": suffix, "n_predict": 4}).json()
-    assert second["tokens_cached"] >= len(engine.tokenize(prefix)) - 1 > 500, (first, second)
+    # may merge with the new character, and the prefix's budget may push its first token out)
+    typed, _ = fill(prefix + "d")
+    assert typed["tokens_cached"] >= 1536 - 2, (first, typed)
+    # the cursor a function further down: the file's start left the prompt, the rest of the
+    # prefix is still in the cache, moved down as llama-server --cache-reuse moves it
+    moved_prefix = prefix + "def g(x):\n    return x * 2\n\n"
+    moved, tokens = fill(moved_prefix)
+    added = len(engine.tokenize(moved_prefix)) - len(engine.tokenize(prefix))
+    assert tokens.index(fim.suf) - tokens.index(fim.pre) - 1 == 1536
+    assert moved["tokens_cached"] >= 1536 - added - 2, (typed, moved)
+    assert engine.kv_problems() == []
 
 
 def test_a_disconnect_cancels_the_fill(http, engine):

@@ -7,9 +7,9 @@ The extra context is the repository-level format where the model has its tokens 
 project name, then FIM_SEP and a file name before each file's text, then FIM_SEP and the current
 file's name), else each file after a plain "--- snippet ---" line. Budgets follow llama.cpp's:
 the prefix keeps at most 3/4 of a batch, the suffix what is left of the quarter after the prompt,
-the extra context what the context holds beyond the batch and twice the answer (with no
-answer length, what the prompt limit leaves beyond the batch); each is cut at its
-far end (the prefix loses its start, the suffix its end, the extra context its oldest files), so
+the extra context what the context holds beyond the batch (llama-server takes off twice its own
+n_predict, -1 unless it was started with -n, whatever the request's: two tokens more), within
+what the prompt limit leaves; each is cut at its far end (the prefix loses its start, the suffix its end, the extra context its oldest files), so
 the text at the cursor always stays. The batch here never exceeds the prompt limit, so the prompt
 always fits the context (llama-server builds a batch-sized prompt even into a smaller context).
 """
@@ -82,10 +82,8 @@ class InfillBuilder:
             raise UsageError(f"{self.model_name} cannot fill in the middle: its vocabulary has no {'/'.join(missing)} "
                              f"token; use a code model trained for it (Qwen2.5-Coder, CodeLlama, StarCoder2, ...)")
 
-    def tokens(self, infill: Infill, n_ctx: int, limit: int, n_predict: int | None) -> list[int]:
-        """The prompt for `infill` in a context of `n_ctx` tokens whose prompts may take `limit`,
-        answering up to `n_predict` tokens (None: as long as the context lets it, in the room
-        `limit` leaves)."""
+    def tokens(self, infill: Infill, n_ctx: int, limit: int) -> list[int]:
+        """The prompt for `infill` in a context of `n_ctx` tokens whose prompts may take `limit`."""
         self.check()
         fim = self.fim
         extra = self._extra(infill.extra)
@@ -97,11 +95,11 @@ class InfillBuilder:
         # markers out of the suffix's quarter
         n_prefix = min(len(prefix), 3 * (n_batch // 4))
         n_suffix = min(len(suffix), max(0, n_batch // 4 - (2 + len(prompt))))
-        room = limit if n_predict is None else n_ctx - 2 * n_predict
-        n_extra = min(max(0, room - n_batch), len(extra))
         head = [fim.pre, *prefix[len(prefix) - n_prefix :], *prompt]
         tail = [fim.suf, *suffix[:n_suffix]]
         bos = [self.bos] if self.bos is not None else []
+        fits = limit - (len(bos) + len(head) + len(tail) + 1)
+        n_extra = min(len(extra), max(0, n_ctx - n_batch + 2), max(0, fits))
         return [*extra[len(extra) - n_extra :], *bos, *head, *tail, fim.mid]
 
     def _extra(self, chunks: tuple[tuple[str, str], ...]) -> list[int]:

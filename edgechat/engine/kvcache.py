@@ -43,6 +43,10 @@ log = logging.getLogger("edgechat.engine")
 
 #: the smallest run of tokens worth realigning the cache for after messages left it
 MIN_REALIGN = 32
+#: the same for a fill in the middle, whose file lost its start when the cursor moved down past
+#: the prefix's budget: as llama-server's --cache-reuse 256 (what llama.vscode asks for), so a
+#: short run, such as an answer that matches the new prefix, is recomputed as it is there
+MIN_FILL_REALIGN = 256
 #: new tokens from which llama.cpp's CPU flash attention takes its tiled path (GGML_FA_TILE_Q)
 ALIGNED_PREFILL_MIN = 64
 #: prompt tokens a prompt cache entry must add to what the slots hold to be restored. Loading a
@@ -128,16 +132,17 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def find_realign(cache: list[int], prompt: list[int], start: int) -> tuple[int, int]:
+def find_realign(cache: list[int], prompt: list[int], start: int, min_run: int = MIN_REALIGN) -> tuple[int, int]:
     """After the common prefix `start`, find where the rest of the prompt continues in the cache.
 
-    Returns (b, n): cache[b:b+n] == prompt[start:start+n] with the largest n found, or (0, 0).
+    Returns (b, n): cache[b:b+n] == prompt[start:start+n] with the largest n found (at least
+    `min_run`), or (0, 0).
     This is what lets whole evicted messages leave the cache by a position shift instead of a
     re-prefill: the prompt skips them, and the tokens after them are still in the cache.
     """
-    if len(prompt) - start < MIN_REALIGN or len(cache) - start < MIN_REALIGN:
+    if len(prompt) - start < min_run or len(cache) - start < min_run:
         return 0, 0
-    probe = prompt[start : start + MIN_REALIGN]
+    probe = prompt[start : start + min_run]
     best_b, best_n = 0, 0
     first = probe[0]
     b = start + 1
@@ -146,7 +151,7 @@ def find_realign(cache: list[int], prompt: list[int], start: int) -> tuple[int, 
             b = cache.index(first, b)
         except ValueError:
             break
-        if cache[b : b + MIN_REALIGN] == probe:
+        if cache[b : b + min_run] == probe:
             n = common_prefix(cache[b:], prompt[start:])
             if n > best_n:
                 best_b, best_n = b, n
@@ -421,15 +426,15 @@ class KVManager:
         if donor is not slot and theirs > mine:
             self.share(slot, donor, theirs)
 
-    def reuse(self, slot: Slot, prompt: list[int], realign: bool) -> int:
+    def reuse(self, slot: Slot, prompt: list[int], realign: bool, min_run: int = MIN_REALIGN) -> int:
         """Make the slot's cache a prefix of the prompt, keeping as much as possible; returns how
         many prompt tokens are cached (all of them only where the slot kept the logits after the
         prompt; else its last token is decoded again for them). With `realign`, messages that
         left the prompt leave the cache by a shift (the rest of the cache moves down) instead of
-        a recompute."""
+        a recompute, where at least `min_run` tokens after them are kept."""
         n = common_prefix(slot.tokens, prompt)
         if n < len(slot.tokens) and realign:
-            b, m = find_realign(slot.tokens, prompt, n)
+            b, m = find_realign(slot.tokens, prompt, n, min_run)
             if m and self.drop(slot, n, b):
                 n = common_prefix(slot.tokens, prompt)
         self.truncate(slot, n)

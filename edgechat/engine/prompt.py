@@ -107,7 +107,7 @@ class PromptBuilder:
         if request.infill is not None:
             if self.infill is None:
                 raise UsageError(f"{self.model_name} cannot fill in the middle here")
-            prep = Prepared(self.infill.tokens(request.infill, self.n_ctx, limit, request.max_tokens), 0, (), 0, 0)
+            prep = Prepared(self.infill.tokens(request.infill, self.n_ctx, limit), 0, (), 0, 0)
         elif request.messages is None:
             text = request.prompt or ""
             if not text.strip():

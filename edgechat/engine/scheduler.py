@@ -23,7 +23,7 @@ import numpy as np
 
 from edgechat.engine.draft import DraftModel
 from edgechat.engine.jsonvalue import JsonPrefix
-from edgechat.engine.kvcache import KVManager, Slot, is_sentinel
+from edgechat.engine.kvcache import MIN_FILL_REALIGN, KVManager, Slot, is_sentinel
 from edgechat.engine.llama import token_logprobs
 from edgechat.engine.metrics import RequestClock
 from edgechat.engine.params import SpeculativeMode
@@ -271,8 +271,12 @@ class Scheduler:
         if run.prep.evicted_now:
             n = run.prep.evicted_now
             run.handle.emit(Evicted(n, 0, self.policy(req).value, f"{n} oldest message{'s' if n > 1 else ''} left the context"))
-        realign = req.session is not None and self.policy(req) is ContextPolicy.SHIFT
-        run.cached = self.kv.reuse(slot, prompt, realign)
+        if req.infill is not None:
+            # the cursor moved down past the prefix's budget: the file's start left the prompt,
+            # and what follows it is still in the cache
+            run.cached = self.kv.reuse(slot, prompt, True, MIN_FILL_REALIGN)
+        else:
+            run.cached = self.kv.reuse(slot, prompt, req.session is not None and self.policy(req) is ContextPolicy.SHIFT)
         run.restored = slot.cache_restored if slot.cache_restored is None else min(slot.cache_restored, run.cached)
         run.pending = prompt[run.cached :]
         run.phase = Phase.PREFILLING if run.pending else Phase.SAMPLING
