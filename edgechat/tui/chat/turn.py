@@ -206,16 +206,18 @@ class TurnPart(ChatBase):
 
     @on(ChatView.AnswerFinished)
     async def _finished(self, event: ChatView.AnswerFinished) -> None:
-        turn, self.turn = self.turn, None
+        f = event.finished
+        turn = self.turn
         offered, self._offered = self._offered, None
         self.status.state = "ready"
         if turn is None:
             return
-        f = event.finished
         calls: list[dict] = []
         if offered is not None and f.reason in ("stop", "length"):
             # the engine took the calls out of the text: what is stored and shown is the answer's words
             calls = [pending_call(c, offered.servers.get(c.name)) for c in f.tool_calls]
+        if not calls:
+            self.turn = None
         if f.reason == "cancelled" and not f.text.strip() and not (f.reasoning or turn.reasoning).strip():
             # Stopped before anything came back: undo the send, the prompt goes back in the input.
             await self._undo_turn(turn)
@@ -226,7 +228,9 @@ class TurnPart(ChatBase):
             box.finish(stored)
             await box.replace_text(stored.content)
         if calls:
+            # the turn is handed to its calls with no await between: never idle in between
             self._tool_steps += 1
+            self.turn = None
             self._tool_run = self._run_calls(turn.conversation_id, turn.id, calls)
             self.refresh_sidebar()
             return
