@@ -130,18 +130,20 @@ def gemma(gemma3_path, models_root):
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
-    """(model, bits) -> an ONNX folder of an embedded model's checkpoint (tests/hf_fixtures.py),
-    exported lazily, once per test run."""
+    """(model, bits[, accuracy_level]) -> an ONNX folder of an embedded model's checkpoint
+    (tests/hf_fixtures.py), exported lazily, once per test run."""
     from quantize.onnx_export import export
     from tests.hf_fixtures import hf_checkpoint
 
     out = tmp_path_factory.mktemp("onnx")
     cache = {}
 
-    def get(model: str, bits: int):
-        if (model, bits) not in cache:
-            cache[model, bits] = export(hf_checkpoint(model), out / f"{model}-{bits}", bits=bits).path
-        return cache[model, bits]
+    def get(model: str, bits: int, accuracy_level: int = 4):
+        key = model, bits, accuracy_level
+        if key not in cache:
+            cache[key] = export(hf_checkpoint(model), out / f"{model}-{bits}-a{accuracy_level}", bits=bits,
+                                accuracy_level=accuracy_level).path
+        return cache[key]
 
     return get
 
