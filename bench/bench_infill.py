@@ -79,7 +79,7 @@ class Results:
     agreed: int = 0
 
 
-def commands(name: str, port: int, model: Path, ctx: int, threads: int, speculative: str) -> list[str]:
+def commands(name: str, port: int, model: Path, ctx: int, threads: int, speculative: str, data_dir: Path) -> list[str]:
     if name == "llama-server":
         from bench.llamabench import find_llama_server
         from quantize.llm import use_extra_buffers
@@ -88,7 +88,9 @@ def commands(name: str, port: int, model: Path, ctx: int, threads: int, speculat
                 "--cache-reuse", "256", "--no-webui", "--host", "127.0.0.1", "--port", str(port),
                 *([] if use_extra_buffers() else ["--no-repack"])]
     return [sys.executable, "-m", "edgechat", "serve", "-m", str(model), "--ctx", str(ctx), "--parallel", "1",
-            "--threads", str(threads), "--port", str(port), "--degrade-queue-wait", "0", "--speculative", speculative]
+            "--threads", str(threads), "--port", str(port), "--degrade-queue-wait", "0", "--speculative", speculative,
+            # its own data folder: the prompt cache on disk of an earlier run would answer the first fills
+            "--data-dir", str(data_dir)]
 
 
 def source_file(client: httpx.Client, n_tokens: int) -> str:
@@ -211,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         clients = {}
         for name in SERVERS:
             port = _free_port()
-            url = stack.enter_context(_server(commands(name, port, model, args.ctx, args.threads, args.speculative), port, name, log_dir))
+            data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-infill-data-")))
+            url = stack.enter_context(_server(commands(name, port, model, args.ctx, args.threads, args.speculative, data_dir), port, name, log_dir))
             # a new connection per request: llama-server closed a kept-alive one under a request
             # sent a moment after a minute-long answer (loopback connects cost both alike, ~0.1 ms)
             clients[name] = stack.enter_context(httpx.Client(base_url=url, timeout=1800, limits=httpx.Limits(max_keepalive_connections=0)))
