@@ -87,7 +87,7 @@ def commands(name: str, port: int, model: Path, ctx: int, threads: int, kv_type:
                 "--port", str(port), *([] if use_extra_buffers() else ["--no-repack"])]
     return [sys.executable, "-m", "edgechat", "serve", "-m", str(model), "--ctx", str(ctx), "--parallel", "1",
             "--threads", str(threads), "--kv-type", kv_type, "--flash-attn", "on", "--cache-ram", "0",
-            "--speculative", "off", "--degrade-queue-wait", "0", "--port", str(port)]
+            "--speculative", "off", "--degrade-queue-wait", "0", "--timeout", str(REQUEST_TIMEOUT_S), "--port", str(port)]
 
 
 def complete(client: httpx.Client, prompt: str, n_predict: int) -> tuple[float, float, dict]:
