@@ -142,7 +142,8 @@ def plan_for(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: KVType | str 
     swa_full = swa_full or not info.n_swa_layers
     kv = int(info.kv_cache_bytes(n_ctx * n_seq, kv_bytes(info, kv_type), swa_full=swa_full, n_seq=n_seq))
     weights = info.resident_bytes or info.size_bytes
-    flash = flash_attn != FlashAttn.OFF or kv_type != KVType.F16
+    # flash attention is llama.cpp's; onnxruntime (which fixes the KV elements) keeps the scores
+    flash = info.kv_element_bytes is None and (flash_attn != FlashAttn.OFF or kv_type != KVType.F16)
     return Plan(n_ctx, n_seq, weights, kv, _compute_bytes(info, n_ctx * n_seq, flash), avail, swa_full, projector,
                 tokenizer_bytes(info))
 
