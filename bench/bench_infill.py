@@ -93,9 +93,10 @@ def commands(name: str, port: int, model: Path, ctx: int, threads: int, speculat
             "--data-dir", str(data_dir)]
 
 
-def source_file(client: httpx.Client, n_tokens: int) -> str:
-    """The keystroke file: the sources concatenated, cut at the first line end past `n_tokens`."""
-    text = "\n\n".join((ROOT / p).read_text() for p in FILE_SOURCES)
+def source_file(client: httpx.Client, n_tokens: int, sources: tuple[str, ...] = FILE_SOURCES) -> str:
+    """The keystroke file: `sources` (paths under the repository) concatenated, cut at the first
+    line end past `n_tokens` (of the server behind `client`)."""
+    text = "\n\n".join((ROOT / p).read_text() for p in sources)
     lines = text.splitlines(keepends=True)
     lo, hi = 1, len(lines)
     while lo < hi:  # the fewest lines that reach n_tokens

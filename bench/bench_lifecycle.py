@@ -79,21 +79,22 @@ def first_token(url: str) -> float:
     raise RuntimeError("the stream ended without a token")
 
 
-def wait_unloaded(url: str) -> None:
+def wait_unloaded(url: str, model: str = MODEL) -> None:
     deadline = time.monotonic() + 60
     while True:
         states = {c["id"]: c["meta"]["state"] for c in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
-        if states[MODEL] == "unloaded":
+        if states[model] == "unloaded":
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{MODEL} was not unloaded within 60 s")
+            raise RuntimeError(f"{model} was not unloaded within 60 s")
         time.sleep(0.05)
 
 
-def unload(url: str) -> None:
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "keep_alive": 0, "temperature": 0}
+def unload(url: str, model: str = MODEL) -> None:
+    """A 1-token answer that unloads `model` after it (keep_alive 0), once it is gone."""
+    body = {"model": model, "prompt": "hi", "max_tokens": 1, "keep_alive": 0, "temperature": 0}
     httpx.post(f"{url}/v1/completions", json=body, timeout=300).raise_for_status()
-    wait_unloaded(url)
+    wait_unloaded(url, model)
 
 
 async def chat_app_switches(rounds: int, threads: int) -> dict:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from edgechat.engine import Engine, EngineConfig, planner
@@ -106,3 +110,34 @@ def test_an_answer_past_the_context_on_a_small_swa_cache_says_why_it_recomputes(
         assert handle.finished.reason == "length"
         assert evicted and evicted[0].policy == "truncate" and "cannot shift" in evicted[0].note, evicted
         assert engine.kv_problems() == []
+
+
+#: a fresh process loads the model at a 32k context and reads a prompt of at least one full ubatch
+#: (512 tokens: the compute buffer in use); its peak RSS less what it held before the load
+_LOAD_AND_MEASURE = """
+import json, sys
+from pathlib import Path
+from edgechat.engine import ChatRequest, Engine, EngineConfig, planner
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+before = status("VmRSS")
+with Engine(EngineConfig(model=sys.argv[1], n_ctx=32768, n_parallel=1, kv_type=sys.argv[2], speculative="off")) as engine:
+    done = engine.submit(ChatRequest(prompt=Path(planner.__file__).read_text()[:3000], max_tokens=1)).result()
+    print(json.dumps({"growth": status("VmHWM") - before, "planned": engine.plan.total, "prompt": done.metrics.prompt_tokens}))
+"""
+
+
+def test_the_plan_is_what_a_real_load_at_32k_takes_as_the_os_counts_it(qwen_coder_path):
+    # flash attention (auto: on for the CPU) keeps no attention scores: a plan that counted them
+    # (as without it) asked for 1.9 GB here, and refused 32k contexts that fit
+    out = subprocess.run([sys.executable, "-c", _LOAD_AND_MEASURE, str(qwen_coder_path), "f16"], capture_output=True, text=True,
+                         timeout=900, check=True)
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["prompt"] >= 512
+    assert 0.95 <= seen["growth"] / seen["planned"] <= 1.05, seen
+    info = read_model_info(qwen_coder_path)
+    assert planner.plan_for(info, 32768, flash_attn="off").compute > 10 * planner.plan_for(info, 32768).compute

@@ -221,7 +221,7 @@ class Engine(PromptQueries):
         # found before the plan: its weights count there, and a wrong file fails before loading
         mmproj = find_projector(cfg.mmproj, self.model_path, cfg.model, self.paths)
         plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, cfg.kv_type, swa=cfg.swa_cache, label=self.model_name,
-                                      projector=planner.projector_bytes(mmproj))
+                                      projector=planner.projector_bytes(mmproj), flash_attn=cfg.flash_attn)
         self.plan, self.n_ctx = plan, plan.n_ctx
         if cfg.rpc_servers:
             devices.add_rpc_servers(cfg.rpc_servers)

@@ -2,8 +2,9 @@
 
 weights (the file, memory-mapped) + KV cache (2 x layers x KV heads x head dim x cells x bytes,
 GQA- and sliding-window-aware, see ModelInfo.kv_cache_bytes; an image's cells count like tokens)
-+ compute buffers + the vision projector (its file's size), against the memory the OS says is
-available. Runs before llama.cpp is asked to load anything.
++ compute buffers (with flash attention or without) + the tokenizer's tables + the vision projector
+(its file's size), against the memory the OS says is available. Runs before llama.cpp is asked to
+load anything.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgechat.engine.params import KVType, SwaCache, choice
+from edgechat.engine.params import FlashAttn, KVType, SwaCache, choice
 from edgechat.errors import ModelTooLargeError, UsageError
 from edgechat.models.ggufinfo import ModelInfo
 
@@ -87,21 +88,44 @@ class Plan:
     swa_full: bool = True
     #: the vision projector's weights (projector_bytes), 0 for a text-only model
     projector: int = 0
+    #: llama.cpp's tokenizer tables (tokenizer_bytes)
+    tokenizer: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.compute + self.projector
+        return self.weights + self.kv_cache + self.compute + self.projector + self.tokenizer
 
     @property
     def fits(self) -> bool:
         return self.total <= self.available * headroom()
 
 
-def _compute_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int = 512) -> int:
-    # llama.cpp's CPU compute buffer is dominated by the logits of one ubatch and the attention
-    # scores (ubatch x context x heads, f32) when flash attention is off; activations add ~16 x n_embd.
-    n_vocab_guess = max(32000, info.n_params // max(info.n_embd, 1) // 8)
-    return 4 * n_ubatch * (16 * info.n_embd + info.n_head * n_ctx) + 4 * n_vocab_guess * 8
+#: what llama.cpp's vocabulary takes in memory per token (texts, the lookup maps, BPE merges):
+#: measured 320-350 bytes a token for BPE vocabularies (Qwen2.5, SmolLM2), 165 for Gemma 3's
+TOKENIZER_BYTES_PER_TOKEN = 320
+
+
+def _n_vocab(info: ModelInfo) -> int:
+    return info.n_vocab or max(32000, info.n_params // max(info.n_embd, 1) // 8)
+
+
+def tokenizer_bytes(info: ModelInfo) -> int:
+    """llama.cpp's tokenizer tables once loaded (0 for an ONNX folder: its measured resident size
+    counts them)."""
+    return 0 if info.resident_bytes else TOKENIZER_BYTES_PER_TOKEN * _n_vocab(info)
+
+
+def _compute_bytes(info: ModelInfo, n_ctx: int, flash_attn: bool, n_ubatch: int = 512) -> int:
+    # the logits of a few rows (llama.cpp's output buffer)
+    output = 4 * _n_vocab(info) * 8
+    if flash_attn:
+        # llama.cpp's CPU compute buffer with flash attention (its log, Qwen2.5 0.5B at 4k-32k,
+        # SmolLM2, Gemma 3): one ubatch's feed-forward activations (3 x n_ff + 4 x n_embd floats a
+        # token) and the f16 mask (context x ubatch); the tiled kernel keeps no scores
+        n_ff = info.n_ff or 4 * info.n_embd
+        return 4 * n_ubatch * (3 * n_ff + 4 * info.n_embd) + 2 * n_ubatch * n_ctx + output
+    # without it the attention scores dominate (ubatch x context x heads, f32); activations ~16 x n_embd
+    return 4 * n_ubatch * (16 * info.n_embd + info.n_head * n_ctx) + output
 
 
 def projector_bytes(path: Path | None) -> int:
@@ -111,12 +135,17 @@ def projector_bytes(path: Path | None) -> int:
 
 
 def plan_for(info: ModelInfo, n_ctx: int, n_seq: int = 1, kv_type: KVType | str = KVType.F16, available: int | None = None,
-             swa_full: bool = True, projector: int = 0) -> Plan:
+             swa_full: bool = True, projector: int = 0, flash_attn: FlashAttn | str = FlashAttn.AUTO) -> Plan:
+    """`flash_attn` as the engine is given it: auto is on where llama.cpp runs on the CPU, and a
+    quantized KV cache turns it on."""
     avail = available_memory() if available is None else available
     swa_full = swa_full or not info.n_swa_layers
     kv = int(info.kv_cache_bytes(n_ctx * n_seq, kv_bytes(info, kv_type), swa_full=swa_full, n_seq=n_seq))
     weights = info.resident_bytes or info.size_bytes
-    return Plan(n_ctx, n_seq, weights, kv, _compute_bytes(info, n_ctx * n_seq), avail, swa_full, projector)
+    # flash attention is llama.cpp's; onnxruntime (which fixes the KV elements) keeps the scores
+    flash = info.kv_element_bytes is None and (flash_attn != FlashAttn.OFF or kv_type != KVType.F16)
+    return Plan(n_ctx, n_seq, weights, kv, _compute_bytes(info, n_ctx * n_seq, flash), avail, swa_full, projector,
+                tokenizer_bytes(info))
 
 
 def kv_bytes(info: ModelInfo, kv_type: KVType | str = KVType.F16) -> float:
@@ -124,14 +153,15 @@ def kv_bytes(info: ModelInfo, kv_type: KVType | str = KVType.F16) -> float:
     return info.kv_element_bytes or KV_BYTES[kv_type]
 
 
-def _plans(info: ModelInfo, n_ctx: int, n_seq: int, kv_type: str, available: int | None, swa: str, projector: int = 0):
+def _plans(info: ModelInfo, n_ctx: int, n_seq: int, kv_type: str, available: int | None, swa: str, projector: int = 0,
+           flash_attn: str = FlashAttn.AUTO):
     """The plans to try for one context, preferred first. The full cache can shift and rewind
     anywhere; the small one (sliding layers keep only their window: Gemma 3 needs 3-5x less KV)
     cannot shift, so its conversations truncate."""
     if swa is not SwaCache.SMALL:
-        yield plan_for(info, n_ctx, n_seq, kv_type, available, swa_full=True, projector=projector)
+        yield plan_for(info, n_ctx, n_seq, kv_type, available, swa_full=True, projector=projector, flash_attn=flash_attn)
     if swa is not SwaCache.FULL and info.n_swa_layers:
-        yield plan_for(info, n_ctx, n_seq, kv_type, available, swa_full=False, projector=projector)
+        yield plan_for(info, n_ctx, n_seq, kv_type, available, swa_full=False, projector=projector, flash_attn=flash_attn)
 
 
 def choose_context(
@@ -143,28 +173,30 @@ def choose_context(
     swa: SwaCache | str = SwaCache.AUTO,
     label: str | None = None,
     projector: int = 0,
+    flash_attn: FlashAttn | str = FlashAttn.AUTO,
 ) -> Plan:
     """The context to run with: the requested one if it fits, else the largest that fits, capped;
     for sliding-window models with `swa` auto, the small SWA cache where the full one would not fit.
     `label` is what messages call the model (the name the user typed; else the file's own name);
-    `projector` the bytes of its vision projector (projector_bytes).
+    `projector` the bytes of its vision projector (projector_bytes); `flash_attn` the engine's.
 
     Raises ModelTooLargeError (before llama.cpp loads anything) when not even MIN_CTX fits.
     """
     kv_type, swa = choice(KVType, kv_type, "kv_type"), choice(SwaCache, swa, "swa_cache")
+    flash_attn = choice(FlashAttn, flash_attn, "flash_attn")
     trained = max(info.context_length, MIN_CTX)
     if requested is not None:
         if requested > trained:
             raise UsageError(
                 f"--ctx {requested} is more than {label or info.name} was trained for ({trained} tokens); use --ctx {trained} or less"
             )
-        for plan in _plans(info, requested, n_seq, kv_type, available, swa, projector):
+        for plan in _plans(info, requested, n_seq, kv_type, available, swa, projector, flash_attn):
             if plan.fits:
                 return plan
         raise ModelTooLargeError(_too_large(label or info.name, plan))
     n = min(trained, DEFAULT_CTX_CAP)
     while True:
-        for plan in _plans(info, n, n_seq, kv_type, available, swa, projector):
+        for plan in _plans(info, n, n_seq, kv_type, available, swa, projector, flash_attn):
             if plan.fits:
                 return plan
         if n <= MIN_CTX:

@@ -64,6 +64,10 @@ class ModelInfo:
     resident_bytes: int | None = None
     #: the sampling its makers recommend (GGUF `general.sampling.*`), as SamplingParams fields
     sampling: dict = field(default_factory=dict)
+    #: the feed-forward width (the widest layer's) and the vocabulary's size, which size llama.cpp's
+    #: compute and output buffers and its tokenizer's tables; 0: unknown
+    n_ff: int = 0
+    n_vocab: int = 0
 
     @property
     def n_swa_layers(self) -> int:
@@ -155,7 +159,11 @@ def _parse(path: Path) -> tuple[dict, int]:
         fields = {}
         for _ in range(n_kv):
             key = cur.string()
-            fields[key] = cur.value(cur.unpack("<I"))
+            vtype = cur.unpack("<I")
+            if key == "tokenizer.ggml.tokens" and vtype == _ARRAY:
+                # the vocabulary's size, from the array's count: the array itself is skipped
+                fields["_n_vocab"] = struct.unpack_from("<Q", buf, cur.pos + 4)[0]
+            fields[key] = cur.value(vtype)
         data_end = 0
         for _ in range(n_tensors):
             cur.skip_string()
@@ -234,6 +242,9 @@ def read_model_info(path: str | Path) -> ModelInfo:
     if isinstance(n_head_kv, list):
         n_head_kv = max(n_head_kv)
     n_embd = int(get("embedding_length", 0))
+    n_ff = get("feed_forward_length", 0)
+    if isinstance(n_ff, list):
+        n_ff = max(n_ff)
     head_k = int(get("attention.key_length", n_embd // max(int(n_head), 1)))
     head_v = int(get("attention.value_length", head_k))
     window = get("attention.sliding_window")
@@ -272,6 +283,8 @@ def read_model_info(path: str | Path) -> ModelInfo:
         swa_layers=swa_layers,
         chat_template=fields.get("tokenizer.chat_template"),
         sampling=_recommended_sampling(fields),
+        n_ff=int(n_ff),
+        n_vocab=int(fields.get("_n_vocab", 0)),
     )
 
 
