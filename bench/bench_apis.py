@@ -9,6 +9,15 @@ API's own usage. Rounds go through the prompts and, for each, the APIs in an ord
 rotates, so a busy machine weighs on all alike. Reported: each API's median and its ratio to
 chat completions' (target >= 0.98x).
 
+Then the engine thread's CPU per decoded token, streamed chat completions with the same prompts
+with and without a tool declared (`tool_choice` auto; SmolLM2 answers these in prose, so the
+answer is watched for a call at every token): an engine of the same settings served in this
+process, its thread's CPU clock (`pthread_getcpuclockid`) read at the first event carrying
+answer text and at the last, over (output tokens - 1). That thread owns every step: sampling
+with the grammar, the output processor, tool-call parsing and the repeat stop. It runs with one
+llama.cpp thread, so its CPU holds no waiting at llama.cpp's thread barrier (a spin, which on a
+busy machine grows with the load).
+
     python -m bench.bench_apis [--rounds 3] [--max-tokens 128] [--json]
 """
 
@@ -19,6 +28,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +40,9 @@ MODEL = "smollm2-135m-instruct"
 #: prompts SmolLM2 answers at length, so every API streams max_tokens tokens
 PROMPTS = ["Describe a city you like.", "Write a note to a friend about a trip.", "Explain what a compiler does."]
 REFERENCE = "chat"
+#: the tool declared for the CPU measurement
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather now in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
 def _chat(prompt: str, n: int) -> tuple[str, dict]:
@@ -91,6 +104,49 @@ def decode_tps(client: httpx.Client, url: str, api: str, prompt: str, max_tokens
     return (count - 1) / (last - first)
 
 
+def engine_cpu_ms(client: httpx.Client, url: str, clock: int, prompt: str, max_tokens: int, tools: bool) -> float:
+    """The engine thread's CPU ms per decoded token over one streamed chat completion."""
+    _, body = _chat(prompt, max_tokens)
+    first = count = None
+    with client.stream("POST", url + "/v1/chat/completions", json={**body, **({"tools": TOOLS} if tools else {})}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            text, n = _text_and_count("chat", json.loads(line[len("data: "):]))
+            if text and first is None:
+                first = time.clock_gettime(clock)
+            if n is not None:
+                count, last = n, time.clock_gettime(clock)
+    assert first is not None and count and count > 1, f"no answer to {prompt!r}"
+    return (last - first) * 1e3 / (count - 1)
+
+
+def engine_cpu(rounds: int, max_tokens: int) -> dict[str, float]:
+    """Median engine-thread CPU ms per token without and with the tool declared, alternating."""
+    from edgechat.engine import Engine, EngineConfig
+    from edgechat.server import ServerSettings, create_app
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from serving import serving  # the tests' in-process uvicorn
+
+    engine = Engine(EngineConfig(model=MODEL, n_threads=1, n_parallel=1, n_ctx=1024, speculative="off"))
+    try:
+        thread = next(t for t in threading.enumerate() if t.name == "edgechat-engine")
+        assert thread.ident is not None
+        clock = time.pthread_getcpuclockid(thread.ident)
+        ms: dict[str, list[float]] = {"plain": [], "tools": []}
+        with serving(create_app(ServerSettings(model_id=MODEL, degrade_queue_wait=None), engine)) as url, httpx.Client(timeout=600) as client:
+            engine_cpu_ms(client, url, clock, "hi", 8, False)  # warm-up
+            for rnd in range(rounds):
+                for k, prompt in enumerate(PROMPTS):
+                    for kind in (("plain", "tools") if (rnd + k) % 2 == 0 else ("tools", "plain")):
+                        ms[kind].append(engine_cpu_ms(client, url, clock, prompt, max_tokens, kind == "tools"))
+    finally:
+        engine.close()
+    return {kind: statistics.median(v) for kind, v in ms.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -111,12 +167,16 @@ def main() -> None:
                     for api in names[shift:] + names[:shift]:
                         tps[api].append(decode_tps(client, url, api, prompt, args.max_tokens))
     medians = {api: statistics.median(v) for api, v in tps.items()}
-    report = {api: {"decode_tps": v, "ratio_vs_chat": v / medians[REFERENCE]} for api, v in medians.items()}
+    report: dict[str, dict] = {api: {"decode_tps": v, "ratio_vs_chat": v / medians[REFERENCE]} for api, v in medians.items()}
+    cpu = engine_cpu(args.rounds, args.max_tokens)
+    report["engine_cpu_ms_per_token"] = {**cpu, "tools_vs_plain": cpu["tools"] / cpu["plain"]}
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    for api, r in report.items():
-        print(f"{api:>10} {r['decode_tps']:7.1f} tok/s  {r['ratio_vs_chat']:.3f}x chat completions")
+    for api in APIS:
+        print(f"{api:>10} {report[api]['decode_tps']:7.1f} tok/s  {report[api]['ratio_vs_chat']:.3f}x chat completions")
+    print(f"engine thread CPU per token: {cpu['plain']:.2f} ms without tools, {cpu['tools']:.2f} ms with a tool declared "
+          f"({cpu['tools'] / cpu['plain']:.3f}x)")
 
 
 if __name__ == "__main__":

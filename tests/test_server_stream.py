@@ -1,7 +1,9 @@
 """One stream path for every API: keep-alive while queued (llama-server's /completion too), the
-same tool calls streamed and whole through chat completions, Responses and Anthropic Messages
-(the official clients), a client that leaves mid-answer freeing its sequence on every API, and
-the server package's shape (no tool-call parser outside the engine, no import circle)."""
+same tool calls streamed and whole through chat completions, Responses, Anthropic Messages and
+Ollama's /api/chat (the official clients), an Ollama conversation with its calls and results
+prompted as chat completions prompts it, a client that leaves mid-answer freeing its sequence on
+every API, and the server package's shape (no tool-call parser outside the engine, no import
+circle)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import ollama
 import openai
 import pytest
 from serving import serving
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
 from edgechat.server import ServerSettings, create_app
+from edgechat.server.tools import parse_tools
 
 KEY = "sk-test-key"
 MODEL = "smollm2-135m-instruct"
@@ -127,6 +131,20 @@ def _messages_calls(client: anthropic.Anthropic, model: str, choice: str, stream
     return [(block.name, block.input) for block in message.content if block.type == "tool_use"]
 
 
+def _ollama_calls(client: ollama.Client, model: str, stream: bool) -> list[tuple[str, dict]]:
+    args = {"model": model, "messages": ASK, "tools": [{"type": "function", "function": WEATHER}],
+            "options": {"temperature": 0, "num_predict": 80}}
+    if stream:
+        chunks = list(client.chat(**args, stream=True))
+        assert chunks[-1].done and chunks[-1].done_reason == "stop"
+        calls = [c for chunk in chunks for c in chunk.message.tool_calls or ()]
+    else:
+        answer = client.chat(**args)
+        assert answer.done_reason == "stop"
+        calls = list(answer.message.tool_calls or ())
+    return [(c.function.name, dict(c.function.arguments)) for c in calls]
+
+
 def _calls_on_every_api(url: str, model: str, choice: str) -> dict[str, list[tuple[str, dict]]]:
     chat = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
     messages = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=120)
@@ -135,6 +153,8 @@ def _calls_on_every_api(url: str, model: str, choice: str) -> dict[str, list[tup
         out[f"chat stream={stream}"] = _chat_calls(chat, model, choice, stream)
         out[f"responses stream={stream}"] = _responses_calls(chat, model, choice, stream)
         out[f"messages stream={stream}"] = _messages_calls(messages, model, choice, stream)
+        if choice == "auto":  # Ollama's API has no tool_choice: the model calls or answers
+            out[f"ollama stream={stream}"] = _ollama_calls(ollama.Client(host=url, headers=AUTH, timeout=120), model, stream)
     return out
 
 
@@ -153,12 +173,70 @@ def qwen(qwen_coder_path, models_root):
     eng.close()
 
 
-def test_the_real_model_calls_its_tool_the_same_way_on_every_api(qwen):
+@pytest.fixture(scope="module")
+def qwen_url(qwen):
     with serving(create_app(ServerSettings(api_key=KEY, model_id="qwen", degrade_queue_wait=None), qwen)) as url:
-        got = _calls_on_every_api(url, "qwen", "auto")
+        yield url
+
+
+def test_the_real_model_calls_its_tool_the_same_way_on_every_api(qwen, qwen_url):
+    got = _calls_on_every_api(qwen_url, "qwen", "auto")
     first = got["chat stream=False"]
     assert [name for name, _ in first] == ["get_weather"] and "paris" in first[0][1]["city"].lower()
     assert all(calls == first for calls in got.values()), got
+    _wait_idle(qwen)
+
+
+def test_ollamas_calls_come_as_ollama_writes_them(qwen_url):
+    body = {"model": "qwen", "messages": ASK, "tools": [{"type": "function", "function": WEATHER}], "options": {"temperature": 0}}
+    whole = httpx.post(f"{qwen_url}/api/chat", json={**body, "stream": False}, headers=AUTH, timeout=120).json()
+    [call] = whole["message"]["tool_calls"]
+    # an id and the call's place in the answer beside the name, the arguments an object
+    assert call["id"].startswith("call_") and call["function"]["index"] == 0 and isinstance(call["function"]["arguments"], dict)
+    assert whole["message"]["content"] == "" and whole["done_reason"] == "stop"
+    with httpx.stream("POST", f"{qwen_url}/api/chat", json=body, headers=AUTH, timeout=120) as r:
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    with_calls = [line for line in lines if line["message"].get("tool_calls")]
+    assert len(with_calls) == 1 and not with_calls[0]["done"] and lines[-1]["done"] and "tool_calls" not in lines[-1]["message"]
+    assert [c["function"] for c in with_calls[0]["message"]["tool_calls"]] == [call["function"]]
+    assert "".join(line["message"]["content"] for line in lines) == ""
+
+
+#: a conversation as far as the tool's result: the user's question, the model's call, the result
+HISTORY_OPENAI = ASK + [
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "11 degrees celsius, light rain"},
+]
+#: the same as Ollama's clients send it: arguments an object, no ids, the result naming its tool
+HISTORY_OLLAMA = ASK + [
+    {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_name": "get_weather", "content": "11 degrees celsius, light rain"},
+]
+
+
+#: WEATHER as the ollama client sends it: it keeps only the schema keys it models (type,
+#: description, enum, items), `required` first
+PLAIN_WEATHER = {**WEATHER, "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}
+
+
+def test_an_ollama_conversation_with_its_calls_and_results_is_prompted_as_chat_completions_prompts_it(qwen, qwen_url):
+    tools = [{"type": "function", "function": PLAIN_WEATHER}]
+    chat = openai.OpenAI(base_url=f"{qwen_url}/v1", api_key=KEY, max_retries=0, timeout=120).chat.completions.create(
+        model="qwen", messages=HISTORY_OPENAI, tools=tools, temperature=0, max_tokens=40)
+    client = ollama.Client(host=qwen_url, headers=AUTH, timeout=120)
+    answer = client.chat(model="qwen", messages=HISTORY_OLLAMA, tools=tools, options={"temperature": 0, "num_predict": 40})
+    # the same prompt (the call and its result rendered by the model's template), so the same answer
+    assert answer.prompt_eval_count == chat.usage.prompt_tokens
+    assert chat.usage.prompt_tokens > qwen.count_tokens(ChatRequest(messages=ASK, tools=parse_tools({"tools": tools}))) + 10
+    message = chat.choices[0].message
+    assert (answer.message.content or "") == (message.content or "")
+    assert [(c.function.name, dict(c.function.arguments)) for c in answer.message.tool_calls or ()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or ()]
+    # a result that answers no earlier call is refused in Ollama's shape, naming the message
+    stray = ASK + [{"role": "tool", "tool_name": "get_weather", "content": "11"}]
+    r = httpx.post(f"{qwen_url}/api/chat", json={"model": "qwen", "messages": stray, "tools": tools}, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and set(r.json()) == {"error"} and "messages[1]" in r.json()["error"]
     _wait_idle(qwen)
 
 

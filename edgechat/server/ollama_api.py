@@ -3,9 +3,13 @@ holding the engine's ChatRequest), engine events back into its JSON objects and 
 and every error as Ollama writes it: `{"error": "..."}` with the status.
 
 Images come as each message's (or generate's) `images`, base64 strings (server/images.py).
+Chat's `tools` are OpenAI's functions (server/tools.py), offered as `tool_choice` "auto" (Ollama
+has no such field); an assistant's `tool_calls` (arguments an object, ids optional) and the
+`tool` messages answering them (by `tool_call_id`, else `tool_name`) become the checked
+messages chat completions makes, and the engine's call events come back as Ollama writes them.
 A generate body with a `suffix` is a fill in the middle (engine/fim.py: the prompt is the text
 before the cursor), laid out as llama-server's /infill. What changes the answer and is not here
-(tools, a request's own template, an earlier `context`) is refused in one line; `keep_alive` says how long the model stays loaded
+(a request's own template, an earlier `context`) is refused in one line; `keep_alive` says how long the model stays loaded
 after the request (an empty prompt with it loads or, at 0, unloads the model, as in Ollama);
 what only tunes how Ollama itself loads models (`num_ctx`, `num_gpu`, ...) is accepted and
 ignored, as Ollama ignores options a model does not use.
@@ -29,7 +33,8 @@ from starlette.routing import Route
 
 from edgechat.engine.fim import Infill
 from edgechat.engine.reasoning import reasoning_format
-from edgechat.engine.request import ChatRequest, Finished, ImageInput
+from edgechat.engine.request import ChatRequest, Finished, ImageInput, ToolCall
+from edgechat.engine.tools import Tools, tool_grammar
 from edgechat.errors import EdgechatError, ModelNotFoundError, UsageError
 from edgechat.models import hub
 from edgechat.server import fields
@@ -42,6 +47,7 @@ from edgechat.server.images import content as content_of
 from edgechat.server.keepalive import keep_alive_seconds
 from edgechat.server.streaming import Wire, stream, whole
 from edgechat.server.structured import response_format_grammar
+from edgechat.server.tools import parse_tools
 
 #: the Ollama API version whose fields this follows; clients gate features on it (`think` came in 0.9)
 OLLAMA_VERSION = "0.9.0"
@@ -164,16 +170,69 @@ def _images(body: dict, where: str, images: ImageReader) -> list[ImageInput]:
     return [images.base64(f"{where}[{k}]", v) for k, v in enumerate(value)]
 
 
+def _tool_calls(i: int, value: object) -> list[dict]:
+    """An assistant's earlier calls, `[{id?, function: {name, arguments: {...}}}]`, in chat
+    completions' shape. A call without an id gets one from its place in the conversation, so
+    the same history renders the same prompt every time (its cached prefix is reused)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(value, list):
+        raise fields.type_error(where, "a list", value)
+    out = []
+    for j, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise bad_request(f"{where}[{j}] must be {{function: {{name, arguments}}}}", param=f"{where}[{j}]")
+        arguments = fn.get("arguments", {})
+        if not isinstance(arguments, dict):
+            raise fields.type_error(f"{where}[{j}].function.arguments", "an object", arguments)
+        call_id = call.get("id") or f"call_{i}_{j}"
+        out.append({"id": fields.text(f"{where}[{j}].id", call_id), "type": "function",
+                    "function": {"name": fn.get("name"), "arguments": json.dumps(arguments, ensure_ascii=False)}})
+    return out
+
+
+def _chat_messages(messages: object) -> object:
+    """Ollama's messages in chat completions' shape: calls as above, and each tool result tied
+    to the call it answers: its `tool_call_id`, else the first unanswered call of its
+    `tool_name`, else the first unanswered call."""
+    if not isinstance(messages, list):
+        return messages  # fields.messages says what is wrong with it
+    out: list[object] = []
+    unanswered: list[tuple[str, str]] = []  # (id, name) of earlier calls no result answered yet
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        m = dict(m)
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            m["tool_calls"] = _tool_calls(i, m["tool_calls"])
+            unanswered += [(c["id"], c["function"]["name"]) for c in m["tool_calls"]]
+        elif m.get("role") == "tool" and not m.get("tool_call_id"):
+            name = m.get("tool_name")
+            match = next((c for c in unanswered if name in (None, c[1])), None)
+            if match is None:
+                made = f"a call to {fields.describe(name)}" if name is not None else "a call"
+                raise bad_request(f"messages[{i}] is a tool result, but no earlier assistant message made {made} it could answer",
+                                  param=f"messages[{i}]")
+            m["tool_call_id"] = match[0]
+        if m.get("role") == "tool":
+            unanswered = [c for c in unanswered if c[0] != m["tool_call_id"]]
+        out.append(m)
+    return out
+
+
+def _tools(body: dict) -> Tools | None:
+    tools = parse_tools({"tools": body.get("tools")})
+    return tools if tools is not None and tools.active else None
+
+
 def parse_chat(body: dict, server) -> ParsedRequest:
-    _refuse(body, "tools", "tool calling is served on /v1/chat/completions")
     _refuse(body, "logprobs", "log probabilities are served on /v1/chat/completions")
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for i, m in enumerate(messages):
-            if isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool"):
-                raise bad_request(f"messages[{i}]: tool calls and results are served on /v1/chat/completions", param=f"messages[{i}]")
+    tools = _tools(body)
+    if tools is not None and body.get("format"):
+        raise bad_request("'format' cannot be combined with 'tools' here; leave one of them out", param="format", code="invalid_value")
     images = ImageReader(server.settings)
-    checked = fields.messages(body, server.settings.max_messages, images)
+    checked = fields.messages({"messages": _chat_messages(body.get("messages"))}, server.settings.max_messages, images)
     for i, (m, out) in enumerate(zip(body["messages"], checked, strict=True)):
         pictures = _images(m, f"messages[{i}].images", images)
         if pictures and out["role"] != "user":
@@ -181,8 +240,10 @@ def parse_chat(body: dict, server) -> ParsedRequest:
         if pictures:
             # before the text, where Ollama puts a message's images
             out["content"] = content_of([*pictures, *(out["content"] if isinstance(out["content"], list) else [out["content"]])])
-    request = _request(body, _options(body), server, messages=checked)
-    return ParsedRequest(request, _model(body), _stream(body), False, messages=checked)
+    request = _request(body, _options(body), server, messages=checked, tools=tools)
+    if tools is not None:
+        request.grammar = tool_grammar(tools)
+    return ParsedRequest(request, _model(body), _stream(body), False, tools=tools, messages=checked)
 
 
 def parse_generate(body: dict, server) -> ParsedRequest:
@@ -211,10 +272,11 @@ def parse_generate(body: dict, server) -> ParsedRequest:
 
 
 def _capabilities(served) -> list[str]:
-    """What Ollama's model listings say a model does: completion, and vision, thinking."""
+    """What Ollama's model listings say a model does: completion and tools (every model is
+    offered tools, through its template or the generic format), and vision, thinking."""
     engine = served.engine
     thinks = engine.format.reasoning if engine is not None else reasoning_format(served.model.info.chat_template)
-    return ["completion", *(["vision"] if "vision" in served.modalities else []), *(["thinking"] if thinks else [])]
+    return ["completion", "tools", *(["vision"] if "vision" in served.modalities else []), *(["thinking"] if thinks else [])]
 
 
 def _tagged(name: str) -> str:
@@ -438,7 +500,7 @@ class OllamaApi:
             return await stream(self.server, start, _Lines(field))
         started, finished = await whole(self.server, request, start)
         end = finished[0]
-        return JSONResponse(_Shape(_tagged(started.served.id), field).end(end, end.text, end.reasoning))
+        return JSONResponse(_Shape(_tagged(started.served.id), field).end(end, end.text, end.reasoning, _calls(0, end.tool_calls)))
 
 
 class _Lines(Wire):
@@ -451,13 +513,18 @@ class _Lines(Wire):
 
     def __init__(self, field: str):
         self.field = field
+        self.n_calls = 0  # the answer's calls sent so far
 
     def opened(self, started: Started) -> list[str]:
         self.shape = _Shape(_tagged(started.served.id), self.field)
         return []
 
     def part(self, part: Part) -> list[str]:
-        return [_line(self.shape.part(part.text, part.thought))] if part.text or part.thought else []
+        if not (part.text or part.thought or part.calls):
+            return []
+        calls = _calls(self.n_calls, part.calls)
+        self.n_calls += len(calls)
+        return [_line(self.shape.part(part.text, part.thought, calls=calls))]
 
     async def end(self, finished: list[Finished]) -> list[str]:
         return [_line(self.shape.end(finished[0], "", ""))]
@@ -543,11 +610,13 @@ class _Shape:
     def __init__(self, model: str, field: str):
         self.model, self.field = model, field
 
-    def part(self, text: str, thought: str, done: bool = False) -> dict:
+    def part(self, text: str, thought: str, done: bool = False, calls: list[dict] | None = None) -> dict:
         if self.field == "message":
-            message = {"role": "assistant", "content": text}
+            message: dict[str, object] = {"role": "assistant", "content": text}
             if thought:
                 message["thinking"] = thought
+            if calls:
+                message["tool_calls"] = calls
             out = {"model": self.model, "created_at": _now(), "message": message, "done": done}
         else:
             out = {"model": self.model, "created_at": _now(), "response": text, "done": done}
@@ -555,10 +624,10 @@ class _Shape:
                 out["thinking"] = thought
         return out
 
-    def end(self, finished: Finished, text: str, thought: str | None) -> dict:
+    def end(self, finished: Finished, text: str, thought: str | None, calls: list[dict] | None = None) -> dict:
         m = finished.metrics
         return {
-            **self.part(text, thought or "", done=True),
+            **self.part(text, thought or "", done=True, calls=calls),
             "done_reason": finished.reason,
             "total_duration": _ns(m.total),
             "load_duration": 0,
@@ -567,6 +636,12 @@ class _Shape:
             "eval_count": m.completion_tokens,
             "eval_duration": _ns(m.decode),
         }
+
+
+def _calls(first: int, calls: list[ToolCall]) -> list[dict]:
+    """Calls as Ollama writes them: an id, the call's place in the answer, arguments an object."""
+    return [{"id": c.id, "function": {"index": first + k, "name": c.name, "arguments": json.loads(c.arguments)}}
+            for k, c in enumerate(calls)]
 
 
 def _line(obj: dict) -> str:
