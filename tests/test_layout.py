@@ -1,0 +1,101 @@
+"""The package's shape, read from the code: edgechat's import graph (every import, those inside
+functions and TYPE_CHECKING blocks too) has no circle; the engine's sub-packages never import its
+top level (the `Engine` front: core, pool, embeddings, the package itself); models/ (the catalog
+and the memory planner) imports nothing of the engine."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import edgechat
+
+PACKAGE = Path(edgechat.__file__).parent
+ENGINE = "edgechat.engine"
+
+
+def _name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each edgechat module -> the edgechat modules it imports (`from a import b` counts as a.b
+    where a.b is a module, else as a)."""
+    files = {_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:
+                    base = package.split(".")
+                    module = ".".join(base[: len(base) - node.level + 1] + ([module] if module else []))
+                for alias in node.names:
+                    if f"{module}.{alias.name}" in files:
+                        found.add(f"{module}.{alias.name}")
+                    elif module in files:
+                        found.add(module)
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names if alias.name in files}
+        graph[name] = found - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            part = []
+            while True:
+                top = stack.pop()
+                part.append(top)
+                if top == node:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_import_graph_has_no_circle():
+    assert circles(import_graph()) == []
+
+
+def _engine_top_level() -> set[str]:
+    return {ENGINE} | {f"{ENGINE}.{path.stem}" for path in (PACKAGE / "engine").glob("*.py") if path.stem != "__init__"}
+
+
+def test_the_engine_has_sub_packages_and_none_imports_its_top_level():
+    graph = import_graph()
+    top = _engine_top_level()
+    subpackages = {path.parent.name for path in (PACKAGE / "engine").glob("*/__init__.py")}
+    assert {"kv", "runners", "output", "schedule", "prompt"} <= subpackages
+    upward = sorted(f"{module} -> {target}" for module, targets in graph.items()
+                    if module.startswith(ENGINE + ".") and module not in top for target in targets & top)
+    assert upward == []
+
+
+def test_models_imports_nothing_of_the_engine():
+    graph = import_graph()
+    upward = sorted(f"{module} -> {target}" for module, targets in graph.items() if module.startswith("edgechat.models")
+                    for target in targets if target == ENGINE or target.startswith(ENGINE + "."))
+    assert upward == []
