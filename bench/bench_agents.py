@@ -28,8 +28,8 @@ import httpx
 
 from edgechat.config import get_paths
 from edgechat.engine import ChatRequest, Engine, EngineConfig
-from edgechat.engine.metrics import percentile
-from edgechat.engine.request import SamplingParams
+from edgechat.engine.types.metrics import percentile
+from edgechat.engine.types.request import SamplingParams
 from edgechat.loadgen import _one
 from edgechat.server.openai_chat_api import parse_chat
 

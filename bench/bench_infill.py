@@ -43,11 +43,11 @@ import httpx
 
 from bench.bench_serve import _free_port, _server
 from bench.realmodel import real_model_path
-from edgechat.engine.planner import default_threads
+from edgechat.models.planner import default_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 #: the keystroke file: the first ~2,000 tokens of these, in this order
-FILE_SOURCES = ("edgechat/engine/kvcache.py", "edgechat/engine/prompt.py")
+FILE_SOURCES = ("edgechat/engine/kv/kvcache.py", "edgechat/engine/prompt/prompt.py")
 #: where the exact-match cases are cut from
 CASE_SOURCES = ("edgechat/engine", "edgechat/server", "quantize")
 N_PREDICT = 32

@@ -33,9 +33,9 @@ from pathlib import Path
 
 from edgechat.config import Paths, get_paths
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
-from edgechat.engine.llama import Batch, LlamaBackend
-from edgechat.engine.reasoning import ChannelFormat
-from edgechat.engine.stream import OutputProcessor
+from edgechat.engine.output.reasoning import ChannelFormat
+from edgechat.engine.output.stream import OutputProcessor
+from edgechat.engine.runners.llama import Batch, LlamaBackend
 
 MODEL = "smollm2-135m-instruct"
 #: SmolLM2's thinking template (ChatML turns)

@@ -32,7 +32,7 @@ import httpx
 
 from edgechat.config import get_paths
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
-from edgechat.engine.speculative import MAX_DRAFT, NgramDrafter, StepCost
+from edgechat.engine.schedule.speculative import MAX_DRAFT, NgramDrafter, StepCost
 
 MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
 MODES = ["off", "auto", "lookup"]

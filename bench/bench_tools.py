@@ -194,7 +194,7 @@ def calls_match(expected: list[tuple[str, dict]], got: list[tuple[str, dict]]) -
 def json_calls_in(text: str) -> list[tuple[str, dict]]:
     """Every call-shaped JSON value in `text` ({"name", "arguments"|"parameters"}, alone or in a
     list), wherever it stands: what the model meant to call, recognized or not."""
-    from edgechat.engine.toolfamilies import call_objects
+    from edgechat.engine.output.toolfamilies import call_objects
 
     decoder, found, i = json.JSONDecoder(), [], 0
     while i < len(text):

@@ -69,7 +69,7 @@ class ImageAttachment:
 
     def part(self):
         """The message content part the engine reads (engine.ImageInput)."""
-        from edgechat.engine.request import ImageInput
+        from edgechat.engine.types.request import ImageInput
 
         return ImageInput(self.data, self.media_type)
 

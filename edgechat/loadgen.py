@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from edgechat.engine.metrics import percentile
+from edgechat.engine.types.metrics import percentile
 from edgechat.openai_stream import StreamError, aiter_chunks
 
 # Plain English words; prompts are random sequences of them so no two share more than the template.

@@ -15,8 +15,8 @@ import pytest
 
 from edgechat.config import DATA_DIR_ENV, get_paths
 from edgechat.engine import SamplingParams
-from edgechat.engine.planner import THREADS_ENV
 from edgechat.models import resolve_model
+from edgechat.models.planner import THREADS_ENV
 
 MAX_WORKERS = 4  # past a few workers the suite is bound by its longest file (--dist loadfile)
 

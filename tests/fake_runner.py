@@ -12,7 +12,7 @@ import pickle
 
 import numpy as np
 
-from edgechat.engine.runner import ListBatch
+from edgechat.engine.runners.runner import ListBatch
 
 N_VOCAB = 16
 EOS = 0

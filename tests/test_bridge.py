@@ -7,7 +7,7 @@ import asyncio
 import threading
 import time
 
-from edgechat.engine.request import Finished, RequestMetrics, TextDelta
+from edgechat.engine.types.request import Finished, RequestMetrics, TextDelta
 from edgechat.server.bridge import STREAM_FLUSH_S, Generation
 
 

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 from neartie import assert_same_or_near_tie
 
-from edgechat.engine import Engine, EngineConfig, devices, planner
-from edgechat.engine.devices import Device
-from edgechat.engine.request import ChatRequest, SamplingParams
+from edgechat.engine import Engine, EngineConfig
+from edgechat.engine.runners import devices
+from edgechat.engine.runners.devices import Device
+from edgechat.engine.types.request import ChatRequest, SamplingParams
 from edgechat.errors import UsageError
-from edgechat.models import read_model_info
+from edgechat.models import planner, read_model_info
 from edgechat.models.settings import with_model_settings
 
 

@@ -16,11 +16,11 @@ from test_hub import CATALOG_NAME, edgechat, hub_cache, one_line_error  # noqa: 
 from test_speculative import answer
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, Evicted, SamplingParams
-from edgechat.engine.draft import DraftModel
-from edgechat.engine.llama import LlamaBackend
-from edgechat.engine.planner import default_threads
+from edgechat.engine.runners.llama import LlamaBackend
+from edgechat.engine.schedule.draft import DraftModel
 from edgechat.errors import UsageError
 from edgechat.models import catalog
+from edgechat.models.planner import default_threads
 from edgechat.server import ServerSettings, create_app
 from quantize.requantize import requantize
 

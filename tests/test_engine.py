@@ -9,8 +9,8 @@ from conftest import GREEDY
 from neartie import assert_same_or_near_tie
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams, TextDelta
-from edgechat.engine.stream import OutputProcessor
-from edgechat.engine.templates import choose_format
+from edgechat.engine.output.stream import OutputProcessor
+from edgechat.engine.prompt.templates import choose_format
 from edgechat.errors import InvalidFieldError, PromptTooLongError, UsageError
 
 
@@ -48,7 +48,7 @@ def test_same_seed_same_text_and_seeds_matter(smol):
 
 
 def test_top_p_zero_keeps_only_the_most_likely_token_and_a_zero_repeat_penalty_is_refused(smol):
-    """The ends of the one table of sampling limits (engine/params.py) on the real model: top_p 0
+    """The ends of the one table of sampling limits (edgechat/params.py) on the real model: top_p 0
     (which OpenAI takes) is greedy at any temperature; a repeat penalty of 0 would divide by zero."""
     greedy = ask(smol, "Tell me a story about a cat.", max_tokens=24)
     for seed in (7, 8):

@@ -11,7 +11,7 @@ import pytest
 from conftest import GREEDY
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, TextDelta
-from edgechat.engine import snapshots as snapshots_module
+from edgechat.engine.kv import snapshots as snapshots_module
 from edgechat.errors import EngineStoppedError
 
 BOUND_S = 30

@@ -58,7 +58,7 @@ def test_the_readme_example_ends_and_a_cut_answer_says_length():
     answer length (in --help), and the JSON says when an answer was cut there."""
     import json
 
-    from edgechat.engine.request import DEFAULT_MAX_TOKENS
+    from edgechat.engine.types.request import DEFAULT_MAX_TOKENS
 
     readme = edgechat("run", "--raw", "-m", "gemma3-270m", "--json", "--seed", "1", "The Eiffel Tower is in the city of")
     assert readme.returncode == 0, readme.stderr
@@ -110,7 +110,7 @@ def engines(smollm2_path, gemma3_path, models_root):
 
 def test_a_looping_answer_is_stopped_by_the_guard_and_not_without_it(engines):
     """SmolLM2 answers this greedily with one phrase over and over (seen: 2,629 tokens of it)."""
-    from edgechat.engine.request import ChatRequest, SamplingParams
+    from edgechat.engine.types.request import ChatRequest, SamplingParams
 
     smol, _ = engines
     ask = dict(messages=[{"role": "user", "content": "What is the capital of France?"}],
@@ -125,7 +125,7 @@ def test_a_looping_answer_is_stopped_by_the_guard_and_not_without_it(engines):
 
 
 def test_an_answer_that_does_not_repeat_is_left_alone(engines):
-    from edgechat.engine.request import ChatRequest, SamplingParams
+    from edgechat.engine.types.request import ChatRequest, SamplingParams
 
     smol, _ = engines
     text = "Write a Python function that returns the n-th Fibonacci number, with a docstring and three tests."
@@ -137,7 +137,7 @@ def test_an_answer_that_does_not_repeat_is_left_alone(engines):
 def test_media_marker_tokens_never_reach_the_text(engines):
     """Gemma 3 270M base sometimes samples its `<start_of_image>` token (a user-defined token,
     which llama.cpp renders as text)."""
-    from edgechat.engine.request import ChatRequest, SamplingParams
+    from edgechat.engine.types.request import ChatRequest, SamplingParams
 
     _, gemma = engines
     marker = gemma.backend.tokenize("<start_of_image>", special=True)
@@ -185,7 +185,7 @@ def test_the_models_recommended_sampling_is_the_default(greedy_by_its_maker, smo
 
 
 def test_the_server_lays_a_request_over_the_models_recommended_sampling():
-    from edgechat.engine.request import SamplingParams
+    from edgechat.engine.types.request import SamplingParams
     from edgechat.server.openai_chat_api import parse_chat, parse_completion
 
     base = SamplingParams(temperature=0.0, top_k=7)

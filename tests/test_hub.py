@@ -95,7 +95,7 @@ LISTED_SIZES = {
 
 
 def test_catalog_sizes_are_the_listed_ones_and_drive_the_fit_column(isolated_dirs, monkeypatch):
-    from edgechat.engine import planner
+    from edgechat.models import planner
     from edgechat.tui.screens.models import catalog_models
 
     entries = catalog.load_catalog()
@@ -468,7 +468,7 @@ def test_pull_refuses_a_tampered_or_truncated_download(smollm2_path, isolated_di
 def test_pull_asks_before_a_model_that_will_not_fit(fake_hub, isolated_dirs, tmp_path, monkeypatch):
     """The question comes before any byte is fetched (the stand-in Hub is reachable, so the
     question is what stops the pull; an unreachable one is a one-line error before it)."""
-    from edgechat.engine import planner
+    from edgechat.models import planner
 
     for key, value in online(fake_hub, tmp_path).items():
         monkeypatch.setenv(key, value)
@@ -485,7 +485,7 @@ def test_pull_asks_before_a_model_that_will_not_fit(fake_hub, isolated_dirs, tmp
 
 def test_pull_asks_before_any_hub_file_that_will_not_fit(fake_hub, isolated_dirs, tmp_path, monkeypatch):
     """Not only catalog entries: a Hub file's size comes from the listing, before the download."""
-    from edgechat.engine import planner
+    from edgechat.models import planner
 
     for key, value in online(fake_hub, tmp_path).items():
         monkeypatch.setenv(key, value)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgechat.engine.planner import default_threads
+from edgechat.models.planner import default_threads
 from quantize import convert
 from quantize.calibrate import builtin_text, compute
 from quantize.imatrix import read, write

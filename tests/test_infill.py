@@ -1,4 +1,4 @@
-"""Fill in the middle (engine/fim.py) on the real Qwen2.5-Coder-0.5B: llama-server's /infill,
+"""Fill in the middle (engine/prompt/fim.py) on the real Qwen2.5-Coder-0.5B: llama-server's /infill,
 OpenAI's /v1/completions and Ollama's /api/generate with a suffix, against llama-server itself."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from serving import serving
 from test_server import wait_idle
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
-from edgechat.engine.fim import Infill
-from edgechat.engine.planner import default_threads
+from edgechat.engine.prompt.fim import Infill
+from edgechat.models.planner import default_threads
 from edgechat.server import ServerSettings, create_app
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""JSON values against schemas (engine/jsonvalue.py): the tool parser's hold-back and the closing
+"""JSON values against schemas (engine/output/jsonvalue.py): the tool parser's hold-back and the closing
 of a schema-held answer before max_tokens. Every prefix of real JSON texts, pretty or not, escapes
 and enums included, must stay a valid prefix and close into a value that fits the schema; the
 check is against jsonschema, an independent validator."""
@@ -10,7 +10,7 @@ import json
 import jsonschema
 import pytest
 
-from edgechat.engine.jsonvalue import JsonPrefix, fits, shortest
+from edgechat.engine.output.jsonvalue import JsonPrefix, fits, shortest
 
 SCHEMA = {
     "type": "object",

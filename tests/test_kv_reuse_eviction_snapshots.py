@@ -6,7 +6,7 @@ import pytest
 from conftest import GREEDY
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, Evicted
-from edgechat.engine.snapshots import snapshot_path
+from edgechat.engine.kv.snapshots import snapshot_path
 
 SYSTEM = {"role": "system", "content": "The capital of the country Zubrowka is Lutz."}
 QUESTION = "What is the capital of Zubrowka?"
@@ -193,7 +193,7 @@ def test_quantized_kv_cache_still_answers(smollm2_path, isolated_dirs, kv_type):
 
 
 def engine_for_plan_f16(engine):
-    from edgechat.engine import planner
+    from edgechat.models import planner
 
     return planner.plan_for(engine.model_info, engine.n_ctx, engine.n_slots, "f16").kv_cache
 

@@ -1,6 +1,6 @@
 """The one percentile every report uses: nearest rank, the smallest value with q% at or below it."""
 
-from edgechat.engine.metrics import percentile
+from edgechat.engine.types.metrics import percentile
 
 
 def test_nearest_rank_percentile():

@@ -22,8 +22,8 @@ from edgechat.engine import (
     TextDelta,
     open_engine,
 )
-from edgechat.engine.onnxrt import OnnxRunner
-from edgechat.engine.params import SpeculativeMode
+from edgechat.engine.runners.onnxrt import OnnxRunner
+from edgechat.params import SpeculativeMode
 from quantize.errors import QuantizeError
 from quantize.onnx_export import OnnxModel, compare, export, min_step_int4
 from tests.hf_fixtures import hf_checkpoint
@@ -267,7 +267,7 @@ def test_models_doctor_and_the_planner_know_onnx_folders(exported, isolated_dirs
     from click.testing import CliRunner
 
     from edgechat.cli import cli
-    from edgechat.engine import planner
+    from edgechat.models import planner
     from edgechat.models.catalog import format_size
     from edgechat.models.onnxinfo import RESIDENT_PER_FILE_BYTE, read_info
     from edgechat.tui.screens.models import local_models

@@ -1,4 +1,4 @@
-"""The onnxruntime ModelRunner (engine/onnxrt.py's OnnxRunner) on both embedded models' ONNX
+"""The onnxruntime ModelRunner (engine/runners/onnxrt.py's OnnxRunner) on both embedded models' ONNX
 exports, driven row by row as the scheduler drives a runner: greedy tokens as the ONNX engine's,
 several sequences in one run as each alone, its memory operations (copy, truncation, states) and
 the KV manager on top of it, and what batching several sequences gains."""
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from edgechat.engine import ChatRequest, EngineConfig, SamplingParams, open_engine
-from edgechat.engine.kvcache import KVManager
-from edgechat.engine.onnxrt import OnnxRunner
-from edgechat.engine.params import SpeculativeMode
-from edgechat.engine.planner import default_threads
-from edgechat.engine.promptcache import PromptCache
-from edgechat.engine.snapshots import SnapshotStore
+from edgechat.engine.kv.kvcache import KVManager
+from edgechat.engine.kv.promptcache import PromptCache
+from edgechat.engine.kv.snapshots import SnapshotStore
+from edgechat.engine.runners.onnxrt import OnnxRunner
+from edgechat.models.planner import default_threads
+from edgechat.params import SpeculativeMode
 
 pytestmark = pytest.mark.slow
 
@@ -393,9 +393,9 @@ def test_the_scheduler_runs_on_the_onnx_runner(model, runners):
     different prompts decode together (one run per step once their prompts are in) with each
     one's greedy tokens alone, n-gram speculation verified against the model keeps the text of
     an answer its prompt predicts (accepting drafts), and the KV manager's check is clean after."""
-    from edgechat.engine.request import ContextPolicy
-    from edgechat.engine.scheduler import Scheduler
-    from edgechat.engine.sessions import ConversationStates
+    from edgechat.engine.kv.sessions import ConversationStates
+    from edgechat.engine.schedule.scheduler import Scheduler
+    from edgechat.engine.types.request import ContextPolicy
     from tests.test_scheduler_plans import drive, finished, submit
 
     runner = runners(model, BATCH_INVARIANT)

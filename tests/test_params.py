@@ -1,4 +1,4 @@
-"""One table of sampling limits (engine/params.py): the engine, the server's schemas, the chat
+"""One table of sampling limits (edgechat/params.py): the engine, the server's schemas, the chat
 app's settings and the CLI's options give every value the same verdict."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import click
 import pytest
 
 from edgechat.cli.run import run_cmd
-from edgechat.engine.params import SAMPLING_LIMITS, check_sampling
-from edgechat.engine.request import SamplingParams
+from edgechat.engine.types.request import SamplingParams
 from edgechat.errors import InvalidFieldError, UsageError
+from edgechat.params import SAMPLING_LIMITS, check_sampling
 from edgechat.server.errors import ApiError
 from edgechat.server.openai_chat_api import parse_chat, parse_completion
 from edgechat.tui.config import CHAT_DEFAULTS, SAMPLING_SETTINGS, validate_settings
@@ -131,7 +131,7 @@ def test_the_errors_name_the_field_and_its_range_in_each_front_ends_words():
 def test_each_string_setting_is_one_enum_from_the_cli_and_the_server_to_the_engine():
     from edgechat.cli.serve import serve_cmd
     from edgechat.engine import ChatRequest, EngineConfig
-    from edgechat.engine.params import CHOICES, ContextPolicy, KVType, SpeculativeMode, values
+    from edgechat.params import CHOICES, ContextPolicy, KVType, SpeculativeMode, values
 
     for command in (run_cmd, serve_cmd):
         options = {p.name: p for p in command.params}

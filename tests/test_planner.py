@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from edgechat.engine import Engine, EngineConfig, planner
+from edgechat.engine import Engine, EngineConfig
 from edgechat.errors import ModelTooLargeError, UsageError
-from edgechat.models import read_model_info
+from edgechat.models import planner, read_model_info
 
 
 def test_kv_formula_honours_gqa_sliding_window_and_type(smollm2_path, gemma3_path):
@@ -69,7 +69,7 @@ def test_the_small_swa_cache_is_counted_and_chosen_only_where_the_full_one_does_
 def test_a_small_swa_cache_answers_as_the_full_one_and_recomputes_a_rewind_past_its_window(gemma3_path, isolated_dirs):
     from neartie import assert_same_tokens_or_near_tie
 
-    from edgechat.engine.request import ChatRequest, SamplingParams
+    from edgechat.engine.types.request import ChatRequest, SamplingParams
 
     words = "the tide comes in and the gulls call over the harbour wall while boats rock at anchor".split()
     long_text = " ".join(words[i % len(words)] + (f" {i}" if i % 7 == 0 else "") for i in range(1100))
@@ -99,7 +99,7 @@ def test_a_small_swa_cache_answers_as_the_full_one_and_recomputes_a_rewind_past_
 
 
 def test_an_answer_past_the_context_on_a_small_swa_cache_says_why_it_recomputes(gemma3_path, isolated_dirs):
-    from edgechat.engine.request import ChatRequest, Evicted, SamplingParams
+    from edgechat.engine.types.request import ChatRequest, Evicted, SamplingParams
 
     words = "the tide comes in and the gulls call over the harbour wall while boats rock at anchor".split()
     text = " ".join(words[i % len(words)] + (f" {i}" if i % 7 == 0 else "") for i in range(600))

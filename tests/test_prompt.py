@@ -7,9 +7,9 @@ from itertools import pairwise
 
 import pytest
 
-from edgechat.engine.prompt import PromptBuilder
-from edgechat.engine.request import ChatRequest, ContextPolicy
-from edgechat.engine.templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE, choose_format
+from edgechat.engine.prompt.prompt import PromptBuilder
+from edgechat.engine.prompt.templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE, choose_format
+from edgechat.engine.types.request import ChatRequest, ContextPolicy
 from edgechat.errors import PromptTooLongError
 
 # Qwen3's shape, written for this test: the assistant turn after the last user message is rendered

@@ -15,8 +15,8 @@ from serving import serving
 
 from edgechat.cli import cli
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
-from edgechat.engine.kvcache import common_prefix
-from edgechat.engine.promptcache import PromptCache
+from edgechat.engine.kv.kvcache import common_prefix
+from edgechat.engine.kv.promptcache import PromptCache
 from edgechat.server import ServerSettings, create_app
 
 MODEL = "smollm2-135m-instruct"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from edgechat.engine.planner import default_threads
+from edgechat.models.planner import default_threads
 from quantize import convert
 from quantize.architecture import family_for
 from quantize.convert import _order, pick_type_for_size, plan_types

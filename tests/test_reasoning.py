@@ -22,12 +22,12 @@ from serving import serving
 
 from bench.bench_reasoning import TEMPLATE as THINK_TEMPLATE  # the template the benchmark measures
 from edgechat.engine import ChatRequest, Engine, EngineConfig
-from edgechat.engine.kvcache import common_prefix
-from edgechat.engine.llama import LlamaBackend
-from edgechat.engine.reasoning import ChannelFormat, ReasoningSplitter, reasoning_format
-from edgechat.engine.request import TextDelta
-from edgechat.engine.stream import OutputProcessor
-from edgechat.engine.tools import ToolCallParser
+from edgechat.engine.kv.kvcache import common_prefix
+from edgechat.engine.output.reasoning import ChannelFormat, ReasoningSplitter, reasoning_format
+from edgechat.engine.output.stream import OutputProcessor
+from edgechat.engine.output.tools import ToolCallParser
+from edgechat.engine.runners.llama import LlamaBackend
+from edgechat.engine.types.request import TextDelta
 from edgechat.server import ServerSettings, create_app
 from tests.test_cli import assert_one_line_error, edgechat
 
@@ -387,7 +387,7 @@ def test_harmony_turns_send_no_old_thoughts_and_reuse_the_cache(harmony):
 @pytest.mark.slow
 def test_the_onnx_engine_splits_budgets_and_switches_off_the_same(tmp_path_factory):
     """SmolLM2 exported to ONNX, given the same thinking template: the same splitter and budget
-    as the llama.cpp engine's (engine/reasoning.py's Thinking), through the same Engine on the ONNX runner."""
+    as the llama.cpp engine's (engine/output/reasoning.py's Thinking), through the same Engine on the ONNX runner."""
     from edgechat.engine import open_engine
     from quantize.onnx_export import export
     from tests.hf_fixtures import hf_checkpoint

@@ -9,7 +9,7 @@ from serving import serving
 from tiny_reranker import write_tiny_reranker
 
 from edgechat.engine import Engine, EngineConfig
-from edgechat.engine.planner import default_threads
+from edgechat.models.planner import default_threads
 from edgechat.server import ServerSettings, create_app
 
 pytestmark = pytest.mark.slow

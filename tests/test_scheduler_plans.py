@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from edgechat.engine.kvcache import KVManager
-from edgechat.engine.metrics import RequestClock
-from edgechat.engine.params import SpeculativeMode
-from edgechat.engine.prompt import Prepared
-from edgechat.engine.promptcache import PromptCache
-from edgechat.engine.request import ChatRequest, ContextPolicy, Finished, RequestHandle, SamplingParams, TextDelta
-from edgechat.engine.scheduler import PREFILL_CHUNK_BUSY, Phase, Running, Scheduler
-from edgechat.engine.sessions import ConversationStates
+from edgechat.engine.kv.kvcache import KVManager
+from edgechat.engine.kv.promptcache import PromptCache
+from edgechat.engine.kv.sessions import ConversationStates
+from edgechat.engine.prompt.prompt import Prepared
+from edgechat.engine.schedule.scheduler import PREFILL_CHUNK_BUSY, Phase, Running, Scheduler
+from edgechat.engine.types.metrics import RequestClock
+from edgechat.engine.types.request import ChatRequest, ContextPolicy, Finished, RequestHandle, SamplingParams, TextDelta
+from edgechat.params import SpeculativeMode
 from tests.fake_runner import EOS, FakeRunner, cycle, text_of, tokens_of
 
 

@@ -14,12 +14,12 @@ from pydantic import BaseModel, Field
 from serving import serving
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
-from edgechat.engine.llama import Batch, LlamaBackend
-from edgechat.engine.planner import default_threads
-from edgechat.engine.request import Grammar, SamplingParams
-from edgechat.engine.sampling import SamplerChain
-from edgechat.engine.schema_grammar import schema_rules
-from edgechat.engine.tools import ToolCallParser, render_messages
+from edgechat.engine.output.schema_grammar import schema_rules
+from edgechat.engine.output.tools import ToolCallParser, render_messages
+from edgechat.engine.runners.llama import Batch, LlamaBackend
+from edgechat.engine.runners.sampling import SamplerChain
+from edgechat.engine.types.request import Grammar, SamplingParams
+from edgechat.models.planner import default_threads
 from edgechat.server import ServerSettings, create_app
 from edgechat.server.tools import parse_tools
 

@@ -19,7 +19,7 @@ from tiny_mmproj import CHECKS, GRADIENT
 
 from edgechat.cli import cli
 from edgechat.cli.serve import _is_loopback
-from edgechat.engine.media import VISION_MODEL
+from edgechat.engine.runners.media import VISION_MODEL
 
 pytestmark = pytest.mark.slow
 

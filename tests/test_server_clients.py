@@ -19,7 +19,7 @@ from serving import serving
 from edgechat.cli import cli
 from edgechat.cli.common import run_guarded
 from edgechat.engine import Engine, EngineConfig
-from edgechat.engine.tools import ToolCallParser
+from edgechat.engine.output.tools import ToolCallParser
 from edgechat.server import ServerSettings, create_app, listen
 
 KEY = "sk-clients"

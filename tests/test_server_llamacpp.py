@@ -10,7 +10,7 @@ import pytest
 from serving import serving
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
-from edgechat.engine.planner import default_threads
+from edgechat.models.planner import default_threads
 from edgechat.server import ServerSettings, create_app
 
 KEY = "sk-test-key"

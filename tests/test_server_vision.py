@@ -23,8 +23,8 @@ from serving import serving
 from tiny_mmproj import CHECKS, GRADIENT, N_IMAGE_TOKENS, png, text_embedding_width, write_tiny_mmproj
 
 from edgechat.engine import Engine, EngineConfig
-from edgechat.engine.media import VISION_MODEL
 from edgechat.engine.pool import ModelPool
+from edgechat.engine.runners.media import VISION_MODEL
 from edgechat.server import ServerSettings, create_app
 
 MODEL = "smol"

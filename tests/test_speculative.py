@@ -9,7 +9,7 @@ from conftest import GREEDY
 from neartie import assert_same_or_near_tie
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
-from edgechat.engine.speculative import DraftPolicy, NgramDrafter, StepCost
+from edgechat.engine.schedule.speculative import DraftPolicy, NgramDrafter, StepCost
 from edgechat.errors import UsageError
 
 PASSAGE = (

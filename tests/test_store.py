@@ -500,7 +500,7 @@ def test_a_full_disk_names_the_disk_and_the_room_needed(tmp_path):
 
 
 def test_an_answer_that_cannot_be_saved_keeps_its_text_and_says_so_once(capped):
-    from edgechat.engine.request import Finished, RequestMetrics
+    from edgechat.engine.types.request import Finished, RequestMetrics
     from edgechat.store.answer import StoredAnswer
 
     s, conv, cap = capped

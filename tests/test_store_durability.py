@@ -14,7 +14,7 @@ import time
 import pytest
 
 from edgechat.engine import Engine, EngineConfig
-from edgechat.engine.request import ChatRequest
+from edgechat.engine.types.request import ChatRequest
 from edgechat.store import Store
 from edgechat.store.history import model_messages
 from tests.test_cli import assert_one_line_error, edgechat

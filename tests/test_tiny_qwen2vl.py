@@ -19,10 +19,10 @@ from tiny_mmproj import GRADIENT, png
 from tiny_qwen2vl import tokens_per_side, write_tiny_qwen2vl, write_tiny_qwen2vl_mmproj
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, ImageInput
-from edgechat.engine.llama import DecodeError, LlamaBackend, Vocabulary
-from edgechat.engine.media import Projector
-from edgechat.engine.planner import default_threads
+from edgechat.engine.runners.llama import DecodeError, LlamaBackend, Vocabulary
+from edgechat.engine.runners.media import Projector
 from edgechat.errors import UsageError
+from edgechat.models.planner import default_threads
 
 #: 48x16 pixels: 6x2 image tokens, which take max(6, 2) positions
 WIDE = png(48, 16, lambda x, y: (x * 5, y * 15, 64))

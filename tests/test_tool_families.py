@@ -14,9 +14,7 @@ import pytest
 from serving import serving
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
-from edgechat.engine.request import Evicted, SamplingParams
-from edgechat.engine.templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, choose_format
-from edgechat.engine.toolfamilies import (
+from edgechat.engine.output.toolfamilies import (
     GENERIC,
     HARMONY,
     HERMES,
@@ -27,7 +25,9 @@ from edgechat.engine.toolfamilies import (
     family_for,
     native_messages,
 )
-from edgechat.engine.tools import ToolCallParser, _trigger, fallback_triggers, render_messages, tool_grammar
+from edgechat.engine.output.tools import ToolCallParser, _trigger, fallback_triggers, render_messages, tool_grammar
+from edgechat.engine.prompt.templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, choose_format
+from edgechat.engine.types.request import Evicted, SamplingParams
 from edgechat.server import ServerSettings, create_app
 from edgechat.server.openai_chat_api import parse_chat
 from edgechat.server.tools import parse_tools

@@ -21,7 +21,7 @@ import pytest
 from serving import serving
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
-from edgechat.engine.tools import tool_grammar
+from edgechat.engine.output.tools import tool_grammar
 from edgechat.server import ServerSettings, create_app
 from edgechat.server.tools import parse_tools
 

@@ -289,7 +289,7 @@ async def test_switch_model_and_a_model_that_does_not_fit(paths, gemma3_path, sm
         assert screen.status.model == app.client.model_name
         assert any("no chat template" in n.message for n in app._notifications)  # completion-mode warning
         # a machine with 64 MiB free: the planner refuses, the loaded model keeps serving
-        from edgechat.engine import planner
+        from edgechat.models import planner
 
         monkeypatch.setattr(planner, "available_memory", lambda: 64 << 20)
         loaded = app.client
@@ -630,7 +630,7 @@ async def test_export_names_the_model_of_each_answer(paths, client):
 async def test_the_empty_screen_says_the_embedded_model_is_a_demo(paths, monkeypatch):
     """A newcomer's first screen: the embedded SmolLM2 is a small demo model, and the one command
     that pulls a real one names the largest catalog model that fits this machine's free memory."""
-    from edgechat.engine import planner
+    from edgechat.models import planner
     from edgechat.models.catalog import load_catalog
     from edgechat.tui.widgets.chatview import Markdown
 

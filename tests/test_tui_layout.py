@@ -12,7 +12,7 @@ import time
 import pytest
 from textual.widgets._toast import Toast
 
-from edgechat.engine.request import Finished, Metrics, RequestMetrics, TextDelta
+from edgechat.engine.types.request import Finished, Metrics, RequestMetrics, TextDelta
 from edgechat.errors import UsageError
 from edgechat.tui.app import EdgechatApp
 from edgechat.tui.widgets.chatview import PAGE, ChatView

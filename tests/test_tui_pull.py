@@ -13,8 +13,7 @@ from test_tui_layout import ScriptedClient
 from textual.widgets import Button, Label, ProgressBar
 from tiny_mmproj import text_embedding_width, write_tiny_mmproj
 
-from edgechat.engine import planner
-from edgechat.models import catalog, hub
+from edgechat.models import catalog, hub, planner
 from edgechat.tui.app import EdgechatApp
 from edgechat.tui.client import LocalClient
 from edgechat.tui.screens.download import DownloadScreen

@@ -19,7 +19,7 @@ from tiny_mmproj import CHECKS, GRADIENT, N_IMAGE_TOKENS, text_embedding_width, 
 
 from edgechat.attachments import ImageAttachment, file_size
 from edgechat.engine import ChatRequest, ImageInput
-from edgechat.engine.media import no_vision
+from edgechat.engine.runners.media import no_vision
 from edgechat.tui.client import LocalClient, RemoteClient
 
 pytestmark = [pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""Images in through llama.cpp's libmtmd (engine/media.py), on the embedded SmolLM2 paired with a
+"""Images in through llama.cpp's libmtmd (engine/runners/media.py), on the embedded SmolLM2 paired with a
 tiny projector the tests write (tests/tiny_mmproj.py: LLaVA's mlp layout, random weights).
 
 What random weights can prove: the projector file is in the layout llama.cpp's clip loader reads,
@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from tiny_mmproj import CHECKS, GRADIENT, N_IMAGE_TOKENS, text_embedding_width, write_tiny_mmproj
 
-from edgechat.engine.llama import LlamaBackend
-from edgechat.engine.media import Projector, sentinels
-from edgechat.engine.planner import default_threads
+from edgechat.engine.runners.llama import LlamaBackend
+from edgechat.engine.runners.media import Projector, sentinels
 from edgechat.errors import ModelFormatError, UsageError
+from edgechat.models.planner import default_threads
 
 ANSWER_TOKENS = 8
 

@@ -22,7 +22,7 @@ from conftest import GREEDY
 from tiny_mmproj import CHECKS, GRADIENT, N_IMAGE_TOKENS, png, text_embedding_width, write_tiny_mmproj
 
 from edgechat.engine import ChatRequest, ContextPolicy, Engine, EngineConfig, Evicted, ImageInput
-from edgechat.engine.media import Projector
+from edgechat.engine.runners.media import Projector
 from edgechat.errors import UsageError
 
 QUESTION = "What is in this picture?"

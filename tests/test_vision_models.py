@@ -18,9 +18,9 @@ from tiny_mmproj import text_embedding_width, write_tiny_mmproj
 
 from edgechat.cli import cli
 from edgechat.cli.common import mmproj_for
-from edgechat.engine import Engine, EngineConfig, planner
+from edgechat.engine import Engine, EngineConfig
 from edgechat.errors import ModelFormatError, ModelNotFoundError, ModelTooLargeError, UsageError
-from edgechat.models import catalog, find_projector, hub, read_model_info, resolve_model
+from edgechat.models import catalog, find_projector, hub, planner, read_model_info, resolve_model
 from edgechat.models.ggufinfo import read_projector_info
 from edgechat.models.settings import with_model_settings
 

@@ -19,9 +19,9 @@ from tiny_mmproj import CHECKS, GRADIENT
 from tiny_qwen2vl import tokens_per_side, write_tiny_qwen2vl, write_tiny_qwen2vl_mmproj
 
 from edgechat.engine import ChatRequest, ContextPolicy, Engine, EngineConfig, Evicted, ImageInput
-from edgechat.engine.llama import LlamaBackend, token_logprobs
-from edgechat.engine.media import Projector
-from edgechat.engine.planner import default_threads
+from edgechat.engine.runners.llama import LlamaBackend, token_logprobs
+from edgechat.engine.runners.media import Projector
+from edgechat.models.planner import default_threads
 
 #: GRADIENT and CHECKS are 40x40: 5x5 image tokens at one position, taking 5 positions
 SIDE = tokens_per_side(40)

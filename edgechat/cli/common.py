@@ -7,9 +7,9 @@ import sys
 
 import click
 
-from edgechat.engine.params import FlashAttn, KVType, SpeculativeMode, SwaCache, values
-from edgechat.engine.request import DEFAULT_MAX_TOKENS
+from edgechat.engine.types.request import DEFAULT_MAX_TOKENS
 from edgechat.errors import EdgechatError
+from edgechat.params import FlashAttn, KVType, SpeculativeMode, SwaCache, values
 
 data_dir_option = click.option(
     "--data-dir",
@@ -91,8 +91,8 @@ def deterministic_setting(flag: bool | None, paths) -> bool:
 def _gpu_layers(ctx, param, value):
     if value is None:
         return None
-    from edgechat.engine.planner import parse_gpu_layers
     from edgechat.errors import UsageError
+    from edgechat.models.planner import parse_gpu_layers
 
     try:
         return parse_gpu_layers(value)
@@ -111,7 +111,7 @@ gpu_layers_option = click.option(
 
 
 def _rpc(ctx, param, value):
-    from edgechat.engine.devices import parse_rpc
+    from edgechat.engine.runners.devices import parse_rpc
     from edgechat.errors import UsageError
 
     try:
@@ -202,7 +202,7 @@ def mmproj_for(chosen: dict[str | None, str], refs: list[str | None]) -> dict[st
 
 def gpu_layers_note(value, rpc: list[str] | None = None) -> None:
     """One line, never a failure, when --gpu-layers is given to a llama.cpp that cannot offload."""
-    from edgechat.engine import devices
+    from edgechat.engine.runners import devices
 
     if value is not None and not rpc and not devices.gpu_devices():
         click.echo("edgechat: note: this llama.cpp is a CPU-only build, so --gpu-layers has no effect "
@@ -238,7 +238,7 @@ class _FiniteRange(click.FloatRange):
 
 def _sampling_option(name: str):
     """--NAME with the range of the engine's one table of sampling limits."""
-    from edgechat.engine.params import SAMPLING_LIMITS
+    from edgechat.params import SAMPLING_LIMITS
 
     limit = SAMPLING_LIMITS[name]
     if limit.kind is int:

@@ -12,19 +12,18 @@ import click
 
 from edgechat.cli.common import data_dir_option, rpc_option
 from edgechat.config import get_paths
-from edgechat.engine import planner
-from edgechat.engine.params import KVType
-from edgechat.engine.reasoning import reasoning_format
+from edgechat.engine.output.reasoning import reasoning_format
 from edgechat.errors import EdgechatError, UsageError
-from edgechat.models import known_model_names, resolve_model
+from edgechat.models import known_model_names, planner, resolve_model
 from edgechat.models.catalog import catalog_row, format_size, load_catalog
 from edgechat.models.ggufinfo import read_projector_info
 from edgechat.models.hub import is_downloaded
 from edgechat.models.onnxinfo import is_onnx_folder, read_info
+from edgechat.params import KVType
 
 
 def _model_rows(paths, kv_type: KVType = KVType.F16, names: list[str] | None = None) -> list[dict]:
-    from edgechat.engine import devices
+    from edgechat.engine.runners import devices
     from edgechat.models.settings import own_settings, projector_for
 
     gpus = devices.gpu_devices()
@@ -138,7 +137,7 @@ def models_list(refs, show_catalog, rpc, data_dir):
     Given MODELs (names, .gguf files, ONNX folders), list just those."""
     paths = get_paths(data_dir)
     if rpc:
-        from edgechat.engine import devices
+        from edgechat.engine.runners import devices
 
         devices.add_rpc_servers(rpc)  # their devices take layers: the split below counts them
     if show_catalog:
@@ -253,7 +252,7 @@ def doctor_cmd(expect, rpc, data_dir):
     from edgechat import __version__
     from edgechat.android import on_android
     from edgechat.android import report as android_report
-    from edgechat.engine import devices, llama
+    from edgechat.engine.runners import devices, llama
 
     paths = get_paths(data_dir)
     features = llama.system_info()
@@ -274,7 +273,7 @@ def doctor_cmd(expect, rpc, data_dir):
     for dev in devices.devices():
         if dev.kind != "cpu":
             click.echo(f"  device {dev.name} ({dev.kind}, {dev.description}): {format_size(dev.free)} free of {format_size(dev.total)}")
-    from edgechat.engine.onnxrt import runtime_report
+    from edgechat.engine.runners.onnxrt import runtime_report
 
     click.echo(runtime_report())
     if expect and expect.lower() not in (b.lower() for b in built):

@@ -8,9 +8,8 @@ import click
 
 from edgechat.cli.common import data_dir_option
 from edgechat.config import get_paths
-from edgechat.engine import planner
 from edgechat.errors import ModelNotFoundError, UsageError
-from edgechat.models import catalog, hub, read_model_info
+from edgechat.models import catalog, hub, planner, read_model_info
 from edgechat.models.catalog import format_size
 from edgechat.models.ggufinfo import read_projector_info
 

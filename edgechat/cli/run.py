@@ -2,7 +2,7 @@
 
 With `--session NAME` the turn belongs to a stored conversation; its KV snapshot makes the next
 turn start without re-reading the history. With `--raw` the prompt is continued as plain text;
-with `--suffix TEXT` a code model fills in what goes between the prompt and TEXT (engine/fim.py).
+with `--suffix TEXT` a code model fills in what goes between the prompt and TEXT (engine/prompt/fim.py).
 """
 
 from __future__ import annotations
@@ -33,10 +33,17 @@ from edgechat.cli.common import (
 )
 from edgechat.cli.sessions import find_session
 from edgechat.config import get_paths, read_chat_template
-from edgechat.engine.fim import Infill
-from edgechat.engine.params import values
-from edgechat.engine.request import DEFAULT_MAX_TOKENS, ChatRequest, ContextPolicy, Evicted, SamplingParams, TextDelta
+from edgechat.engine.prompt.fim import Infill
+from edgechat.engine.types.request import (
+    DEFAULT_MAX_TOKENS,
+    ChatRequest,
+    ContextPolicy,
+    Evicted,
+    SamplingParams,
+    TextDelta,
+)
 from edgechat.errors import EdgechatError, UsageError
+from edgechat.params import values
 from edgechat.store import open_store
 from edgechat.store.answer import StoredAnswer
 from edgechat.store.history import model_messages, with_system_prompt
@@ -200,7 +207,7 @@ def _session_turn(cfg, name: str, text: str, system, context_policy, params: dic
         with open_engine(cfg) as engine:
             _warn(engine)
             if pictures and "vision" not in engine.modalities:
-                from edgechat.engine.media import no_vision
+                from edgechat.engine.runners.media import no_vision
 
                 raise UsageError(no_vision(engine.model_name))  # before NAME is created or the turn stored
             conv = find_session(store, name, create=True)

@@ -75,7 +75,7 @@ def sessions_rm(paths, ref):
         store.delete_conversation(conv.id)
     finally:
         store.close()
-    from edgechat.engine.snapshots import snapshot_path
+    from edgechat.engine.kv.snapshots import snapshot_path
 
     snapshot_path(paths.snapshots, conv.id).unlink(missing_ok=True)
     click.echo(f"deleted {ref}")

@@ -8,7 +8,7 @@ Engine and EngineConfig load llama.cpp on first use, so front ends can import th
 event types (and start drawing) without paying for it.
 """
 
-from edgechat.engine.request import (
+from edgechat.engine.types.request import (
     FINISH_REASONS,
     ChatRequest,
     ContextPolicy,

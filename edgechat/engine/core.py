@@ -1,8 +1,8 @@
 """The engine: one thread owns the llama.cpp context and runs the scheduling loop.
 
-Requests are prepared on the caller's thread (engine/prompt.py) and come in through a queue; the
-thread runs the scheduler (engine/scheduler.py: admission, one llama_decode per step for every
-running sequence), and every KV cache operation goes through the KV manager (engine/kvcache.py).
+Requests are prepared on the caller's thread (engine/prompt/prompt.py) and come in through a queue; the
+thread runs the scheduler (engine/schedule/scheduler.py: admission, one llama_decode per step for every
+running sequence), and every KV cache operation goes through the KV manager (engine/kv/kvcache.py).
 
 Nothing a request, a callback or the disk does may leave a client waiting: every request gets a
 Finished event, every command an answer within a bound, and a dead thread refuses new work.
@@ -20,28 +20,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgechat.config import Paths, get_paths, make_data_dir
-from edgechat.engine import devices, planner
-from edgechat.engine.draft import DraftModel, DraftVocabError
 from edgechat.engine.embeddings import Embedder, EmbeddingJob
-from edgechat.engine.fim import InfillBuilder
-from edgechat.engine.kvcache import KVManager, Slot
-from edgechat.engine.llama import LlamaBackend, state_version
-from edgechat.engine.media import Projector
-from edgechat.engine.metrics import RequestClock
-from edgechat.engine.params import CHOICES, FlashAttn, KVType, SpeculativeMode, SwaCache, choice
-from edgechat.engine.prompt import Prepared, PromptBuilder, PromptQueries
-from edgechat.engine.promptcache import PromptCache
-from edgechat.engine.request import ChatRequest, ContextPolicy, Grammar, RequestHandle, SamplingParams
-from edgechat.engine.sampling import grammar_parses
-from edgechat.engine.scheduler import Running, Scheduler
-from edgechat.engine.sessions import ConversationStates
-from edgechat.engine.snapshots import PromptStore, SnapshotStore, model_fingerprint
-from edgechat.engine.templates import choose_format
+from edgechat.engine.kv.kvcache import KVManager, Slot
+from edgechat.engine.kv.promptcache import PromptCache
+from edgechat.engine.kv.sessions import ConversationStates
+from edgechat.engine.kv.snapshots import PromptStore, SnapshotStore, model_fingerprint
+from edgechat.engine.prompt.fim import InfillBuilder
+from edgechat.engine.prompt.prompt import Prepared, PromptBuilder, PromptQueries
+from edgechat.engine.prompt.templates import choose_format
+from edgechat.engine.runners import devices
+from edgechat.engine.runners.llama import LlamaBackend, state_version
+from edgechat.engine.runners.media import Projector
+from edgechat.engine.runners.sampling import grammar_parses
+from edgechat.engine.schedule.draft import DraftModel, DraftVocabError
+from edgechat.engine.schedule.scheduler import Running, Scheduler
+from edgechat.engine.types.metrics import RequestClock
+from edgechat.engine.types.request import ChatRequest, ContextPolicy, Grammar, RequestHandle, SamplingParams
 from edgechat.errors import EdgechatError, EngineStoppedError, UsageError
-from edgechat.models import catalog_draft, display_name, find_projector, read_model_info, resolve_model
+from edgechat.models import catalog_draft, display_name, find_projector, planner, read_model_info, resolve_model
+from edgechat.params import CHOICES, FlashAttn, KVType, SpeculativeMode, SwaCache, choice
 
 if TYPE_CHECKING:
-    from edgechat.engine.onnxrt import OnnxPlacement
+    from edgechat.engine.runners.onnxrt import OnnxPlacement
 
 log = logging.getLogger("edgechat.engine")
 
@@ -82,7 +82,7 @@ class EngineConfig:
     #: llama.cpp RPC servers ("host:port") whose devices take layers like local GPUs
     rpc_servers: list[str] = field(default_factory=list)
     snapshot_budget: int = 4 << 30
-    #: bytes of host RAM for the states of recent prompts beyond the slots (engine/promptcache.py);
+    #: bytes of host RAM for the states of recent prompts beyond the slots (engine/kv/promptcache.py);
     #: 0 = off. Off by default here: conversations have their own snapshots; `serve` turns it on
     prompt_cache_budget: int = 0
     paths: Paths | None = None
@@ -91,7 +91,7 @@ class EngineConfig:
     speculative: SpeculativeMode = SpeculativeMode.AUTO
     #: a smaller model of the same vocabulary that guesses tokens for the model to verify
     draft_model: str | None = None
-    #: the model's projector (an mmproj GGUF) that lets it read images (engine/media.py); None:
+    #: the model's projector (an mmproj GGUF) that lets it read images (engine/runners/media.py); None:
     #: an mmproj*.gguf beside its file, or the one `edgechat pull` fetched with it, if any
     mmproj: str | None = None
     #: a GGUF that computes embeddings (engine/embeddings.py) instead of the model itself
@@ -104,7 +104,7 @@ class EngineConfig:
     #: a Jinja chat template used instead of the GGUF's own (as llama-server's --chat-template-file;
     #: front ends put a model's chat_template from config.toml here, models/settings.py)
     chat_template: str | None = None
-    ep: str | None = None  # an ONNX folder's onnxruntime execution provider (engine/onnxrt.py)
+    ep: str | None = None  # an ONNX folder's onnxruntime execution provider (engine/runners/onnxrt.py)
     #: called from the loading thread with the fraction of the model read (0..1)
     on_load_progress: Callable[[float], None] | None = None
     #: bytes of disk for the prompt cache's states (`serve --cache-disk`; 0 = off): written in the
@@ -248,9 +248,9 @@ class Engine(PromptQueries):
         self.projector = projector
 
     def _open_onnx(self) -> None:
-        """An ONNX folder through onnxruntime (engine/onnxrt.py): its own KV buffers, one row
+        """An ONNX folder through onnxruntime (engine/runners/onnxrt.py): its own KV buffers, one row
         per sequence; no draft model, no embeddings (they need llama.cpp's context)."""
-        from edgechat.engine.onnxrt import OnnxPlacement, OnnxRunner
+        from edgechat.engine.runners.onnxrt import OnnxPlacement, OnnxRunner
         from edgechat.models.onnxinfo import read_onnx_info
 
         cfg = self.config

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgechat.engine.llama import Batch, EmbeddingContext, LlamaBackend, Pooling
-from edgechat.engine.scheduler import PREFILL_CHUNK_BUSY
+from edgechat.engine.runners.llama import Batch, EmbeddingContext, LlamaBackend, Pooling
+from edgechat.engine.schedule.scheduler import PREFILL_CHUNK_BUSY
 from edgechat.errors import UsageError
 
 log = logging.getLogger("edgechat.engine")
@@ -123,7 +123,7 @@ class Embedder:
         return self._checked(inputs, truncate, lambda item: self.backend.tokenize(item, add_bos=True, special=False))
 
     def prepare_rerank(self, query: str, documents: list[str], truncate: bool = False) -> list[list[int]]:
-        """Each document's input with the query (engine/llama.py's `rerank_pair`), checked as
+        """Each document's input with the query (engine/runners/llama.py's `rerank_pair`), checked as
         `prepare` checks inputs; a model that is not a reranker is refused in one line."""
         if not self.rank:
             raise UsageError(f"{self.backend.path.name} is not a reranker (its GGUF's pooling is not rank); "

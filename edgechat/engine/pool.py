@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from edgechat.engine import planner
 from edgechat.errors import EdgechatError, ModelLoadError, NoRoomError, UsageError
+from edgechat.models import planner
 
 if TYPE_CHECKING:
     from edgechat.engine.core import Engine, EngineConfig
@@ -389,7 +389,7 @@ def _prepare_process() -> None:
     (ggml's fp16 and activation tables, 0.5 MiB) serve every model, llama.cpp's and the ONNX
     engine's alike (whose tokenizer and sampler are llama.cpp's), and outlive them all.
     """
-    from edgechat.engine.llama import _ensure_backend
+    from edgechat.engine.runners.llama import _ensure_backend
 
     libc = _glibc()
     if libc is not None:

@@ -173,7 +173,7 @@ class CatalogRow:
 
 def catalog_row(entry: CatalogEntry, cfile: CatalogFile | None = None, available: int | None = None) -> CatalogRow:
     """The one description of a not-downloaded entry (its default file unless `cfile` is given)."""
-    from edgechat.engine import planner
+    from edgechat.models import planner
 
     cfile = cfile or entry.default
     # a vision model runs with its projector, pulled with it

@@ -8,8 +8,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgechat.engine.params import SAMPLING_LIMITS
 from edgechat.errors import ModelFormatError, ModelNotFoundError
+from edgechat.params import SAMPLING_LIMITS
 
 GGUF_MAGIC = b"GGUF"
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from edgechat.config import Paths, get_paths, load_settings, model_settings, read_chat_template
-from edgechat.engine.planner import parse_gpu_layers
 from edgechat.errors import EdgechatError, UsageError
 from edgechat.models.ggufinfo import read_projector_info
+from edgechat.models.planner import parse_gpu_layers
 from edgechat.models.resolve import display_name, find_projector, resolve_model
 
 

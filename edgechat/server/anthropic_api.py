@@ -23,9 +23,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from edgechat.engine.request import ChatRequest, Finished, ImageInput, ToolCall
-from edgechat.engine.schema_grammar import check_schema
-from edgechat.engine.tools import NAME, Tools, tool_grammar
+from edgechat.engine.output.schema_grammar import check_schema
+from edgechat.engine.output.tools import NAME, Tools, tool_grammar
+from edgechat.engine.types.request import ChatRequest, Finished, ImageInput, ToolCall
 from edgechat.errors import EdgechatError
 from edgechat.server import fields, responses
 from edgechat.server.bridge import Part, Started

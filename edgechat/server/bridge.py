@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from edgechat.engine.pool import ModelPool
-from edgechat.engine.request import (
+from edgechat.engine.types.request import (
     ChatRequest,
     Event,
     Finished,

@@ -23,10 +23,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from edgechat.config import get_paths
+from edgechat.engine.output.tools import tool_grammar
 from edgechat.engine.pool import ModelPool, ModelState, PoolModel
-from edgechat.engine.prompt import Prepared
-from edgechat.engine.request import ChatRequest, Event, Finished, RequestStatus, SamplingParams
-from edgechat.engine.tools import tool_grammar
+from edgechat.engine.prompt.prompt import Prepared
+from edgechat.engine.types.request import ChatRequest, Event, Finished, RequestStatus, SamplingParams
 from edgechat.errors import EdgechatError, ModelLoadError, NoRoomError
 from edgechat.models import find_projector
 from edgechat.models.ggufinfo import read_projector_info

@@ -15,18 +15,18 @@ import json
 import math
 from dataclasses import dataclass
 
-from edgechat.engine.params import SAMPLING_LIMITS, SpeculativeMode, choice
-from edgechat.engine.request import ChatRequest, Grammar, SamplingParams
-from edgechat.engine.schema_grammar import check_schema, schema_rules
-from edgechat.engine.tools import Tools
+from edgechat.engine.output.schema_grammar import check_schema, schema_rules
+from edgechat.engine.output.tools import Tools
+from edgechat.engine.types.request import ChatRequest, Grammar, SamplingParams
 from edgechat.errors import InvalidFieldError
+from edgechat.params import SAMPLING_LIMITS, SpeculativeMode, choice
 from edgechat.server.errors import ApiError, bad_request, field_error
 from edgechat.server.images import ImageReader
 from edgechat.server.images import content as content_of
 from edgechat.server.structured import check_gbnf
 
 #: roles a request may send; OpenAI's newer "developer" role is a system prompt, "tool" carries
-#: a tool's result back (rendered by the prompt builder, see engine/tools.py)
+#: a tool's result back (rendered by the prompt builder, see engine/output/tools.py)
 _ROLES = {"system", "user", "assistant", "developer", "tool"}
 #: OpenAI's limit
 _MAX_STOPS = 4

@@ -13,7 +13,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from edgechat.engine.request import ImageInput
+from edgechat.engine.types.request import ImageInput
 from edgechat.images import image_size, undecoded
 from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.settings import ServerSettings

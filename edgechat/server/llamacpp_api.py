@@ -20,8 +20,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edgechat import __version__
-from edgechat.engine.fim import DEFAULT_FILENAME, Infill
-from edgechat.engine.request import ChatRequest, Finished, SamplingParams, TokenLogprob
+from edgechat.engine.prompt.fim import DEFAULT_FILENAME, Infill
+from edgechat.engine.types.request import ChatRequest, Finished, SamplingParams, TokenLogprob
 from edgechat.errors import UsageError
 from edgechat.server import fields, responses
 from edgechat.server.bridge import Part, Started
@@ -73,7 +73,7 @@ def parse_completion(body: dict, server) -> ParsedRequest:
 def parse_infill(body: dict, server) -> ParsedRequest:
     """/infill: the text before and after the cursor (both required), other files'
     `input_extra` [{filename, text}] and `prompt` (text the answer starts with), laid out by the
-    engine as llama-server lays them out (engine/fim.py); the rest as /completion's."""
+    engine as llama-server lays them out (engine/prompt/fim.py); the rest as /completion's."""
     for name in ("input_prefix", "input_suffix"):
         if name not in body:
             raise bad_request(f"'{name}' is required", param=name, code="missing_required_parameter")

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from edgechat.engine.pool import PoolModel
-from edgechat.engine.request import RequestMetrics
+from edgechat.engine.types.request import RequestMetrics
 
 #: what happened to a request, as counted in edgechat_requests_total{outcome=...}
 OUTCOMES = ("ok", "cancelled", "timeout", "rejected", "error")

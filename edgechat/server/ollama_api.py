@@ -7,7 +7,7 @@ Chat's `tools` are OpenAI's functions (server/tools.py), offered as `tool_choice
 has no such field); an assistant's `tool_calls` (arguments an object, ids optional) and the
 `tool` messages answering them (by `tool_call_id`, else `tool_name`) become the checked
 messages chat completions makes, and the engine's call events come back as Ollama writes them.
-A generate body with a `suffix` is a fill in the middle (engine/fim.py: the prompt is the text
+A generate body with a `suffix` is a fill in the middle (engine/prompt/fim.py: the prompt is the text
 before the cursor), laid out as llama-server's /infill. What changes the answer and is not here
 (a request's own template, an earlier `context`) is refused in one line; `keep_alive` says how long the model stays loaded
 after the request (an empty prompt with it loads or, at 0, unloads the model, as in Ollama);
@@ -31,10 +31,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgechat.engine.fim import Infill
-from edgechat.engine.reasoning import reasoning_format
-from edgechat.engine.request import ChatRequest, Finished, ImageInput, ToolCall
-from edgechat.engine.tools import Tools, tool_grammar
+from edgechat.engine.output.reasoning import reasoning_format
+from edgechat.engine.output.tools import Tools, tool_grammar
+from edgechat.engine.prompt.fim import Infill
+from edgechat.engine.types.request import ChatRequest, Finished, ImageInput, ToolCall
 from edgechat.errors import EdgechatError, ModelNotFoundError, UsageError
 from edgechat.models import hub
 from edgechat.server import fields

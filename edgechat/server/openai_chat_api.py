@@ -13,9 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from edgechat.engine.fim import Infill
-from edgechat.engine.request import ChatRequest, Finished, SamplingParams
-from edgechat.engine.tools import tool_grammar
+from edgechat.engine.output.tools import tool_grammar
+from edgechat.engine.prompt.fim import Infill
+from edgechat.engine.types.request import ChatRequest, Finished, SamplingParams
 from edgechat.server import fields, responses
 from edgechat.server.bridge import Part, Started
 from edgechat.server.dispatch import Dispatcher, Served
@@ -129,7 +129,7 @@ def parse_completion(body: dict, sampling: SamplingParams | None = None) -> Pars
     if not isinstance(prompt, str):
         raise fields.type_error("prompt", "a string (token arrays and batches are not supported)", prompt)
     # with a suffix, a fill in the middle: the prompt is the text before the cursor (empty at a
-    # file's start), laid out as llama-server's /infill (engine/fim.py)
+    # file's start), laid out as llama-server's /infill (engine/prompt/fim.py)
     suffix = fields.text("suffix", body["suffix"]) if body.get("suffix") is not None else ""
     if prompt == "" and not suffix:
         raise bad_request("'prompt' must not be empty", param="prompt", code="invalid_value")

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from edgechat import __version__
-from edgechat.engine.llama import llama_version
-from edgechat.engine.request import Finished, RequestMetrics, TokenLogprob, ToolCall
+from edgechat.engine.runners.llama import llama_version
+from edgechat.engine.types.request import Finished, RequestMetrics, TokenLogprob, ToolCall
 
 #: OpenAI's `system_fingerprint`, what answers are computed with (llama.cpp's build and ours), in
 #: llama-server's "b<build>-<commit>" shape: a client pairing it with `seed` sees when it changes

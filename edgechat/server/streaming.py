@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from edgechat.engine.request import Finished
+from edgechat.engine.types.request import Finished
 from edgechat.server.bridge import Generation, Part, Started, abandon
 from edgechat.server.dispatch import Dispatcher, done_within
 from edgechat.server.errors import ApiError

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import re
 
-from edgechat.engine.request import Grammar
-from edgechat.engine.schema_grammar import check_schema, schema_rules
+from edgechat.engine.output.schema_grammar import check_schema, schema_rules
+from edgechat.engine.types.request import Grammar
 from edgechat.server.errors import bad_request
 
 

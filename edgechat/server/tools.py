@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from edgechat.engine.tools import Tools, check_function
+from edgechat.engine.output.tools import Tools, check_function
 from edgechat.server.errors import bad_request
 
 

@@ -16,7 +16,7 @@ from edgechat.errors import StoreError
 from edgechat.store.db import ImageLike, Message, Store
 
 if TYPE_CHECKING:
-    from edgechat.engine.request import Finished
+    from edgechat.engine.types.request import Finished
 
 #: seconds between writes of a streaming answer to the store (its first text and its end are written at once)
 SAVE_INTERVAL = 1.0

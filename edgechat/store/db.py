@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from edgechat.config import Paths, make_data_dir
-from edgechat.engine.request import ImageInput
+from edgechat.engine.types.request import ImageInput
 from edgechat.errors import StoreError
 from edgechat.fsutil import atomic_write
 from edgechat.store.migrations import migrate

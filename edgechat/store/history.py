@@ -12,7 +12,7 @@ that continues a stored conversation:
 
 from __future__ import annotations
 
-from edgechat.engine.request import ImageInput
+from edgechat.engine.types.request import ImageInput
 
 
 def model_messages(store, conv_id: str) -> list[dict]:

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from edgechat.config import Paths
-from edgechat.engine.params import KVType
-from edgechat.engine.request import (
+from edgechat.engine.types.request import (
     ChatRequest,
     Event,
     Finished,
@@ -25,6 +24,7 @@ from edgechat.engine.request import (
     TextDelta,
 )
 from edgechat.errors import EdgechatError, ModelNotFoundError, UsageError
+from edgechat.params import KVType
 
 if TYPE_CHECKING:
     import httpx
@@ -47,7 +47,7 @@ class ChatClient(Protocol):
     template_mode: str
     #: one line for the user when the chat format is a fallback, else None
     template_warning: str | None
-    #: the tool-call syntax of the model's template (engine/toolfamilies.py); None: this client
+    #: the tool-call syntax of the model's template (engine/output/toolfamilies.py); None: this client
     #: cannot offer the chat app's tools (a remote server)
     tool_family: object | None
     #: the one line a model that reads no images answers one with; None: it reads them, or only
@@ -134,7 +134,7 @@ class LocalClient:
         if "vision" in self.engine.modalities:
             self.image_refusal = None
         else:
-            from edgechat.engine.media import no_vision
+            from edgechat.engine.runners.media import no_vision
 
             self.image_refusal = no_vision(self.model_name)
         # where the layers went: "CPU", "CUDA0 (all 30 layers)", "CUDA0 20/30 layers, CPU 10"
@@ -268,7 +268,7 @@ class RemoteHandle:
 def _wire_message(message: dict) -> dict:
     """A message as OpenAI's API takes it: a content of parts with pictures becomes text and
     `image_url` parts, each picture a data URL (the bytes go with the request: nothing is fetched)."""
-    from edgechat.engine.request import ImageInput
+    from edgechat.engine.types.request import ImageInput
 
     content = message.get("content")
     if not isinstance(content, list):

@@ -4,7 +4,7 @@ the calls an answer made, and what goes back to the model for each.
 A conversation's settings hold `tools` (the enabled ones, "SERVER.TOOL"), `tools_always` (those
 the user let run without asking) and `tool_choice` ("auto", or "required": the first answer
 after a question must call one). The engine's tool grammar and parser are the server's
-(engine/tools.py); a call's outcome is "ok", "error" (the tool's or its server's), "denied" or
+(engine/output/tools.py); a call's outcome is "ok", "error" (the tool's or its server's), "denied" or
 "stopped" (Esc), and the model reads each as the call's result.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edgechat.engine.request import ToolCall
-from edgechat.engine.tools import Tools, check_function
+from edgechat.engine.output.tools import Tools, check_function
+from edgechat.engine.types.request import ToolCall
 from edgechat.errors import InvalidFieldError, UsageError
 from edgechat.tui.mcp import ToolServers
 

@@ -10,7 +10,7 @@ from edgechat.models.embedded import EMBEDDED
 
 def suggest_model(available: int | None = None) -> CatalogEntry | None:
     """The largest catalog model whose default file the planner expects to fit in free memory."""
-    from edgechat.engine import planner
+    from edgechat.models import planner
 
     fitting = [e for e in load_catalog().values() if planner.weights_fit(e.default.size, available)]
     return max(fitting, key=lambda e: e.default.size, default=None)

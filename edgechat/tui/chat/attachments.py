@@ -11,7 +11,7 @@ from pathlib import Path
 from textual import on, work
 
 from edgechat import attachments
-from edgechat.engine.request import ChatRequest
+from edgechat.engine.types.request import ChatRequest
 from edgechat.errors import EdgechatError, StoreError, UsageError
 from edgechat.store import Message as StoredMessage
 from edgechat.store import image_names

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from textual import getters
 
     from edgechat.attachments import ImageAttachment
-    from edgechat.engine.request import ChatRequest
+    from edgechat.engine.types.request import ChatRequest
     from edgechat.store import Message as StoredMessage
     from edgechat.tui.app import EdgechatApp
 

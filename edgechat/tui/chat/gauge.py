@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual import on, work
 
-from edgechat.engine.params import ContextPolicy
+from edgechat.params import ContextPolicy
 from edgechat.store import Conversation
 from edgechat.store.history import model_messages
 from edgechat.tui.chat.base import ChatBase

@@ -10,8 +10,8 @@ import json
 
 from textual import work
 
-from edgechat.engine.request import ChatRequest
-from edgechat.engine.tools import tool_grammar
+from edgechat.engine.output.tools import tool_grammar
+from edgechat.engine.types.request import ChatRequest
 from edgechat.errors import EdgechatError, StoreError, UsageError
 from edgechat.store import Conversation
 from edgechat.tui.chat.base import ChatBase

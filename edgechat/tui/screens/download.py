@@ -12,9 +12,8 @@ from textual.widgets import Button, Label, ProgressBar
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from edgechat.config import Paths
-from edgechat.engine import planner
 from edgechat.errors import EdgechatError
-from edgechat.models import hub
+from edgechat.models import hub, planner
 from edgechat.models.catalog import CatalogEntry, CatalogFile, format_size
 
 

@@ -33,10 +33,10 @@ class ModelRow:
 def describe(ref: str, path, paths: Paths, note: str = "") -> ModelRow:
     """Size, quant, architecture (and what its projector reads), and whether the planner says it
     fits here, its projector counted."""
-    from edgechat.engine.planner import choose_context, projector_bytes
     from edgechat.models.catalog import format_size
     from edgechat.models.ggufinfo import read_projector_info
     from edgechat.models.onnxinfo import read_info
+    from edgechat.models.planner import choose_context, projector_bytes
     from edgechat.models.settings import projector_for
 
     try:

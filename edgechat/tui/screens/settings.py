@@ -9,8 +9,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Select, TextArea
 
-from edgechat.engine.params import ContextPolicy, SpeculativeMode, values
 from edgechat.errors import UsageError
+from edgechat.params import ContextPolicy, SpeculativeMode, values
 from edgechat.tui.config import validate_settings
 
 #: the one-line settings: key, label, Input type

@@ -21,7 +21,7 @@ from textual.widget import Widget
 from textual.widgets import Button, Label, Markdown, Static
 
 from edgechat.attachments import file_size, split
-from edgechat.engine.request import (
+from edgechat.engine.types.request import (
     ChatRequest,
     Evicted,
     Finished,

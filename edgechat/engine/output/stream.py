@@ -10,12 +10,12 @@ import codecs
 from collections import deque
 from typing import TYPE_CHECKING
 
-from edgechat.engine.markers import marker_tail
+from edgechat.engine.output.markers import marker_tail
 
 if TYPE_CHECKING:
-    from edgechat.engine.reasoning import ChannelSplitter, ReasoningSplitter
-    from edgechat.engine.request import ToolCall
-    from edgechat.engine.tools import ToolCallParser
+    from edgechat.engine.output.reasoning import ChannelSplitter, ReasoningSplitter
+    from edgechat.engine.output.tools import ToolCallParser
+    from edgechat.engine.types.request import ToolCall
 
 
 class LoopGuard:

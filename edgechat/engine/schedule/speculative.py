@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from edgechat.engine.kvcache import is_sentinel
+from edgechat.engine.kv.kvcache import is_sentinel
 
 #: the most tokens drafted for one sequence in one step (llama.cpp's default too): on a long
 #: quote, Gemma 3 gained 2.2x with 16 against 1.9x with 8; the policy keeps SmolLM2's drafts short

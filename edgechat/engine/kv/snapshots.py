@@ -1,7 +1,7 @@
 """KV snapshots on disk: one file per conversation, written atomically and tagged with what the
 cells depend on (model hash, context size, KV type, llama.cpp state version). Any mismatch,
 truncation or corruption means "rebuild by prefill". `PromptStore`: the prompt cache's states
-(engine/promptcache.py) the same way, one file per token prefix, so they outlive the process."""
+(engine/kv/promptcache.py) the same way, one file per token prefix, so they outlive the process."""
 
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import llama_cpp as L
 import numpy as np
 
-from edgechat.engine.fim import FimTokens
-from edgechat.engine.runner import TokenBatch
+from edgechat.engine.prompt.fim import FimTokens
+from edgechat.engine.runners.runner import TokenBatch
 from edgechat.errors import ModelFormatError
 from quantize.llm import use_extra_buffers
 
@@ -229,7 +229,7 @@ class EmbeddingContext:
 
 class LlamaBackend:
     """One model and one context with n_seq_max sequences sharing a unified KV cache: the
-    llama.cpp `ModelRunner` (engine/runner.py)."""
+    llama.cpp `ModelRunner` (engine/runners/runner.py)."""
 
     #: seq_cp on a unified cache shares cells, it does not copy them
     shares_cells = True
@@ -360,7 +360,7 @@ class LlamaBackend:
         return tokens + self.tokenize(document, special=False) + add_eos
 
     def fim_tokens(self) -> FimTokens:
-        """The fill-in-the-middle tokens (engine/fim.py), as llama.cpp found them in the GGUF."""
+        """The fill-in-the-middle tokens (engine/prompt/fim.py), as llama.cpp found them in the GGUF."""
         v = self.vocab
         return FimTokens(L.llama_vocab_fim_pre(v), L.llama_vocab_fim_suf(v), L.llama_vocab_fim_mid(v),
                          L.llama_vocab_fim_pad(v), L.llama_vocab_fim_rep(v), L.llama_vocab_fim_sep(v))

@@ -1,5 +1,5 @@
 """Images (and sounds) in a prompt: a model's projector (an mmproj GGUF, through llama.cpp's
-libmtmd in engine/llama.py), the pictures it reads, and a prompt cut into text and media chunks.
+libmtmd in engine/runners/llama.py), the pictures it reads, and a prompt cut into text and media chunks.
 
 A media chunk is a run of embeddings, not token ids: the projector encodes it (`Projector.encode`,
 which needs no text-model context), then the embeddings are decoded at the sequence's next
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgechat.engine.llama import LlamaBackend, MediaChunk, MediaContext
+from edgechat.engine.runners.llama import LlamaBackend, MediaChunk, MediaContext
 from edgechat.errors import UsageError
 
 __all__ = ["Image", "MediaChunk", "Projector", "no_vision", "sentinels"]
@@ -92,7 +92,7 @@ class Projector:
     @property
     def memory_bytes(self) -> int:
         """What the planner counts for it (planner.projector_bytes)."""
-        from edgechat.engine.planner import projector_bytes
+        from edgechat.models.planner import projector_bytes
 
         return projector_bytes(self.path)
 

@@ -30,7 +30,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from edgechat.engine.markers import marker_tail
+from edgechat.engine.output.markers import marker_tail
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 
-from edgechat.engine.request import RequestMetrics
+from edgechat.engine.types.request import RequestMetrics
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

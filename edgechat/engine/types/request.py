@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from edgechat.engine.params import ContextPolicy, SpeculativeMode, choice
+from edgechat.params import ContextPolicy, SpeculativeMode, choice
 
 if TYPE_CHECKING:
-    from edgechat.engine.fim import Infill
-    from edgechat.engine.tools import Tools
+    from edgechat.engine.output.tools import Tools
+    from edgechat.engine.prompt.fim import Infill
 
 log = logging.getLogger("edgechat.engine")
 
@@ -76,7 +76,7 @@ class ImageInput:
 @dataclass
 class ChatRequest:
     """One generation: chat `messages` (rendered with the model's template), a raw `prompt`, or a
-    fill-in-the-middle `infill` (the prompt a code model completes at a cursor: engine/fim.py)."""
+    fill-in-the-middle `infill` (the prompt a code model completes at a cursor: engine/prompt/fim.py)."""
 
     #: {role, content}; content is text, or a list of parts (str or ImageInput) for a message
     #: with pictures (a vision model's); an assistant message may carry `tool_calls` ([{id, name, arguments (JSON
@@ -84,7 +84,7 @@ class ChatRequest:
     messages: list[dict] | None = None
     prompt: str | None = None
     infill: Infill | None = None
-    #: the functions the model may call (engine/tools.py): rendered into the prompt with the
+    #: the functions the model may call (engine/output/tools.py): rendered into the prompt with the
     #: messages, through the template's own tool format where it has one; the call syntax's
     #: grammar is the front end's to set in `grammar`
     tools: Tools | None = None

@@ -5,7 +5,7 @@ position order, so reuse is a token comparison. Cell i sits at position i, excep
 image (Qwen2-VL family): all of its cells sit at one position P and what follows starts at
 P + n_pos, fewer positions than cells; the slot records such images (`Slot.runs`) and maps an
 index to its position (`Slot.position`). An image's cells are mirrored by a run of
-negative sentinels drawn from its hash (engine/media.py): the same picture matches as a cached
+negative sentinels drawn from its hash (engine/runners/media.py): the same picture matches as a cached
 prefix, another never does, and no cut keeps part of a run. Every cache operation (remove, shift, share,
 snapshot save and restore) goes through `KVManager`, which keeps the mirrors and records which
 slots share which cells, and maintains the invariant by construction:
@@ -20,7 +20,7 @@ Removing cells from one sequence (`llama_memory_seq_rm`) only drops that sequenc
 truncation is always safe, and it is how speculative drafts are rolled back.
 
 What an idle slot loses when a new request takes it over is first saved in the prompt cache
-(engine/promptcache.py, host RAM), and a prompt whose longest prefix is there is restored from it.
+(engine/kv/promptcache.py, host RAM), and a prompt whose longest prefix is there is restored from it.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edgechat.engine.runner import ModelRunner
-from edgechat.engine.snapshots import SnapshotStore
+from edgechat.engine.kv.snapshots import SnapshotStore
+from edgechat.engine.runners.runner import ModelRunner
 
 if TYPE_CHECKING:
-    from edgechat.engine.promptcache import CachedPrompt, PromptCache
+    from edgechat.engine.kv.promptcache import CachedPrompt, PromptCache
 
 log = logging.getLogger("edgechat.engine")
 
@@ -117,7 +117,7 @@ class Slot:
 
 
 def is_sentinel(entry: int) -> bool:
-    """A mirror entry standing for an image's cell (engine/media.py `sentinels`), not a token id."""
+    """A mirror entry standing for an image's cell (engine/runners/media.py `sentinels`), not a token id."""
     return entry < 0
 
 

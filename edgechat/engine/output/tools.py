@@ -30,11 +30,11 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from edgechat.engine.jsonvalue import JsonPrefix, fits
-from edgechat.engine.markers import marker_tail
-from edgechat.engine.request import Grammar, ToolCall
-from edgechat.engine.schema_grammar import check_schema, schema_rules
-from edgechat.engine.toolfamilies import GENERIC, CallSyntax, ToolFamily, call_objects, native_messages
+from edgechat.engine.output.jsonvalue import JsonPrefix, fits
+from edgechat.engine.output.markers import marker_tail
+from edgechat.engine.output.schema_grammar import check_schema, schema_rules
+from edgechat.engine.output.toolfamilies import GENERIC, CallSyntax, ToolFamily, call_objects, native_messages
+from edgechat.engine.types.request import Grammar, ToolCall
 from edgechat.errors import InvalidFieldError
 
 log = logging.getLogger("edgechat.tools")

@@ -15,9 +15,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgechat.engine.params import FlashAttn, KVType, SwaCache, choice
 from edgechat.errors import ModelTooLargeError, UsageError
 from edgechat.models.ggufinfo import ModelInfo
+from edgechat.params import FlashAttn, KVType, SwaCache, choice
 
 #: default context cap: long enough for real chats, small enough to start fast on a phone
 DEFAULT_CTX_CAP = 4096

@@ -16,8 +16,8 @@ from itertools import pairwise
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from edgechat.engine.reasoning import ChannelFormat, ReasoningFormat, reasoning_format
-from edgechat.engine.toolfamilies import ToolFamily, family_for
+from edgechat.engine.output.reasoning import ChannelFormat, ReasoningFormat, reasoning_format
+from edgechat.engine.output.toolfamilies import ToolFamily, family_for
 from edgechat.errors import UsageError
 
 # Written for edgechat from the published turn formats of each family.

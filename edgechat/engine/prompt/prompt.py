@@ -13,16 +13,16 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from edgechat.engine.kvcache import is_sentinel
-from edgechat.engine.params import check_sampling
-from edgechat.engine.request import ChatRequest, ContextPolicy, ImageInput
-from edgechat.engine.templates import ChatFormat, validate_messages
-from edgechat.engine.tools import tool_messages
+from edgechat.engine.kv.kvcache import is_sentinel
+from edgechat.engine.output.tools import tool_messages
+from edgechat.engine.prompt.templates import ChatFormat, validate_messages
+from edgechat.engine.types.request import ChatRequest, ContextPolicy, ImageInput
 from edgechat.errors import PromptTooLongError, UsageError
+from edgechat.params import check_sampling
 
 if TYPE_CHECKING:
-    from edgechat.engine.fim import InfillBuilder
-    from edgechat.engine.media import MediaChunk, Projector
+    from edgechat.engine.prompt.fim import InfillBuilder
+    from edgechat.engine.runners.media import MediaChunk, Projector
 
 #: share of the context kept free for the answer when a request sets no max_tokens
 ANSWER_RESERVE = 0.25
@@ -53,7 +53,7 @@ class Prepared:
     summary: str | None = None  # what the model wrote of them (summarize policy)
     #: a reasoning model's prompt ends inside an open thinking block (its generation prompt opened it)
     thinking: bool = False
-    #: the pictures in `tokens`: each one's first sentinel (engine/media.py) -> its chunk
+    #: the pictures in `tokens`: each one's first sentinel (engine/runners/media.py) -> its chunk
     media: Mapping[int, MediaChunk] = field(default_factory=dict)
 
 
@@ -156,7 +156,7 @@ class PromptBuilder:
         """A rendered segment with pictures: its text tokenized as any segment's, each marker
         replaced by the picture's chunks (the projector's own text around it, such as Gemma 3's
         <start_of_image>, and a sentinel per image cell)."""
-        from edgechat.engine.media import sentinels
+        from edgechat.engine.runners.media import sentinels
 
         assert self.projector is not None
         marker = self.projector.marker
@@ -207,7 +207,7 @@ class PromptBuilder:
             if any(not isinstance(part, str | ImageInput) for part in content):
                 raise UsageError(f"message {i}'s content parts must be text or images")
             if images and (self.projector is None or not self.projector.vision):
-                from edgechat.engine.media import no_vision
+                from edgechat.engine.runners.media import no_vision
 
                 raise UsageError(no_vision(self.model_name))
             marker = self.projector.marker if self.projector is not None else ""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from edgechat.errors import InvalidFieldError
 
 if TYPE_CHECKING:
-    from edgechat.engine.request import SamplingParams
+    from edgechat.engine.types.request import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class Word(str, enum.Enum):  # noqa: UP042 (StrEnum is 3.11+; requires-python is
 
 
 class SpeculativeMode(Word):
-    """Speculative decoding (engine/speculative.py)."""
+    """Speculative decoding (engine/schedule/speculative.py)."""
 
     AUTO = "auto"  # n-gram lookup, and the draft model when one is loaded, each where it pays
     OFF = "off"

@@ -21,15 +21,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edgechat.engine.draft import DraftModel
-from edgechat.engine.jsonvalue import JsonPrefix
-from edgechat.engine.kvcache import MIN_FILL_REALIGN, KVManager, Slot, is_sentinel
-from edgechat.engine.llama import token_logprobs
-from edgechat.engine.metrics import RequestClock
-from edgechat.engine.params import SpeculativeMode
-from edgechat.engine.prompt import Prepared
-from edgechat.engine.reasoning import ChannelFormat, ReasoningFormat, Thinking
-from edgechat.engine.request import (
+from edgechat.engine.kv.kvcache import MIN_FILL_REALIGN, KVManager, Slot, is_sentinel
+from edgechat.engine.kv.sessions import ConversationStates
+from edgechat.engine.output.jsonvalue import JsonPrefix
+from edgechat.engine.output.reasoning import ChannelFormat, ReasoningFormat, Thinking
+from edgechat.engine.output.stream import OutputProcessor
+from edgechat.engine.output.toolfamilies import GENERIC, ToolFamily
+from edgechat.engine.output.tools import ToolCallParser
+from edgechat.engine.prompt.prompt import Prepared
+from edgechat.engine.runners.llama import token_logprobs
+from edgechat.engine.runners.runner import ModelRunner, TokenBatch
+from edgechat.engine.runners.sampling import SamplerChain
+from edgechat.engine.schedule.draft import DraftModel
+from edgechat.engine.schedule.speculative import MAX_DRAFT, DraftPolicy, NgramDrafter, StepCost
+from edgechat.engine.types.metrics import RequestClock
+from edgechat.engine.types.request import (
     FINISH_REASONS,
     ChatRequest,
     ContextPolicy,
@@ -42,17 +48,11 @@ from edgechat.engine.request import (
     TokenLogprob,
     ToolCallEvent,
 )
-from edgechat.engine.runner import ModelRunner, TokenBatch
-from edgechat.engine.sampling import SamplerChain
-from edgechat.engine.sessions import ConversationStates
-from edgechat.engine.speculative import MAX_DRAFT, DraftPolicy, NgramDrafter, StepCost
-from edgechat.engine.stream import OutputProcessor
-from edgechat.engine.toolfamilies import GENERIC, ToolFamily
-from edgechat.engine.tools import ToolCallParser
 from edgechat.errors import EngineBusyError
+from edgechat.params import SpeculativeMode
 
 if TYPE_CHECKING:
-    from edgechat.engine.media import MediaChunk, Projector
+    from edgechat.engine.runners.media import MediaChunk, Projector
 
 log = logging.getLogger("edgechat.engine")
 
@@ -87,7 +87,7 @@ class Running:
     slot: Slot | None = None
     sampler: SamplerChain | None = None
     proc: OutputProcessor | None = None
-    #: prompt tokens still to prefill; an image's cells are a run of sentinels (engine/media.py)
+    #: prompt tokens still to prefill; an image's cells are a run of sentinels (engine/runners/media.py)
     pending: list[int] = field(default_factory=list)
     #: the encodes of the images in `pending`, by first sentinel (the encoder thread's work)
     encodes: dict[int, Future] = field(default_factory=dict)

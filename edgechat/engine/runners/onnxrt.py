@@ -1,5 +1,5 @@
 """The onnxruntime backend for ONNX model folders: `OnnxRunner`, the onnxruntime `ModelRunner`
-(engine/runner.py) that `core.Engine` runs a folder on, so the TUI, `run` and `serve` take a
+(engine/runners/runner.py) that `core.Engine` runs a folder on, so the TUI, `run` and `serve` take a
 folder wherever they take a GGUF, with the same scheduler, KV manager and output processor.
 
 Compute is one onnxruntime session (the graph `edgechat quantize --format onnx` writes, or
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgechat.engine.llama import Vocabulary
-from edgechat.engine.runner import ListBatch, TokenBatch
+from edgechat.engine.runners.llama import Vocabulary
+from edgechat.engine.runners.runner import ListBatch, TokenBatch
 from edgechat.errors import ModelFormatError, UsageError
 
 #: rows one onnxruntime run takes at most (n_batch): bounds attention's scratch memory
@@ -62,7 +62,7 @@ def runtime_report() -> str:
 
 class OnnxRunner(Vocabulary):
     """An onnxruntime session over an ONNX folder with a KV cache of `n_seq_max` sequences of
-    `n_ctx` cells each: the onnxruntime `ModelRunner` (engine/runner.py), text through the
+    `n_ctx` cells each: the onnxruntime `ModelRunner` (engine/runners/runner.py), text through the
     folder's vocabulary (the `Vocabulary` it is).
 
     Each layer's keys and values are one numpy array (n_seq_max, n_kv, n_ctx, head), a

@@ -20,10 +20,10 @@ from typing import NoReturn
 
 import numpy as np
 
-from edgechat.engine.kvcache import KVManager, Slot, common_prefix
-from edgechat.engine.llama import LlamaBackend
-from edgechat.engine.promptcache import PromptCache
-from edgechat.engine.speculative import StepCost
+from edgechat.engine.kv.kvcache import KVManager, Slot, common_prefix
+from edgechat.engine.kv.promptcache import PromptCache
+from edgechat.engine.runners.llama import LlamaBackend
+from edgechat.engine.schedule.speculative import StepCost
 from edgechat.errors import UsageError
 
 log = logging.getLogger("edgechat.engine")
