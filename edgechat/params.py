@@ -16,13 +16,43 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from edgechat.errors import InvalidFieldError
 
-if TYPE_CHECKING:
-    from edgechat.engine.types.request import SamplingParams
+
+@dataclass
+class SamplingParams:
+    """llama.cpp's native sampler chain settings. temperature 0 means greedy."""
+
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
+    #: None: a fresh random seed per request
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A GBNF grammar the answer must follow (llama.cpp's grammar sampler).
+
+    With `triggers` (regular expressions over the text so far) it is lazy: nothing is
+    constrained until one matches, then the text from the match's first group (or the whole
+    match) on must follow the grammar, as a tool call after its opener does.
+    """
+
+    gbnf: str
+    root: str = "root"
+    triggers: tuple[str, ...] = ()
+    #: the JSON Schema the grammar was made from, for an answer that is one JSON value: before
+    #: max_tokens cuts it, the engine writes the shortest text that ends it validly
+    #: (jsonvalue.JsonPrefix.closing), so a structured answer always parses (reason still "length")
+    json_schema: dict | None = field(default=None, compare=False, hash=False)
 
 
 @dataclass(frozen=True)
@@ -128,7 +158,7 @@ class SpeculativeMode(Word):
 
 
 class ContextPolicy(Word):
-    """What to do when a conversation outgrows the context window (see engine.kvcache)."""
+    """What to do when a conversation outgrows the context window (see engine/kv/kvcache.py)."""
 
     SHIFT = "shift"
     TRUNCATE = "truncate"

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from edgechat.engine.kv.prefix import NextLogits, common_prefix
 from edgechat.engine.kv.snapshots import SnapshotStore
 from edgechat.engine.runners.runner import ModelRunner
 
@@ -53,17 +54,6 @@ ALIGNED_PREFILL_MIN = 64
 #: state is a copy (SmolLM2, 2 cores: 1.7 ms for 400 tokens) while each token prefilled costs a
 #: share of a model pass (4 tokens: 17 ms), so two tokens already repay it
 MIN_RESTORE_GAIN = 2
-
-
-@dataclass(frozen=True)
-class NextLogits:
-    """The model's logits for the token after a sequence's first n tokens, kept from the decode
-    that computed them: a prompt the cache already holds whole (sent again: a retry, a
-    regenerate, the n choices of one request) then needs no decode before its first token.
-    llama.cpp keeps only the last batch's logits, and its state holds none."""
-
-    n: int
-    values: np.ndarray  # read-only, shared by the slots and prompt cache entries that keep it
 
 
 @dataclass
@@ -119,17 +109,6 @@ class Slot:
 def is_sentinel(entry: int) -> bool:
     """A mirror entry standing for an image's cell (engine/runners/media.py `sentinels`), not a token id."""
     return entry < 0
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    # compare in blocks first: long shared histories are the common case
-    while i + 64 <= n and a[i : i + 64] == b[i : i + 64]:
-        i += 64
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def find_realign(cache: list[int], prompt: list[int], start: int, min_run: int = MIN_REALIGN) -> tuple[int, int]:

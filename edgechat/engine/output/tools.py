@@ -28,14 +28,14 @@ import json
 import logging
 import re
 import uuid
-from dataclasses import dataclass
 
 from edgechat.engine.output.jsonvalue import JsonPrefix, fits
 from edgechat.engine.output.markers import marker_tail
 from edgechat.engine.output.schema_grammar import check_schema, schema_rules
 from edgechat.engine.output.toolfamilies import GENERIC, CallSyntax, ToolFamily, call_objects, native_messages
-from edgechat.engine.types.request import Grammar, ToolCall
+from edgechat.engine.types.request import ToolCall, Tools
 from edgechat.errors import InvalidFieldError
+from edgechat.params import Grammar
 
 log = logging.getLogger("edgechat.tools")
 
@@ -63,25 +63,6 @@ To call a function, write a block like this and nothing after it:
 {{"name": "function name", "arguments": {{...the arguments as JSON...}}}}
 </tool_call>
 {many}The results come back in <tool_response> blocks; then use them to answer."""
-
-
-@dataclass
-class Tools:
-    """A request's tools, as checked."""
-
-    functions: list[dict]  # {"name", "description", "parameters"}
-    choice: str  # "auto" | "required" | "none" | "function" (the named one)
-    named: str | None = None
-    parallel: bool = True
-
-    @property
-    def active(self) -> bool:
-        return self.choice != "none" and bool(self.functions)
-
-    @property
-    def offered(self) -> list[dict]:
-        """The functions the model is told of: only the named one for a named choice."""
-        return [f for f in self.functions if self.named in (None, f["name"])]
 
 
 def check_function(where: str, fn: dict, functions: list[dict]) -> dict:

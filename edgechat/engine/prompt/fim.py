@@ -17,8 +17,9 @@ always fits the context (llama-server builds a batch-sized prompt even into a sm
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from edgechat.engine.runners.llama import FimTokens
+from edgechat.engine.types.request import Infill
 from edgechat.errors import UsageError
 
 #: the names llama-server gives the project and the current file (it takes neither from the
@@ -28,37 +29,6 @@ CURRENT_FILE = "filename"
 #: a file's header where the model has no file-separator token, and a chunk's default name
 SNIPPET_HEADER = "\n\n--- snippet ---\n\n"
 DEFAULT_FILENAME = "tmp"
-
-
-@dataclass(frozen=True)
-class FimTokens:
-    """A vocabulary's fill-in-the-middle token ids (-1: none), as llama.cpp reads them: the GGUF's
-    tokenizer.ggml.fim_*_token_id keys, the older prefix/suffix/middle ones, else the tokens known
-    by their text (<|fim_prefix|>, <PRE>, ...)."""
-
-    pre: int = -1
-    suf: int = -1
-    mid: int = -1
-    pad: int = -1
-    #: repository-level context (Qwen2.5-Coder's <|repo_name|>, <|file_sep|>)
-    rep: int = -1
-    sep: int = -1
-
-    def missing(self) -> list[str]:
-        """The tokens a fill needs and the vocabulary lacks."""
-        return [name for name, tok in (("prefix", self.pre), ("suffix", self.suf), ("middle", self.mid)) if tok < 0]
-
-
-@dataclass(frozen=True)
-class Infill:
-    """A fill at a cursor: the file's text before and after it, other files that give context
-    ((filename, text), in the order the model reads them, most relevant last: the oldest go first
-    when the context is short) and text the answer starts with (llama-server's `prompt`)."""
-
-    prefix: str
-    suffix: str
-    extra: tuple[tuple[str, str], ...] = ()
-    prompt: str = ""
 
 
 class InfillBuilder:

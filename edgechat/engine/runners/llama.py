@@ -16,12 +16,12 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp as L
 import numpy as np
 
-from edgechat.engine.prompt.fim import FimTokens
 from edgechat.engine.runners.runner import TokenBatch
 from edgechat.errors import ModelFormatError
 from quantize.llm import use_extra_buffers
@@ -98,6 +98,25 @@ def system_info() -> str:
 def supports_gpu_offload() -> bool:
     _ensure_backend()
     return bool(L.llama_supports_gpu_offload())
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    """A vocabulary's fill-in-the-middle token ids (-1: none), as llama.cpp reads them: the GGUF's
+    tokenizer.ggml.fim_*_token_id keys, the older prefix/suffix/middle ones, else the tokens known
+    by their text (<|fim_prefix|>, <PRE>, ...)."""
+
+    pre: int = -1
+    suf: int = -1
+    mid: int = -1
+    pad: int = -1
+    #: repository-level context (Qwen2.5-Coder's <|repo_name|>, <|file_sep|>)
+    rep: int = -1
+    sep: int = -1
+
+    def missing(self) -> list[str]:
+        """The tokens a fill needs and the vocabulary lacks."""
+        return [name for name, tok in (("prefix", self.pre), ("suffix", self.suf), ("middle", self.mid)) if tok < 0]
 
 
 class Batch:

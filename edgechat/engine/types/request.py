@@ -12,13 +12,8 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from edgechat.params import ContextPolicy, SpeculativeMode, choice
-
-if TYPE_CHECKING:
-    from edgechat.engine.output.tools import Tools
-    from edgechat.engine.prompt.fim import Infill
+from edgechat.params import ContextPolicy, Grammar, SamplingParams, SpeculativeMode, choice
 
 log = logging.getLogger("edgechat.engine")
 
@@ -29,37 +24,34 @@ DEFAULT_MAX_TOKENS = 512
 
 
 @dataclass
-class SamplingParams:
-    """llama.cpp's native sampler chain settings. temperature 0 means greedy."""
+class Tools:
+    """A request's tools, as checked."""
 
-    temperature: float = 0.7
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    penalty_last_n: int = 64
-    #: None: a fresh random seed per request
-    seed: int | None = None
+    functions: list[dict]  # {"name", "description", "parameters"}
+    choice: str  # "auto" | "required" | "none" | "function" (the named one)
+    named: str | None = None
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        return self.choice != "none" and bool(self.functions)
+
+    @property
+    def offered(self) -> list[dict]:
+        """The functions the model is told of: only the named one for a named choice."""
+        return [f for f in self.functions if self.named in (None, f["name"])]
 
 
 @dataclass(frozen=True)
-class Grammar:
-    """A GBNF grammar the answer must follow (llama.cpp's grammar sampler).
+class Infill:
+    """A fill at a cursor: the file's text before and after it, other files that give context
+    ((filename, text), in the order the model reads them, most relevant last: the oldest go first
+    when the context is short) and text the answer starts with (llama-server's `prompt`)."""
 
-    With `triggers` (regular expressions over the text so far) it is lazy: nothing is
-    constrained until one matches, then the text from the match's first group (or the whole
-    match) on must follow the grammar, as a tool call after its opener does.
-    """
-
-    gbnf: str
-    root: str = "root"
-    triggers: tuple[str, ...] = ()
-    #: the JSON Schema the grammar was made from, for an answer that is one JSON value: before
-    #: max_tokens cuts it, the engine writes the shortest text that ends it validly
-    #: (jsonvalue.JsonPrefix.closing), so a structured answer always parses (reason still "length")
-    json_schema: dict | None = field(default=None, compare=False, hash=False)
+    prefix: str
+    suffix: str
+    extra: tuple[tuple[str, str], ...] = ()
+    prompt: str = ""
 
 
 @dataclass(frozen=True, eq=False)

@@ -21,11 +21,29 @@ from edgechat.tui.widgets.statusbar import StatusBar
 
 if TYPE_CHECKING:
     from textual import getters
+    from textual.app import App
 
     from edgechat.attachments import ImageAttachment
+    from edgechat.config import Paths
     from edgechat.engine.types.request import ChatRequest
     from edgechat.store import Message as StoredMessage
-    from edgechat.tui.app import EdgechatApp
+    from edgechat.tui.client import ChatClient, LocalModels
+    from edgechat.tui.config import AppConfig
+    from edgechat.tui.mcp import ToolServers
+
+    class ChatApp(App):
+        """What the chat screen uses of edgechat's App (tui/app.py's `EdgechatApp`, which composes
+        this screen, so it is not imported here)."""
+
+        paths: Paths
+        config: AppConfig
+        store: Store
+        client: ChatClient | None
+        model_ref: str | None
+        tool_servers: ToolServers
+        local_models: LocalModels | None
+
+        def load_model(self, ref: str | None) -> None: ...
 
 
 class ChatBase(Screen):
@@ -118,7 +136,7 @@ class ChatBase(Screen):
 
     if TYPE_CHECKING:
         # Textual types `app` as any App; this screen runs in edgechat's (its store, client, config, tools)
-        app = getters.app(EdgechatApp)
+        app = getters.app(ChatApp)
 
         # What the parts call of each other, each defined in the part named.
         async def open_conversation(self, conv_id: str | None) -> None: ...  # the screen
