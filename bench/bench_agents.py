@@ -29,8 +29,8 @@ import httpx
 from edgechat.config import get_paths
 from edgechat.engine import ChatRequest, Engine, EngineConfig
 from edgechat.engine.types.metrics import percentile
-from edgechat.engine.types.request import SamplingParams
 from edgechat.loadgen import _one
+from edgechat.params import SamplingParams
 from edgechat.server.openai_chat_api import parse_chat
 
 PROMPTS = ["Describe a city you like.", "Write a note to a friend about a trip.", "Explain what a compiler does."]

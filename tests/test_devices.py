@@ -18,10 +18,11 @@ from neartie import assert_same_or_near_tie
 from edgechat.engine import Engine, EngineConfig
 from edgechat.engine.runners import devices
 from edgechat.engine.runners.devices import Device
-from edgechat.engine.types.request import ChatRequest, SamplingParams
+from edgechat.engine.types.request import ChatRequest
 from edgechat.errors import UsageError
 from edgechat.models import planner, read_model_info
 from edgechat.models.settings import with_model_settings
+from edgechat.params import SamplingParams
 
 
 def gpu(free: int) -> Device:

@@ -10,7 +10,7 @@ import pytest
 from serving import serving
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
-from edgechat.engine.types.request import SamplingParams
+from edgechat.params import SamplingParams
 from edgechat.server import ServerSettings, create_app
 from tests.test_cli import edgechat
 

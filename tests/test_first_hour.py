@@ -110,7 +110,8 @@ def engines(smollm2_path, gemma3_path, models_root):
 
 def test_a_looping_answer_is_stopped_by_the_guard_and_not_without_it(engines):
     """SmolLM2 answers this greedily with one phrase over and over (seen: 2,629 tokens of it)."""
-    from edgechat.engine.types.request import ChatRequest, SamplingParams
+    from edgechat.engine.types.request import ChatRequest
+    from edgechat.params import SamplingParams
 
     smol, _ = engines
     ask = dict(messages=[{"role": "user", "content": "What is the capital of France?"}],
@@ -125,7 +126,8 @@ def test_a_looping_answer_is_stopped_by_the_guard_and_not_without_it(engines):
 
 
 def test_an_answer_that_does_not_repeat_is_left_alone(engines):
-    from edgechat.engine.types.request import ChatRequest, SamplingParams
+    from edgechat.engine.types.request import ChatRequest
+    from edgechat.params import SamplingParams
 
     smol, _ = engines
     text = "Write a Python function that returns the n-th Fibonacci number, with a docstring and three tests."
@@ -137,7 +139,8 @@ def test_an_answer_that_does_not_repeat_is_left_alone(engines):
 def test_media_marker_tokens_never_reach_the_text(engines):
     """Gemma 3 270M base sometimes samples its `<start_of_image>` token (a user-defined token,
     which llama.cpp renders as text)."""
-    from edgechat.engine.types.request import ChatRequest, SamplingParams
+    from edgechat.engine.types.request import ChatRequest
+    from edgechat.params import SamplingParams
 
     _, gemma = engines
     marker = gemma.backend.tokenize("<start_of_image>", special=True)
@@ -185,7 +188,7 @@ def test_the_models_recommended_sampling_is_the_default(greedy_by_its_maker, smo
 
 
 def test_the_server_lays_a_request_over_the_models_recommended_sampling():
-    from edgechat.engine.types.request import SamplingParams
+    from edgechat.params import SamplingParams
     from edgechat.server.openai_chat_api import parse_chat, parse_completion
 
     base = SamplingParams(temperature=0.0, top_k=7)

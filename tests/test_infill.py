@@ -11,7 +11,7 @@ from serving import serving
 from test_server import wait_idle
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig
-from edgechat.engine.prompt.fim import Infill
+from edgechat.engine.types.request import Infill
 from edgechat.models.planner import default_threads
 from edgechat.server import ServerSettings, create_app
 

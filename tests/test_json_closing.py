@@ -12,7 +12,7 @@ import pytest
 from bench.bench_tools import JSON_PROMPTS, PERSON, RECIPE
 from edgechat.engine import Engine, EngineConfig
 from edgechat.engine.output.jsonvalue import JsonPrefix
-from edgechat.engine.types.request import SamplingParams
+from edgechat.params import SamplingParams
 from edgechat.server.openai_chat_api import parse_chat
 
 

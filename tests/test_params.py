@@ -9,9 +9,8 @@ import click
 import pytest
 
 from edgechat.cli.run import run_cmd
-from edgechat.engine.types.request import SamplingParams
 from edgechat.errors import InvalidFieldError, UsageError
-from edgechat.params import SAMPLING_LIMITS, check_sampling
+from edgechat.params import SAMPLING_LIMITS, SamplingParams, check_sampling
 from edgechat.server.errors import ApiError
 from edgechat.server.openai_chat_api import parse_chat, parse_completion
 from edgechat.tui.config import CHAT_DEFAULTS, SAMPLING_SETTINGS, validate_settings

@@ -69,7 +69,8 @@ def test_the_small_swa_cache_is_counted_and_chosen_only_where_the_full_one_does_
 def test_a_small_swa_cache_answers_as_the_full_one_and_recomputes_a_rewind_past_its_window(gemma3_path, isolated_dirs):
     from neartie import assert_same_tokens_or_near_tie
 
-    from edgechat.engine.types.request import ChatRequest, SamplingParams
+    from edgechat.engine.types.request import ChatRequest
+    from edgechat.params import SamplingParams
 
     words = "the tide comes in and the gulls call over the harbour wall while boats rock at anchor".split()
     long_text = " ".join(words[i % len(words)] + (f" {i}" if i % 7 == 0 else "") for i in range(1100))
@@ -99,7 +100,8 @@ def test_a_small_swa_cache_answers_as_the_full_one_and_recomputes_a_rewind_past_
 
 
 def test_an_answer_past_the_context_on_a_small_swa_cache_says_why_it_recomputes(gemma3_path, isolated_dirs):
-    from edgechat.engine.types.request import ChatRequest, Evicted, SamplingParams
+    from edgechat.engine.types.request import ChatRequest, Evicted
+    from edgechat.params import SamplingParams
 
     words = "the tide comes in and the gulls call over the harbour wall while boats rock at anchor".split()
     text = " ".join(words[i % len(words)] + (f" {i}" if i % 7 == 0 else "") for i in range(600))

@@ -15,7 +15,7 @@ from serving import serving
 
 from edgechat.cli import cli
 from edgechat.engine import ChatRequest, Engine, EngineConfig, SamplingParams
-from edgechat.engine.kv.kvcache import common_prefix
+from edgechat.engine.kv.prefix import common_prefix
 from edgechat.engine.kv.promptcache import PromptCache
 from edgechat.server import ServerSettings, create_app
 

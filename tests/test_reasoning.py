@@ -22,7 +22,7 @@ from serving import serving
 
 from bench.bench_reasoning import TEMPLATE as THINK_TEMPLATE  # the template the benchmark measures
 from edgechat.engine import ChatRequest, Engine, EngineConfig
-from edgechat.engine.kv.kvcache import common_prefix
+from edgechat.engine.kv.prefix import common_prefix
 from edgechat.engine.output.reasoning import ChannelFormat, ReasoningSplitter, reasoning_format
 from edgechat.engine.output.stream import OutputProcessor
 from edgechat.engine.output.tools import ToolCallParser

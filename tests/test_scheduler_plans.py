@@ -13,8 +13,8 @@ from edgechat.engine.kv.sessions import ConversationStates
 from edgechat.engine.prompt.prompt import Prepared
 from edgechat.engine.schedule.scheduler import PREFILL_CHUNK_BUSY, Phase, Running, Scheduler
 from edgechat.engine.types.metrics import RequestClock
-from edgechat.engine.types.request import ChatRequest, ContextPolicy, Finished, RequestHandle, SamplingParams, TextDelta
-from edgechat.params import SpeculativeMode
+from edgechat.engine.types.request import ChatRequest, ContextPolicy, Finished, RequestHandle, TextDelta
+from edgechat.params import SamplingParams, SpeculativeMode
 from tests.fake_runner import EOS, FakeRunner, cycle, text_of, tokens_of
 
 

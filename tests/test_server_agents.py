@@ -18,8 +18,8 @@ from edgechat.engine.output.schema_grammar import schema_rules
 from edgechat.engine.output.tools import ToolCallParser, render_messages
 from edgechat.engine.runners.llama import Batch, LlamaBackend
 from edgechat.engine.runners.sampling import SamplerChain
-from edgechat.engine.types.request import Grammar, SamplingParams
 from edgechat.models.planner import default_threads
+from edgechat.params import Grammar, SamplingParams
 from edgechat.server import ServerSettings, create_app
 from edgechat.server.tools import parse_tools
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from edgechat.engine.prompt.fim import Infill
+from edgechat.engine.types.request import Infill
 from edgechat.errors import EngineBusyError, EngineStoppedError, InvalidFieldError, PromptTooLongError
 from edgechat.loadgen import RequestResult, Run, make_prompt, prompt_token_targets, summarize
 from edgechat.server.degrade import DegradeSwitch

@@ -27,7 +27,8 @@ from edgechat.engine.output.toolfamilies import (
 )
 from edgechat.engine.output.tools import ToolCallParser, _trigger, fallback_triggers, render_messages, tool_grammar
 from edgechat.engine.prompt.templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, choose_format
-from edgechat.engine.types.request import Evicted, SamplingParams
+from edgechat.engine.types.request import Evicted
+from edgechat.params import SamplingParams
 from edgechat.server import ServerSettings, create_app
 from edgechat.server.openai_chat_api import parse_chat
 from edgechat.server.tools import parse_tools

@@ -33,17 +33,9 @@ from edgechat.cli.common import (
 )
 from edgechat.cli.sessions import find_session
 from edgechat.config import get_paths, read_chat_template
-from edgechat.engine.prompt.fim import Infill
-from edgechat.engine.types.request import (
-    DEFAULT_MAX_TOKENS,
-    ChatRequest,
-    ContextPolicy,
-    Evicted,
-    SamplingParams,
-    TextDelta,
-)
+from edgechat.engine.types.request import DEFAULT_MAX_TOKENS, ChatRequest, ContextPolicy, Evicted, Infill, TextDelta
 from edgechat.errors import EdgechatError, UsageError
-from edgechat.params import values
+from edgechat.params import SamplingParams, values
 from edgechat.store import open_store
 from edgechat.store.answer import StoredAnswer
 from edgechat.store.history import model_messages, with_system_prompt

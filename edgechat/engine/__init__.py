@@ -20,11 +20,11 @@ from edgechat.engine.types.request import (
     RequestHandle,
     RequestMetrics,
     RequestStatus,
-    SamplingParams,
     TextDelta,
     ToolCall,
     ToolCallEvent,
 )
+from edgechat.params import SamplingParams
 
 __all__ = [
     "FINISH_REASONS",

@@ -35,10 +35,10 @@ from edgechat.engine.runners.sampling import grammar_parses
 from edgechat.engine.schedule.draft import DraftModel, DraftVocabError
 from edgechat.engine.schedule.scheduler import Running, Scheduler
 from edgechat.engine.types.metrics import RequestClock
-from edgechat.engine.types.request import ChatRequest, ContextPolicy, Grammar, RequestHandle, SamplingParams
+from edgechat.engine.types.request import ChatRequest, ContextPolicy, RequestHandle
 from edgechat.errors import EdgechatError, EngineStoppedError, UsageError
 from edgechat.models import catalog_draft, display_name, find_projector, planner, read_model_info, resolve_model
-from edgechat.params import CHOICES, FlashAttn, KVType, SpeculativeMode, SwaCache, choice
+from edgechat.params import CHOICES, FlashAttn, Grammar, KVType, SamplingParams, SpeculativeMode, SwaCache, choice
 
 if TYPE_CHECKING:
     from edgechat.engine.runners.onnxrt import OnnxPlacement

@@ -24,8 +24,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edgechat.engine.output.schema_grammar import check_schema
-from edgechat.engine.output.tools import NAME, Tools, tool_grammar
-from edgechat.engine.types.request import ChatRequest, Finished, ImageInput, ToolCall
+from edgechat.engine.output.tools import NAME, tool_grammar
+from edgechat.engine.types.request import ChatRequest, Finished, ImageInput, ToolCall, Tools
 from edgechat.errors import EdgechatError
 from edgechat.server import fields, responses
 from edgechat.server.bridge import Part, Started

@@ -26,10 +26,11 @@ from edgechat.config import get_paths
 from edgechat.engine.output.tools import tool_grammar
 from edgechat.engine.pool import ModelPool, ModelState, PoolModel
 from edgechat.engine.prompt.prompt import Prepared
-from edgechat.engine.types.request import ChatRequest, Event, Finished, RequestStatus, SamplingParams
+from edgechat.engine.types.request import ChatRequest, Event, Finished, RequestStatus
 from edgechat.errors import EdgechatError, ModelLoadError, NoRoomError
 from edgechat.models import find_projector
 from edgechat.models.ggufinfo import read_projector_info
+from edgechat.params import SamplingParams
 from edgechat.server.bridge import Generation, Lease, Started
 from edgechat.server.degrade import DegradeSwitch
 from edgechat.server.errors import ApiError, bad_request, from_engine_error, overloaded, prompt_too_long

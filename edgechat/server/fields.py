@@ -16,10 +16,9 @@ import math
 from dataclasses import dataclass
 
 from edgechat.engine.output.schema_grammar import check_schema, schema_rules
-from edgechat.engine.output.tools import Tools
-from edgechat.engine.types.request import ChatRequest, Grammar, SamplingParams
+from edgechat.engine.types.request import ChatRequest, Tools
 from edgechat.errors import InvalidFieldError
-from edgechat.params import SAMPLING_LIMITS, SpeculativeMode, choice
+from edgechat.params import SAMPLING_LIMITS, Grammar, SamplingParams, SpeculativeMode, choice
 from edgechat.server.errors import ApiError, bad_request, field_error
 from edgechat.server.images import ImageReader
 from edgechat.server.images import content as content_of

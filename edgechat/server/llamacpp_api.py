@@ -20,9 +20,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edgechat import __version__
-from edgechat.engine.prompt.fim import DEFAULT_FILENAME, Infill
-from edgechat.engine.types.request import ChatRequest, Finished, SamplingParams, TokenLogprob
+from edgechat.engine.prompt.fim import DEFAULT_FILENAME
+from edgechat.engine.types.request import ChatRequest, Finished, Infill, TokenLogprob
 from edgechat.errors import UsageError
+from edgechat.params import SamplingParams
 from edgechat.server import fields, responses
 from edgechat.server.bridge import Part, Started
 from edgechat.server.errors import ApiError, bad_request

@@ -32,9 +32,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgechat.engine.output.reasoning import reasoning_format
-from edgechat.engine.output.tools import Tools, tool_grammar
-from edgechat.engine.prompt.fim import Infill
-from edgechat.engine.types.request import ChatRequest, Finished, ImageInput, ToolCall
+from edgechat.engine.output.tools import tool_grammar
+from edgechat.engine.types.request import ChatRequest, Finished, ImageInput, Infill, ToolCall, Tools
 from edgechat.errors import EdgechatError, ModelNotFoundError, UsageError
 from edgechat.models import hub
 from edgechat.server import fields

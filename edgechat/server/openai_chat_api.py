@@ -14,8 +14,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edgechat.engine.output.tools import tool_grammar
-from edgechat.engine.prompt.fim import Infill
-from edgechat.engine.types.request import ChatRequest, Finished, SamplingParams
+from edgechat.engine.types.request import ChatRequest, Finished, Infill
+from edgechat.params import SamplingParams
 from edgechat.server import fields, responses
 from edgechat.server.bridge import Part, Started
 from edgechat.server.dispatch import Dispatcher, Served

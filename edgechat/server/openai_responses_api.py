@@ -29,8 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from edgechat.engine.output.tools import Tools, check_function, tool_grammar
-from edgechat.engine.types.request import ChatRequest, Finished, ToolCall
+from edgechat.engine.output.tools import check_function, tool_grammar
+from edgechat.engine.types.request import ChatRequest, Finished, ToolCall, Tools
 from edgechat.errors import StoreError
 from edgechat.server import fields, responses
 from edgechat.server.bridge import Part, Started

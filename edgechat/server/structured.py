@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from edgechat.engine.output.schema_grammar import check_schema, schema_rules
-from edgechat.engine.types.request import Grammar
+from edgechat.params import Grammar
 from edgechat.server.errors import bad_request
 
 

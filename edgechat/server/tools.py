@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from edgechat.engine.output.tools import Tools, check_function
+from edgechat.engine.output.tools import check_function
+from edgechat.engine.types.request import Tools
 from edgechat.server.errors import bad_request
 
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import tomli_w
 
 from edgechat.config import Paths, load_settings
-from edgechat.engine.types.request import DEFAULT_MAX_TOKENS, ChatRequest, SamplingParams
+from edgechat.engine.types.request import DEFAULT_MAX_TOKENS, ChatRequest
 from edgechat.errors import UsageError
 from edgechat.fsutil import atomic_write_text
-from edgechat.params import SAMPLING_LIMITS, ContextPolicy, SpeculativeMode, choice
+from edgechat.params import SAMPLING_LIMITS, ContextPolicy, SamplingParams, SpeculativeMode, choice
 from edgechat.store.history import with_system_prompt
 from edgechat.tui.mcp import ServerConfig, parse_servers
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edgechat.engine.output.tools import Tools, check_function
-from edgechat.engine.types.request import ToolCall
+from edgechat.engine.output.tools import check_function
+from edgechat.engine.types.request import ToolCall, Tools
 from edgechat.errors import InvalidFieldError, UsageError
 from edgechat.tui.mcp import ToolServers
 

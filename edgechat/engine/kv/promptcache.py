@@ -34,7 +34,7 @@ from functools import cached_property
 
 import numpy as np
 
-from edgechat.engine.kv.kvcache import NextLogits, common_prefix
+from edgechat.engine.kv.prefix import NextLogits, common_prefix
 from edgechat.engine.kv.snapshots import PromptState, PromptStore, StoredPrompt, prompt_key
 
 __all__ = ["CachedPrompt", "PromptCache"]

@@ -8,7 +8,7 @@ import random
 import llama_cpp as L
 import numpy as np
 
-from edgechat.engine.types.request import Grammar, SamplingParams
+from edgechat.params import Grammar, SamplingParams
 
 
 def uses_penalties(params: SamplingParams) -> bool:

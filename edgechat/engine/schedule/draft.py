@@ -20,7 +20,8 @@ from typing import NoReturn
 
 import numpy as np
 
-from edgechat.engine.kv.kvcache import KVManager, Slot, common_prefix
+from edgechat.engine.kv.kvcache import KVManager, Slot
+from edgechat.engine.kv.prefix import common_prefix
 from edgechat.engine.kv.promptcache import PromptCache
 from edgechat.engine.runners.llama import LlamaBackend
 from edgechat.engine.schedule.speculative import StepCost
