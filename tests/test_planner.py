@@ -119,7 +119,8 @@ def test_an_answer_past_the_context_on_a_small_swa_cache_says_why_it_recomputes(
 _LOAD_AND_MEASURE = """
 import json, sys
 from pathlib import Path
-from edgechat.engine import ChatRequest, Engine, EngineConfig, planner
+from edgechat.engine import ChatRequest, Engine, EngineConfig
+from edgechat.models import planner
 
 def status(field):
     for line in open("/proc/self/status"):
