@@ -235,6 +235,13 @@ def test_text_that_only_looks_like_a_call_stays_content():
         assert parser.feed("Sure " + cut)[0] == "Sure " and parser.finish() == "" and not parser.calls, cut
 
 
+def _fires(trigger: str, text: str) -> bool:
+    """A trigger read as llama.cpp reads it: one in ^...$ matches the whole text; any other is
+    searched for anywhere in it."""
+    whole = trigger.startswith("^") and trigger.endswith("$")
+    return (re.fullmatch if whole else re.search)(trigger, text) is not None
+
+
 def test_lazy_triggers_are_each_familys_opener():
     for family, fires, quiet in (
         (HERMES, "Sure.\n<tool_call>\n{", "Sure, <tool"),
@@ -245,8 +252,8 @@ def test_lazy_triggers_are_each_familys_opener():
     ):
         triggers = tool_grammar(parse_tools({"tools": [WEATHER]}), family).triggers
         assert triggers == tuple(_trigger(s) for s in family.syntaxes) + fallback_triggers(["get_weather"])
-        assert any(re.fullmatch(t, fires) for t in triggers), family.name
-        assert not any(re.fullmatch(t, quiet) for t in triggers), family.name
+        assert any(_fires(t, fires) for t in triggers), family.name
+        assert not any(_fires(t, quiet) for t in triggers), family.name
 
 
 def test_the_json_calls_small_models_write_trigger_the_grammar_at_a_line_start_in_the_preamble():
@@ -256,9 +263,9 @@ def test_the_json_calls_small_models_write_trigger_the_grammar_at_a_line_start_i
     triggers = fallback_triggers(["get_weather", "get_time"])
     call = '"name": "get_time"'
     for fires in ("{" + call, '```json\n{\n  "name" : "get_weather"', "Sure, here it is:\n```json\n{" + call, "[{" + call, "Hi.\n{ " + call):
-        assert any(re.fullmatch(t, fires) for t in triggers), fires
+        assert any(_fires(t, fires) for t in triggers), fires
     for quiet in ("Hi {" + call, '{"city":', "x" * 500 + "\n{" + call, '{"name": "hello"', '{"name": "get_'):
-        assert not any(re.fullmatch(t, quiet) for t in triggers), quiet
+        assert not any(_fires(t, quiet) for t in triggers), quiet
 
 
 @pytest.fixture(scope="module")
