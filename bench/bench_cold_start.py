@@ -23,7 +23,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from bench.bench_serve import _free_port, _stop
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -46,12 +47,6 @@ def smollm2_gguf() -> Path:
     if not path.is_file():
         raise SystemExit(f"{path} is missing")
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def edgechat_run(model: Path, threads: int, ctx: int, data_dir: Path) -> float:
@@ -106,12 +101,7 @@ def llama_server_first_answer(server: Path, model: Path, threads: int, ctx: int,
             answer.raise_for_status()
             return time.perf_counter() - start
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop(proc)
 
 
 def main(argv: list[str] | None = None) -> int:

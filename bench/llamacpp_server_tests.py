@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from bench.bench_serve import _free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SHIM = Path(__file__).resolve().with_name("llamacpp_server_tests_shim.py")
@@ -55,12 +56,6 @@ def tests_dir() -> Path:
     if not (folder / "utils.py").is_file():
         raise SystemExit(f"{folder} holds no utils.py: is the sdist whole?")
     return folder
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_junit(path: Path) -> dict[str, tuple[str, str]]:
