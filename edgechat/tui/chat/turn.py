@@ -48,8 +48,7 @@ class TurnPart(ChatBase):
         if unknown is not None:
             self.notify(f"Unknown command {unknown}; /help lists them.", severity="warning")
             return
-        if self.turn is not None or self._waiting is not None or self._tool_run is not None:
-            self.notify("Still answering: wait, or press Esc to stop.", severity="warning")
+        if not self._idle():
             return
         files, images = self.attach_bar.attachments, self.attach_bar.images
         refusal = self._image_refusal() if images else None
