@@ -35,6 +35,9 @@ class SamplingParams:
     penalty_last_n: int = 64
     #: None: a fresh random seed per request
     seed: int | None = None
+    #: (token id, bias) pairs added to those tokens' logits before any other sampler (OpenAI's
+    #: logit_bias; -inf bans a token)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,10 +137,18 @@ SAMPLING_LIMITS: dict[str, Limit] = {limit.name: limit for limit in (
 )}
 
 
-def check_sampling(params: SamplingParams) -> None:
-    """The engine's check of a request's sampling (front ends have checked theirs already)."""
+def check_sampling(params: SamplingParams, n_vocab: int | None = None) -> None:
+    """The engine's check of a request's sampling (front ends have checked theirs already);
+    with `n_vocab`, logit_bias's token ids against the model's vocabulary."""
     for limit in SAMPLING_LIMITS.values():
         limit.check(getattr(params, limit.name))
+    for token, bias in params.logit_bias:
+        if n_vocab is not None and not 0 <= token < n_vocab:
+            raise InvalidFieldError(f"logit_bias: token {token} is not in this model's vocabulary (0-{n_vocab - 1})",
+                                    param="logit_bias", code="invalid_value")
+        if math.isnan(bias) or bias == math.inf:
+            raise InvalidFieldError(f"logit_bias: the bias of token {token} must be a number (got {bias})",
+                                    param="logit_bias", code="invalid_value")
 
 
 class Word(str, enum.Enum):  # noqa: UP042 (StrEnum is 3.11+; requires-python is 3.10)

@@ -87,6 +87,47 @@ def test_legacy_completions_endpoint(client):
     assert streamed == out.choices[0].text
 
 
+def test_logit_bias_bans_and_forces_tokens_through_the_official_client(client, engine, base_url):
+    args = dict(model=MODEL, messages=HI, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(**args).choices[0].message.content
+    first = engine.tokenize(plain)[0]
+    banned = client.chat.completions.create(**args, logit_bias={str(first): -100}).choices[0].message.content
+    assert banned and first not in engine.tokenize(banned), (plain, banned)
+    # +100 all but forces a token: greedy writes nothing else
+    forced = engine.tokenize(" stone")[0]
+    text = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                     logit_bias={str(forced): 100}).choices[0].text
+    assert engine.tokenize(text) == [forced] * 4, text
+    # llama-server's pairs on /completion, false banning the token, reported in its settings
+    body = {"prompt": "The capital of France is", "n_predict": 4, "temperature": 0, "return_tokens": True}
+    plain = httpx.post(f"{base_url}/completion", json=body, headers={"Authorization": f"Bearer {KEY}"}).json()
+    first = plain["tokens"][0]
+    out = httpx.post(f"{base_url}/completion", json={**body, "logit_bias": [[first, False]]},
+                     headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert first not in out["tokens"] and out["generation_settings"]["logit_bias"] == [{"token": first, "bias": False}]
+    # an id outside the vocabulary is a 400 naming the field, before anything runs
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**args, logit_bias={str(10**9): -100})
+    assert info.value.param == "logit_bias" and "vocabulary" in info.value.message
+
+
+def test_input_tokens_count_the_prompt_the_answer_decodes(client, base_url):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    messages = [{"role": "system", "content": "Be brief."}, *HI]
+    used = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens
+    for path in ("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"):
+        r = httpx.post(f"{base_url}{path}", json={"model": MODEL, "messages": messages}, headers=auth)
+        assert r.status_code == 200 and r.json() == {"input_tokens": used}, r.text
+    used = client.responses.create(model=MODEL, input="Say hello.", instructions="Be brief.", max_output_tokens=16,
+                                   store=False).usage.input_tokens
+    r = httpx.post(f"{base_url}/v1/responses/input_tokens", json={"model": MODEL, "input": "Say hello.", "instructions": "Be brief."},
+                   headers=auth)
+    assert r.json() == {"object": "response.input_tokens", "input_tokens": used}, r.text
+    # a bad body is the same 400 the answer's route gives
+    r = httpx.post(f"{base_url}/v1/chat/completions/input_tokens", json={"model": MODEL, "messages": "hi"}, headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
 def test_typed_errors_reach_the_official_client(client, base_url):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0).models.list()

@@ -106,7 +106,7 @@ def test_errors_in_llama_servers_shape(http):
         http.post("/completion", json={"prompt": [1, 2, 3]}),
         http.post("/completion", json={"prompt": "x", "temperature": "warm"}),
         # a field that would change the answer and is not served is refused, never ignored
-        http.post("/completion", json={"prompt": "x", "logit_bias": [[15, -100]]}),
+        http.post("/completion", json={"prompt": "x", "logit_bias": [[10**9, -100]]}),  # outside the vocabulary
         http.post("/completion", json={"prompt": "x", "mirostat": 2}),
         http.post("/tokenize", content=b"x" * (9 << 20)),
     ):

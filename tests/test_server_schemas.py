@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import time
 
@@ -133,7 +134,6 @@ def test_bad_completion_bodies_name_the_field(body, param):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("logit_bias", {"50256": -100}),
         ("functions", [{"name": "f"}]),
         ("function_call", {"name": "f"}),
         ("modalities", ["text", "audio"]),
@@ -154,10 +154,19 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(field, valu
 
 @pytest.mark.parametrize(
     "field, value",
-    [("logit_bias", {"15": 5}), ("logprobs", 6), ("best_of", 3), ("echo", True), ("tools", [])],
+    [("logprobs", 6), ("best_of", 3), ("echo", True), ("tools", [])],
 )
 def test_completion_fields_that_would_change_the_answer_are_refused(field, value):
     assert _error(parse_completion, {"prompt": "x", field: value}).param == field
+
+
+def test_logit_bias_in_openais_and_llama_servers_shapes():
+    assert parse_chat({"messages": USER, "logit_bias": {"15": 5, "7": -100}}).request.sampling.logit_bias == ((15, 5.0), (7, -100.0))
+    assert parse_completion({"prompt": "x", "logit_bias": [[15, -1.5], [16, False]]}).request.sampling.logit_bias == (
+        (15, -1.5), (16, -math.inf))
+    for bad in ({"15": 101}, {"15": "x"}, {"hello": 1}, [[15]], "15", [["hello", 1]]):
+        error = _error(parse_chat, {"messages": USER, "logit_bias": bad})
+        assert error.param == "logit_bias" and error.status == 400, bad
 
 
 def test_a_completion_with_a_suffix_is_a_fill_in_the_middle():

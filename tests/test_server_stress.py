@@ -71,7 +71,7 @@ def _case(kind: str, rng: random.Random) -> tuple[dict, int]:
         depth = rng.randint(2_000, 200_000)
         return {"content": b'{"messages": ' + b"[" * depth + b"]" * depth + b"}"}, 400
     if kind == "unsupported":
-        field, value = rng.choice([("logit_bias", {"42": 100}), ("tools", [{"type": "function"}]), ("n", 5), ("top_logprobs", 3)])
+        field, value = rng.choice([("mirostat", 2), ("tools", [{"type": "function"}]), ("n", 5), ("top_logprobs", 3)])
         return {"json": {"model": MODEL, "messages": HI, field: value}}, 400
     if kind == "not_utf8":
         return {"content": b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe\xc3"}]}'}, 400

@@ -207,6 +207,7 @@ class Engine(PromptQueries):
             InfillBuilder(be.fim_tokens(), lambda text: be.tokenize(text, add_bos=False, special=False),
                           lambda text: be.tokenize(text, add_bos=False, special=True),
                           be.bos if be.add_bos else None, be.n_batch, self.model_name),
+            be.n_vocab,
         )
         self._inbox: queue.Queue = queue.Queue()
         self._closed = False

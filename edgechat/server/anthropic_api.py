@@ -18,7 +18,6 @@ import json
 import time
 import uuid
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -26,10 +25,9 @@ from starlette.routing import Route
 from edgechat.engine.output.schema_grammar import check_schema
 from edgechat.engine.output.tools import NAME, tool_grammar
 from edgechat.engine.types.request import ChatRequest, Finished, ImageInput, ToolCall, Tools
-from edgechat.errors import EdgechatError
 from edgechat.server import fields, responses
 from edgechat.server.bridge import Part, Started
-from edgechat.server.errors import ApiError, bad_request, from_engine_error
+from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.fields import ParsedRequest
 from edgechat.server.images import ImageReader
 from edgechat.server.images import content as content_of
@@ -408,14 +406,7 @@ class MessagesApi:
     async def count_tokens(self, request: Request) -> Response:
         server = self.server
         parsed = parse_messages(await server.read_body(request), server.settings, counting=True)
-        served = server.find_model(parsed.model)
-        try:
-            # templating and tokenizing: off the event loop
-            async with server.using(served) as engine:
-                count = await run_in_threadpool(lambda: engine.count_tokens(served.request(parsed)))
-        except EdgechatError as exc:
-            raise from_engine_error(exc, server.retry_after()) from None
-        return JSONResponse({"input_tokens": count})
+        return JSONResponse({"input_tokens": await server.count_prompt(parsed)})
 
     async def messages(self, request: Request) -> Response:
         server = self.server

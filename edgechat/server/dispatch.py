@@ -257,6 +257,17 @@ class Dispatcher:
         finally:
             lease.drop()
 
+    async def count_prompt(self, parsed: ParsedRequest) -> int:
+        """The prompt tokens a request would decode, as the model it names builds it (Anthropic's
+        count_tokens, the OpenAI input_tokens routes); nothing is generated."""
+        served = self.find_model(parsed.model)
+        try:
+            # templating and tokenizing: off the event loop
+            async with self.using(served) as engine:
+                return await run_in_threadpool(lambda: engine.count_tokens(served.request(parsed)))
+        except EdgechatError as exc:
+            raise from_engine_error(exc, self.retry_after()) from None
+
     async def read_body(self, request: Request) -> dict:
         limit = self.settings.max_body_bytes
         chunks, size = [], 0

@@ -36,7 +36,6 @@ MAX_TOP_LOGPROBS = 20
 #: generated or returned, with the values that leave them off; any other value is refused.
 #: tool_choice / function_call "auto" means "none" when no tools are given, and tools are refused.
 _UNSUPPORTED: dict[str, tuple] = {
-    "logit_bias": ({},),
     "functions": ([],),
     "function_call": ("none", "auto"),
     "modalities": (["text"],),
@@ -324,7 +323,41 @@ def sampling(body: dict, base: SamplingParams | None) -> SamplingParams:
     seed = opt_int(body, "seed")
     if seed is not None:
         params.seed = seed & 0xFFFFFFFF
+    if body.get("logit_bias"):
+        params.logit_bias = logit_bias(body["logit_bias"])
     return params
+
+
+#: OpenAI's range for a token's bias (-100 bans it in effect, 100 all but forces it)
+_MAX_BIAS = 100
+
+
+def logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (an object: token id as a string -> bias from -100 to 100), or
+    llama-server's list of [token id, bias] pairs, where a bias of false bans the token. The
+    ids are checked against the model's vocabulary when the request is built."""
+    pairs: list
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
+        pairs = value
+    else:
+        raise type_error("logit_bias", "an object of token ids to biases (or a list of [token id, bias] pairs)", value)
+    out = []
+    for token, bias in pairs:
+        if isinstance(token, str) and token.isdigit():
+            token = int(token)
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise bad_request(f"logit_bias: {json.dumps(token)[:40]} is not a token id; POST /tokenize gives a text's ids",
+                              param="logit_bias", code="invalid_value")
+        if bias is False:
+            out.append((token, -math.inf))
+            continue
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -_MAX_BIAS <= bias <= _MAX_BIAS:
+            raise bad_request(f"logit_bias: the bias of token {token} must be a number from -{_MAX_BIAS} to {_MAX_BIAS} "
+                              f"(got {json.dumps(bias)[:40]})", param="logit_bias", code="invalid_value")
+        out.append((token, float(bias)))
+    return tuple(out)
 
 
 def model_field(body: dict) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 
 from starlette.concurrency import run_in_threadpool
@@ -99,7 +100,7 @@ def parse_infill(body: dict, server) -> ParsedRequest:
 
 def _generation(body: dict, server, **what) -> ParsedRequest:
     """The request of a /completion or /infill body, `what` saying what to answer."""
-    # what would change the answer and is not served (logit_bias, mirostat, ...) is refused, as on
+    # what would change the answer and is not served (mirostat, typical_p, ...) is refused, as on
     # every API; n_probs is served here
     fields.refuse_unsupported({k: v for k, v in body.items() if k != "n_probs"})
     if fields.opt_bool(body, "post_sampling_probs"):
@@ -161,6 +162,8 @@ def generation_settings(req: ChatRequest, stream: bool) -> dict:
     return {
         **sampling_settings(req.sampling), "n_predict": n_predict, "max_tokens": n_predict,
         "stop": list(req.stop), "ignore_eos": req.ignore_eos, "stream": stream, "n_probs": req.logprobs or 0,
+        # a banned token's bias as the request wrote it: JSON has no -inf
+        "logit_bias": [{"token": t, "bias": False if b == -math.inf else b} for t, b in req.sampling.logit_bias],
     }
 
 

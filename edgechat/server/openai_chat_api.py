@@ -249,9 +249,11 @@ class ChatApi:
             Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions/input_tokens", self.input_tokens, methods=["POST"]),
             # llama-server's unprefixed OpenAI routes, which its own front ends call
             Route("/models", self.list_models, methods=["GET"]),
             Route("/chat/completions", self.chat, methods=["POST"]),
+            Route("/chat/completions/input_tokens", self.input_tokens, methods=["POST"]),
             Route("/completions", self.completions, methods=["POST"]),
         ]
 
@@ -272,6 +274,14 @@ class ChatApi:
         parsed.request.split_reasoning = settings.reasoning_format != "none"
         parsed.keep_alive = keep_alive_seconds(body.get("keep_alive"))
         return await self.answer(request, parsed, "chat", arrival)
+
+    async def input_tokens(self, request: Request) -> Response:
+        """llama-server's count of a chat body's prompt tokens (its tools and template included)."""
+        server = self.server
+        body = await server.read_body(request)
+        settings = server.settings
+        parsed = parse_chat(body, settings.max_messages, None, settings.reasoning_budget, ImageReader(settings))
+        return JSONResponse({"input_tokens": await server.count_prompt(parsed)})
 
     async def completions(self, request: Request) -> Response:
         server, arrival = self.server, time.monotonic()

@@ -466,6 +466,7 @@ class ResponsesApi:
     def routes(self) -> list[Route]:
         return [
             Route("/v1/responses", self.create, methods=["POST"]),
+            Route("/v1/responses/input_tokens", self.input_tokens, methods=["POST"]),
             Route("/v1/responses/{response_id}", self.retrieve, methods=["GET"]),
             Route("/v1/responses/{response_id}", self.delete, methods=["DELETE"]),
         ]
@@ -507,6 +508,13 @@ class ResponsesApi:
         except StoreError as exc:
             # the answer is made: the client gets it; only a later GET or continuation will miss it
             log.warning("could not store response %s: %s", body["id"], exc)
+
+    async def input_tokens(self, request: Request) -> Response:
+        """The prompt tokens a Responses body (with the context it continues) would decode."""
+        server = self.server
+        body = await server.read_body(request)
+        r = parse_responses(body, server.settings, None, await self._history(body))
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": await server.count_prompt(r.parsed)})
 
     async def create(self, request: Request) -> Response:
         server = self.server

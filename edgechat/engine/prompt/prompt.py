@@ -77,8 +77,10 @@ class PromptBuilder:
         projector: Projector | None = None,
         model_name: str = "this model",
         infill: InfillBuilder | None = None,
+        n_vocab: int | None = None,
     ):
         self.format = fmt
+        self.n_vocab = n_vocab
         self.infill = infill
         self.projector = projector
         self.model_name = model_name
@@ -98,7 +100,7 @@ class PromptBuilder:
         return self.n_ctx - reserve
 
     def prepare(self, request: ChatRequest, policy: ContextPolicy, check_limit: bool = True) -> Prepared:
-        check_sampling(request.sampling)
+        check_sampling(request.sampling, self.n_vocab)
         if request.max_tokens is not None and request.max_tokens < 1:
             raise UsageError(f"max_tokens must be at least 1 (got {request.max_tokens})")
         if request.ignore_eos and request.max_tokens is None:

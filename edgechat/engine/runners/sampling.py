@@ -26,6 +26,10 @@ class SamplerChain:
         cparams.no_perf = True
         chain = L.llama_sampler_chain_init(cparams)
         add = lambda smpl: L.llama_sampler_chain_add(chain, smpl)  # noqa: E731
+        if params.logit_bias:
+            # first, as llama.cpp's own chains place it: every later sampler sees the biased logits
+            biases = (L.llama_logit_bias * len(params.logit_bias))(*(L.llama_logit_bias(t, b) for t, b in params.logit_bias))
+            add(L.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
         self._penalties = None
         if uses_penalties(params):
             self._penalties = L.llama_sampler_init_penalties(
@@ -54,10 +58,12 @@ class SamplerChain:
             add(L.llama_sampler_init_dist(self.seed))
         self.chain = chain
         self.penalised = uses_penalties(params)
+        # biased or penalised logits are not the model's: their argmax needs the chain
+        raw = params.temperature == 0 and not self.penalised and not params.logit_bias
         #: plain greedy needs no chain at all: the engine takes the argmax of the logits
-        self.plain_greedy = params.temperature == 0 and not self.penalised and grammar is None
+        self.plain_greedy = raw and grammar is None
         #: greedy under a grammar: the top token is tried against the grammar first
-        self.grammar_greedy = params.temperature == 0 and not self.penalised and grammar is not None
+        self.grammar_greedy = raw and grammar is not None
         self.penalty_last_n = params.penalty_last_n
         # choose()'s llama_token_data array and the token ids it starts from, made on first use
         self._candidates: np.ndarray | None = None
