@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     model = args.model or real_model_path()
+    args.log_dir.mkdir(parents=True, exist_ok=True)
     # the prompt is cut with llama-server's tokenizer, on a small server of its own
     port = _free_port()
     proc = _start(commands("llama-server", port, model, 2048, 1, "f16"), port, "long-context-tokenizer", args.log_dir)
