@@ -10,7 +10,7 @@ import json
 import jsonschema
 import pytest
 
-from edgechat.engine.output.jsonvalue import JsonPrefix, fits, shortest
+from edgechat.engine.output.jsonvalue import JsonPrefix, fits, shortest, step_texts
 
 SCHEMA = {
     "type": "object",
@@ -61,3 +61,15 @@ def test_fits_and_shortest_follow_the_schema():
     assert not fits({"city": "a", "days": 1, "tags": [], "unit": "celsius", "nested": {"ok": True}}, SCHEMA)  # minItems
     assert not fits({"city": "a", "days": 1.5, "tags": ["a"], "unit": "celsius", "nested": {"ok": True}}, SCHEMA)
     assert fits({"x": 1}, {"type": "object", "additionalProperties": True}) and not fits({"x": 1}, {"type": "object", "additionalProperties": False})
+
+
+def test_step_texts_name_what_one_token_can_open():
+    attendee = {"type": "object", "properties": {"name": {"type": "string"}, "email": {"type": "string"}}, "required": ["name", "email"]}
+    schema = {"type": "object", "properties": {"topic": {"type": "string"}, "attendees": {"type": "array", "items": {"$ref": "#/$defs/a"}}},
+              "required": ["topic", "attendees"], "$defs": {"a": attendee}}
+    steps = step_texts(schema)
+    # a key opened brings its shortest value; an array's item its required fields, through the $ref
+    assert '"topic": ""' in steps and '"attendees": []' in steps
+    assert '{"name": "", "email": ""}' in steps and '"email": ""' in steps
+    # the longest is the attendee object: what the closing can grow by when the model opens one
+    assert max(steps, key=len) == '{"name": "", "email": ""}'

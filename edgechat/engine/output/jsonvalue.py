@@ -115,6 +115,27 @@ def shortest(schema: object, root: dict | None = None, depth: int = 0) -> str:
     return "null"
 
 
+def step_texts(schema: object, root: dict | None = None, depth: int = 0) -> list[str]:
+    """What one more token of an answer can add to its shortest end: in every object of the
+    schema a key being opened (`"key": <shortest value>`), in every array an item (its shortest
+    value). The longest of these bounds how much an end grows in one step."""
+    root = root if root is not None else schema if isinstance(schema, dict) else {}
+    s = _resolve(schema, root)
+    if depth > 16:
+        return []
+    out: list[str] = []
+    for key in ("anyOf", "oneOf", "allOf"):
+        for part in s.get(key) or ():
+            out += step_texts(part, root, depth + 1)
+    for name, sub in _properties(s, root).items():
+        out.append(f"{json.dumps(name)}: {shortest(sub, root, depth + 1)}")
+        out += step_texts(sub, root, depth + 1)
+    if isinstance(s.get("items"), dict):
+        out.append(shortest(s["items"], root, depth + 1))
+        out += step_texts(s["items"], root, depth + 1)
+    return out
+
+
 def _properties(s: dict, root: dict) -> dict:
     props = dict(s.get("properties", {}))
     for part in s.get("allOf", ()):
