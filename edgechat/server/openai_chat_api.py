@@ -265,23 +265,25 @@ class ChatApi:
     async def get_model(self, request: Request) -> Response:
         return JSONResponse(model_card(self.server.find_model(request.path_params["model"]), self.server.created))
 
+    def _parse_chat(self, body: dict) -> ParsedRequest:
+        """A chat body as the server answers it (and counts it: the same prompt either way)."""
+        settings = self.server.settings
+        parsed = parse_chat(body, settings.max_messages, self.server.defaults_for(body.get("model")), settings.reasoning_budget,
+                            ImageReader(settings))
+        parsed.request.split_reasoning = settings.reasoning_format != "none"
+        return parsed
+
     async def chat(self, request: Request) -> Response:
         server, arrival = self.server, time.monotonic()
         body = await server.read_body(request)
-        settings = server.settings
-        parsed = parse_chat(body, settings.max_messages, server.defaults_for(body.get("model")), settings.reasoning_budget,
-                            ImageReader(settings))
-        parsed.request.split_reasoning = settings.reasoning_format != "none"
+        parsed = self._parse_chat(body)
         parsed.keep_alive = keep_alive_seconds(body.get("keep_alive"))
         return await self.answer(request, parsed, "chat", arrival)
 
     async def input_tokens(self, request: Request) -> Response:
         """llama-server's count of a chat body's prompt tokens (its tools and template included)."""
-        server = self.server
-        body = await server.read_body(request)
-        settings = server.settings
-        parsed = parse_chat(body, settings.max_messages, None, settings.reasoning_budget, ImageReader(settings))
-        return JSONResponse({"input_tokens": await server.count_prompt(parsed)})
+        parsed = self._parse_chat(await self.server.read_body(request))
+        return JSONResponse({"input_tokens": await self.server.count_prompt(parsed)})
 
     async def completions(self, request: Request) -> Response:
         server, arrival = self.server, time.monotonic()

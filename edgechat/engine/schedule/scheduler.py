@@ -110,8 +110,9 @@ class Running:
     json: JsonPrefix | None = None
     json_read: int = 0
     json_closing: tuple[str, list[int]] = ("", [])
-    #: the most tokens one step can add to that closing (a key or an item opened: step_texts)
-    json_step: int = 1
+    #: the most tokens one step can add to that closing (a key or an item opened: step_texts),
+    #: counted once the answer first comes near max_tokens
+    json_step: int | None = None
     #: [start, length] of each message still evictable, moved as _make_room drops the oldest
     spans: list[list[int]] = field(init=False)
 
@@ -287,8 +288,6 @@ class Scheduler:
         run.sampler.accept_prompt([t for t in prompt if not is_sentinel(t)] if run.prep.media else prompt)
         if req.grammar is not None and req.grammar.json_schema is not None and req.max_tokens is not None:
             run.json = JsonPrefix(req.grammar.json_schema)
-            steps = step_texts(req.grammar.json_schema)
-            run.json_step = max((len(self.runner.tokenize(t, add_bos=False, special=False)) for t in steps), default=1)
         tools = req.tools if req.tools is not None and req.tools.active else None
         run.proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos,
                                    splitter=self.thinking.splitter(req, run.prep),
@@ -618,6 +617,9 @@ class Scheduler:
         if closing != run.json_closing[0]:
             run.json_closing = (closing, self.runner.tokenize(closing, add_bos=False, special=False) if closing else [])
         tokens = run.json_closing[1]
+        if run.json_step is None:
+            steps = step_texts(run.json.root)
+            run.json_step = max((len(self.runner.tokenize(t, add_bos=False, special=False)) for t in steps), default=1)
         # the end's length and what the next token may add to it: opening a key or an item
         # (an object whose required fields come with it) makes the end longer in one step
         if not tokens or left > len(tokens) + run.json_step + 2:
