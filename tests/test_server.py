@@ -123,6 +123,8 @@ def test_input_tokens_count_the_prompt_the_answer_decodes(client, base_url):
     r = httpx.post(f"{base_url}/v1/responses/input_tokens", json={"model": MODEL, "input": "Say hello.", "instructions": "Be brief."},
                    headers=auth)
     assert r.json() == {"object": "response.input_tokens", "input_tokens": used}, r.text
+    # and through the official client's own call for it
+    assert client.responses.input_tokens.count(model=MODEL, input="Say hello.", instructions="Be brief.").input_tokens == used
     # a bad body is the same 400 the answer's route gives
     r = httpx.post(f"{base_url}/v1/chat/completions/input_tokens", json={"model": MODEL, "messages": "hi"}, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
