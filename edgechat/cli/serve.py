@@ -233,6 +233,7 @@ def serve_cmd(
         return with_model_settings(EngineConfig(
             model=name,
             n_ctx=own(name, "ctx", ctx, least=64),
+            ctx_cap=None,  # agents' prompts are 10-20k tokens: the trained window where memory allows
             n_threads=threads,
             n_gpu_layers=gpu_layers,
             rpc_servers=rpc,

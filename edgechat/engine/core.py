@@ -64,6 +64,9 @@ ENCODE_POLL_S = 0.5
 class EngineConfig:
     model: str | None = None
     n_ctx: int | None = None  # per sequence; None = planner's choice
+    #: the most the planner's choice may be (None: the model's trained window, where memory
+    #: allows: `serve`, whose agents send prompts of 10-20k tokens); a chat starts faster capped
+    ctx_cap: int | None = planner.DEFAULT_CTX_CAP
     n_threads: int | None = None
     n_parallel: int = 1  # requests decoded together
     hot_sessions: int = 0  # extra sequences that keep idle conversations in memory
@@ -222,7 +225,7 @@ class Engine(PromptQueries):
         # found before the plan: its weights count there, and a wrong file fails before loading
         mmproj = find_projector(cfg.mmproj, self.model_path, cfg.model, self.paths)
         plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, cfg.kv_type, swa=cfg.swa_cache, label=self.model_name,
-                                      projector=planner.projector_bytes(mmproj), flash_attn=cfg.flash_attn)
+                                      projector=planner.projector_bytes(mmproj), flash_attn=cfg.flash_attn, cap=cfg.ctx_cap)
         self.plan, self.n_ctx = plan, plan.n_ctx
         if cfg.rpc_servers:
             devices.add_rpc_servers(cfg.rpc_servers)
@@ -262,7 +265,7 @@ class Engine(PromptQueries):
         self.projector = None
         self.draft_ref = None
         self.model_info = info = read_onnx_info(self.model_path)
-        self.plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, label=self.model_name)
+        self.plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, label=self.model_name, cap=cfg.ctx_cap)
         self.n_ctx = self.plan.n_ctx
         self.backend = OnnxRunner(self.model_path, self.n_ctx, self.n_slots, self.n_threads, cfg.ep)
         self.gpu = OnnxPlacement(self.backend.session.get_providers())

@@ -112,7 +112,7 @@ def plan_model(name: str | None, config, idle_unload: float | None = None) -> Po
     n_seq = config.n_parallel + config.hot_sessions
     projector = planner.projector_bytes(find_projector(config.mmproj, path, config.model, paths))
     plan = planner.choose_context(info, config.n_ctx, n_seq, config.kv_type, swa=config.swa_cache, label=label, projector=projector,
-                                  flash_attn=config.flash_attn)
+                                  flash_attn=config.flash_attn, cap=config.ctx_cap)
     return PoolModel(name or path.stem, config, info, label, plan.total, plan.n_ctx, config.n_parallel, idle_unload)
 
 

@@ -174,8 +174,10 @@ def choose_context(
     label: str | None = None,
     projector: int = 0,
     flash_attn: FlashAttn | str = FlashAttn.AUTO,
+    cap: int | None = DEFAULT_CTX_CAP,
 ) -> Plan:
-    """The context to run with: the requested one if it fits, else the largest that fits, capped;
+    """The context to run with: the requested one if it fits, else the largest that fits, up to
+    `cap` (None: the trained window, as a server for agents wants);
     for sliding-window models with `swa` auto, the small SWA cache where the full one would not fit.
     `label` is what messages call the model (the name the user typed; else the file's own name);
     `projector` the bytes of its vision projector (projector_bytes); `flash_attn` the engine's.
@@ -194,7 +196,7 @@ def choose_context(
             if plan.fits:
                 return plan
         raise ModelTooLargeError(_too_large(label or info.name, plan))
-    n = min(trained, DEFAULT_CTX_CAP)
+    n = trained if cap is None else min(trained, cap)
     while True:
         for plan in _plans(info, n, n_seq, kv_type, available, swa, projector, flash_attn):
             if plan.fits:

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from edgechat.engine.output.schema_grammar import check_schema
+from edgechat.engine.output.schema_grammar import tool_schema
 from edgechat.engine.output.tools import NAME, tool_grammar
 from edgechat.engine.types.request import ChatRequest, Finished, ImageInput, ToolCall, Tools
 from edgechat.server import fields, responses
@@ -34,6 +34,7 @@ from edgechat.server.images import content as content_of
 from edgechat.server.keepalive import keep_alive_seconds
 from edgechat.server.settings import ServerSettings
 from edgechat.server.streaming import Wire, stream, whole
+from edgechat.server.tools import note_hosted_tools
 
 #: Anthropic's error type for each HTTP status (any other 4xx is an invalid request, 5xx an api_error)
 _ERROR_TYPES = {
@@ -62,7 +63,11 @@ def error_status(exc: ApiError) -> int:
 def error_body(exc: ApiError) -> dict:
     status = error_status(exc)
     kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+    message = exc.message
+    if exc.tokens is not None:
+        # Anthropic's own words, which Claude Code reads to compact the conversation
+        message = f"prompt is too long: {exc.tokens[0]} tokens > {exc.tokens[1]} maximum"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_response(exc: ApiError) -> Response:
@@ -92,16 +97,20 @@ def _refuse_block(where: str, kind: object) -> ApiError:
     return bad_request(f"{where}: unknown or misplaced content block type {fields.describe(kind)}", param=where)
 
 
+def _system_texts(where: str, value: object) -> list[str]:
+    parts = []
+    for j, block in enumerate(_blocks(where, value)):
+        if block.get("type") != "text":
+            raise _refuse_block(f"{where}[{j}]", block.get("type"))
+        parts.append(fields.text(f"{where}[{j}].text", block.get("text")))
+    return parts
+
+
 def _system(body: dict) -> str | None:
     value = body.get("system")
     if value is None:
         return None
-    parts = []
-    for j, block in enumerate(_blocks("system", value)):
-        if block.get("type") != "text":
-            raise _refuse_block(f"system[{j}]", block.get("type"))
-        parts.append(fields.text(f"system[{j}].text", block.get("text")))
-    return "\n\n".join(parts)
+    return "\n\n".join(_system_texts("system", value))
 
 
 def _tool_result_text(where: str, block: dict) -> str:
@@ -148,8 +157,13 @@ def _messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
         if not isinstance(message, dict):
             raise fields.type_error(f"messages[{i}]", "an object", message)
         role = message.get("role")
+        if role == "system":
+            # a system message between turns (Claude Code sends them): kept where it stands
+            system = "\n\n".join(_system_texts(f"messages[{i}].content", message.get("content")))
+            out.append({"role": "system", "content": system})
+            continue
         if role not in ("user", "assistant"):
-            raise bad_request(f"messages[{i}].role must be 'user' or 'assistant', got {fields.describe(role)}", param=f"messages[{i}].role")
+            raise bad_request(f"messages[{i}].role must be 'user', 'assistant' or 'system', got {fields.describe(role)}", param=f"messages[{i}].role")
         text: list = []  # the message's text and images so far, in order
         made: list[dict] = []
         answered = False
@@ -217,12 +231,19 @@ def _tools(body: dict) -> Tools | None:
     if not isinstance(raw, list):
         raise fields.type_error("tools", "a list", raw)
     functions: list[dict] = []
+    hosted: list[str] = []
     for i, tool in enumerate(raw):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise fields.type_error(where, "an object", tool)
-        if tool.get("type", "custom") != "custom":
-            raise bad_request(f"{where}.type: only custom tools (with an input_schema) are offered here, not {fields.describe(tool.get('type'))}", param=f"{where}.type")
+        kind_of = tool.get("type", "custom")
+        if not isinstance(kind_of, str):
+            raise fields.type_error(f"{where}.type", "a tool type", kind_of)
+        if kind_of != "custom":
+            # Anthropic's own tools (web_search_20250305, bash_20250124, ...) run on its side or
+            # are defined by a model trained on them: none of them can run here
+            hosted.append(kind_of)
+            continue
         name = tool.get("name")
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise bad_request(f"{where}.name must be 1-64 letters, digits, _ or -", param=f"{where}.name")
@@ -234,8 +255,11 @@ def _tools(body: dict) -> Tools | None:
         schema = tool.get("input_schema")
         if not isinstance(schema, dict) or schema.get("type") != "object":
             raise bad_request(f"{where}.input_schema must be a JSON Schema of type object", param=f"{where}.input_schema")
-        check_schema(schema, f"{where}.input_schema")
+        tool_schema(schema, f"{where}.input_schema")
         functions.append({"name": name, "description": description, "parameters": schema})
+    note_hosted_tools("Anthropic", hosted)
+    if not functions:
+        return None
     named = None
     if kind == "tool":
         named = choice.get("name")

@@ -27,8 +27,11 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
+        tokens: tuple[int, int] | None = None,
     ):
         super().__init__(message)
+        #: a prompt too long: its tokens and the most allowed (each API words this its own way)
+        self.tokens = tokens
         self.status = status
         self.message = message
         self.type = type
@@ -53,12 +56,15 @@ def field_error(exc: InvalidFieldError) -> ApiError:
 
 
 def prompt_too_long(prompt_tokens: int, limit: int, why: str) -> ApiError:
-    # OpenAI's code for this case; clients (and the openai SDK's users) match on it
+    # OpenAI's code and wording for this case: agents (Codex, opencode) match on the code and
+    # compact or trim the conversation
     return ApiError(
         400,
-        f"the prompt has {prompt_tokens} tokens, more than the {limit} allowed ({why})",
+        f"This model's maximum context length is {limit} tokens. However, your messages resulted in {prompt_tokens} tokens "
+        f"({why}). Please reduce the length of the messages.",
         param="messages",
         code="context_length_exceeded",
+        tokens=(prompt_tokens, limit),
     )
 
 

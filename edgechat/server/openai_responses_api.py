@@ -17,6 +17,8 @@ are accepted.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import time
@@ -42,6 +44,7 @@ from edgechat.server.keepalive import keep_alive_seconds
 from edgechat.server.settings import ServerSettings
 from edgechat.server.streaming import Wire, stream, whole
 from edgechat.server.structured import json_schema_grammar, response_format_grammar
+from edgechat.server.tools import note_hosted_tools
 from edgechat.store.responses import ResponseStore
 
 log = logging.getLogger("edgechat.server")
@@ -67,6 +70,8 @@ class ResponsesRequest:
     context: list[dict]
     echo: dict
     store: bool
+    #: what a call item carries beyond a function call's fields, by tool name (_tools)
+    kinds: dict[str, dict] = dataclasses.field(default_factory=dict)
 
 
 def _content(where: str, content: object, part_type: str, images: ImageReader | None = None) -> str | list:
@@ -132,26 +137,45 @@ def _messages(items: list[dict], first: int, images: ImageReader) -> list[dict]:
                 raise bad_request(f"{where}.role must be one of {', '.join(_PARTS)}, got {fields.describe(role)}", param=f"{where}.role", code="invalid_value")
             text = _content(f"{where}.content", item.get("content"), _PARTS[role], images if role == "user" else None)
             out.append({"role": "system" if role == "developer" else role, "content": text})
-        elif kind == "function_call":
-            call = _function_call(where, item)
+        elif kind in ("function_call", "custom_tool_call"):
+            call = _function_call(where, item) if kind == "function_call" else _custom_call(where, item)
             if out and out[-1]["role"] == "assistant":
                 # the text before a call and calls made together are one assistant turn
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
             calls.add(call["id"])
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or call_id not in calls:
-                raise bad_request(f"{where}.call_id must be the call_id of an earlier function_call item, got {fields.describe(call_id)}",
+                raise bad_request(f"{where}.call_id must be the call_id of an earlier {kind[:-7]} item, got {fields.describe(call_id)}",
                                   param=f"{where}.call_id", code="invalid_value")
             output = item.get("output")
             text = _content(f"{where}.output", "" if output is None else output, "input_text")
             out.append({"role": "tool", "content": text, "tool_call_id": call_id})
+        elif not isinstance(kind, str):
+            raise fields.type_error(f"{where}.type", "an item type", kind)
         elif kind != "reasoning":  # earlier thoughts are never given to the model again (the engine's rule)
-            raise bad_request(f"{where}.type: unknown or unsupported item type {fields.describe(kind)} (message, function_call, "
-                              "function_call_output and reasoning are)", param=f"{where}.type", code="invalid_value")
+            # a hosted tool's call or result (web_search_call, ...), or an item of a kind added
+            # to the API later: nothing the model can read here
+            _log_skipped_item(kind)
     return out
+
+
+@functools.cache
+def _log_skipped_item(kind: str) -> None:
+    log.info("Responses input items of type %r are left out of the prompt (nothing here reads them)", kind)
+
+
+def _custom_call(where: str, item: dict) -> dict:
+    """An earlier custom tool call, kept as the one-string function call it was offered as."""
+    call_id, name, text = item.get("call_id"), item.get("name"), item.get("input", "")
+    if not isinstance(call_id, str) or not call_id:
+        raise fields.type_error(f"{where}.call_id", "a string", call_id)
+    if not isinstance(name, str):
+        raise fields.type_error(f"{where}.name", "a string", name)
+    arguments = {_CUSTOM_INPUT: fields.text(f"{where}.input", text)}
+    return {"id": call_id, "name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
 
 
 def _input(body: dict) -> list[dict]:
@@ -165,9 +189,25 @@ def _input(body: dict) -> list[dict]:
     return value
 
 
-def _tools(body: dict) -> Tools | None:
-    """`tools` (function tools in Responses' flat shape), `tool_choice` (auto, none, required,
-    {type: function, name}) and `parallel_tool_calls` as tools.Tools."""
+#: a custom (freeform) tool is offered to the model as a function of one string argument
+_CUSTOM_INPUT = "input"
+
+
+def _custom_function(where: str, tool: dict, functions: list[dict]) -> dict:
+    description = tool.get("description", "")
+    if not isinstance(description, str):
+        raise fields.type_error(f"{where}.description", "a string", description)
+    schema = {"type": "object", "properties": {_CUSTOM_INPUT: {"type": "string", "description": "the tool's input, as free text"}},
+              "required": [_CUSTOM_INPUT]}
+    return check_function(where, {"name": tool.get("name"), "description": description, "parameters": schema}, functions)
+
+
+def _tools(body: dict) -> tuple[Tools | None, dict[str, dict]]:
+    """`tools` (function tools in Responses' flat shape, the functions of `namespace` tools,
+    `custom` freeform tools as functions of one string), `tool_choice` (auto, none, required,
+    {type: function|custom, name}) and `parallel_tool_calls` as tools.Tools; and for each tool
+    name that is no plain function, what its call item carries (its namespace, or that it is
+    custom). Hosted tools (web_search, file_search, ...) run on OpenAI's side: left out, logged."""
     raw, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
@@ -175,30 +215,58 @@ def _tools(body: dict) -> Tools | None:
     named = None
     if choice is None or choice in ("auto", "none", "required"):
         kind = choice or "auto"
-    elif isinstance(choice, dict) and choice.get("type") == "function":
+    elif isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         kind, named = "function", choice.get("name")
+    elif isinstance(choice, dict) and isinstance(choice.get("type"), str):
+        kind = "auto"  # a hosted tool or an allowed_tools list: every offered tool stays allowed
     else:
         raise bad_request("'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}",
                           param="tool_choice", code="invalid_value")
     if raw is None or raw == []:
         if kind not in ("auto", "none"):
             raise bad_request("'tool_choice' needs 'tools'", param="tool_choice", code="invalid_value")
-        return None
+        return None, {}
     if not isinstance(raw, list):
         raise fields.type_error("tools", "a list", raw)
     functions: list[dict] = []
+    kinds: dict[str, dict] = {}
+    hosted: list[str] = []
     for i, tool in enumerate(raw):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise fields.type_error(where, "an object", tool)
-        if tool.get("type") != "function":
-            raise bad_request(f"{where}.type: only function tools run here, not {fields.describe(tool.get('type'))}",
-                              param=f"{where}.type", code="unsupported_parameter")
-        functions.append(check_function(where, tool, functions))
+        kind_of = tool.get("type")
+        if kind_of == "function":
+            functions.append(check_function(where, tool, functions))
+        elif kind_of == "custom":
+            functions.append(_custom_function(where, tool, functions))
+            kinds[functions[-1]["name"]] = {"custom": True}
+        elif kind_of == "namespace":
+            inner = tool.get("tools")
+            if not isinstance(inner, list):
+                raise fields.type_error(f"{where}.tools", "a list of tools", inner)
+            space = fields.text(f"{where}.name", tool.get("name"))
+            for j, fn in enumerate(inner):
+                at = f"{where}.tools[{j}]"
+                if not isinstance(fn, dict):
+                    raise fields.type_error(at, "an object", fn)
+                if fn.get("type", "function") == "custom":
+                    functions.append(_custom_function(at, fn, functions))
+                    kinds[functions[-1]["name"]] = {"custom": True, "namespace": space}
+                else:
+                    functions.append(check_function(at, fn, functions))
+                    kinds[functions[-1]["name"]] = {"namespace": space}
+        elif isinstance(kind_of, str) and kind_of:
+            hosted.append(kind_of)
+        else:
+            raise fields.type_error(f"{where}.type", "a tool type", kind_of)
+    note_hosted_tools("Responses", hosted)
     if named is not None and not any(f["name"] == named for f in functions):
         offered = ", ".join(f["name"] for f in functions)
         raise bad_request(f"tool_choice.name {fields.describe(named)} is not in 'tools' ({offered})", param="tool_choice.name", code="invalid_value")
-    return Tools(functions, kind, named, parallel)
+    if not functions:
+        return None, {}
+    return Tools(functions, kind, named, parallel), kinds
 
 
 def _text_format(body: dict):
@@ -270,7 +338,7 @@ def parse_responses(body: dict, settings: ServerSettings, sampling=None, history
                           param="input", code="too_many_messages")
     if instructions:
         messages.insert(0, {"role": "system", "content": instructions})
-    tools = _tools(body)
+    tools, kinds = _tools(body)
     active = tools if tools is not None and tools.active else None
     grammar, fmt = _text_format(body)
     if active is not None and grammar is not None:
@@ -298,11 +366,11 @@ def parse_responses(body: dict, settings: ServerSettings, sampling=None, history
         "temperature": request.sampling.temperature,
         "text": {"format": fmt},
         "tool_choice": _tool_choice_body(tools),
-        "tools": [{"type": "function", **f} for f in (tools.functions if tools is not None else [])],
+        "tools": body.get("tools") or [],
         "top_p": request.sampling.top_p,
         "truncation": "disabled",
     }
-    return ResponsesRequest(parsed, context, echo, store)
+    return ResponsesRequest(parsed, context, echo, store, kinds)
 
 
 def _tool_choice_body(tools: Tools | None) -> str | dict:
@@ -362,26 +430,44 @@ def _reasoning_item(item_id: str, text: str | None, status: str) -> dict:
     return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
 
-def _call_item(item_id: str, call: ToolCall, status: str) -> dict:
-    arguments = call.arguments if status == "completed" else ""
-    return {"id": item_id, "type": "function_call", "call_id": call.id, "name": call.name, "arguments": arguments, "status": status}
+def _custom_input(call: ToolCall) -> str:
+    """A custom tool's free text, from the one string argument it was offered as."""
+    try:
+        value = json.loads(call.arguments).get(_CUSTOM_INPUT, "")
+    except (json.JSONDecodeError, AttributeError):
+        value = call.arguments
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def output_items(choice: responses.Choice) -> list[dict]:
+def _call_item(item_id: str, call: ToolCall, status: str, kinds: dict[str, dict]) -> dict:
+    """A call as the item its tool's kind makes: function_call (with its namespace, if any) or
+    custom_tool_call (its input the text, not JSON)."""
+    kind = kinds.get(call.name, {})
+    done = status == "completed"
+    item = {"id": item_id, "call_id": call.id, "name": call.name}
+    if "namespace" in kind:
+        item["namespace"] = kind["namespace"]
+    if kind.get("custom"):
+        return {**item, "type": "custom_tool_call", "input": _custom_input(call) if done else "", "status": status}
+    return {**item, "type": "function_call", "arguments": call.arguments if done else "", "status": status}
+
+
+def output_items(choice: responses.Choice, kinds: dict[str, dict]) -> list[dict]:
     """A finished answer's output: its thoughts, its text (left out when it only calls), its calls."""
     finished, out = choice.finished, []
     if finished.reasoning:
         out.append(_reasoning_item(_new_id("rs"), finished.reasoning, "completed"))
     if choice.content or not choice.tool_calls:
         out.append(_message_item(_new_id("msg"), choice.content, _status(finished)))
-    return out + [_call_item(_new_id("fc"), c, "completed") for c in choice.tool_calls]
+    return out + [_call_item(_new_id("fc"), c, "completed", kinds) for c in choice.tool_calls]
 
 
 class _Events:
     """One response's SSE events: numbered from 0; output items streamed one at a time, in
     order, each text item with one content part (index 0)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kinds: dict[str, dict]) -> None:
+        self.kinds = kinds
         self.sequence = 0
         self.output: list[dict] = []  # the items done, as response.completed lists them
         self.open: dict | None = None  # the text item being streamed (reasoning or message)
@@ -432,15 +518,19 @@ class _Events:
         return out
 
     def call(self, call: ToolCall) -> list[str]:
-        """A whole call: its item, its arguments in one delta, its end."""
+        """A whole call: its item, its arguments (a custom tool's input) in one delta, its end."""
         out = self.close()
         item_id, index = _new_id("fc"), len(self.output)
         place = {"item_id": item_id, "output_index": index}
-        done = _call_item(item_id, call, "completed")
-        out += [self.event("response.output_item.added", output_index=index, item=_call_item(item_id, call, "in_progress")),
-                self.event("response.function_call_arguments.delta", **place, delta=call.arguments),
-                self.event("response.function_call_arguments.done", **place, arguments=call.arguments),
-                self.event("response.output_item.done", output_index=index, item=done)]
+        done = _call_item(item_id, call, "completed", self.kinds)
+        if done["type"] == "custom_tool_call":
+            text = [self.event("response.custom_tool_call_input.delta", **place, delta=done["input"]),
+                    self.event("response.custom_tool_call_input.done", **place, input=done["input"])]
+        else:
+            text = [self.event("response.function_call_arguments.delta", **place, delta=call.arguments),
+                    self.event("response.function_call_arguments.done", **place, arguments=call.arguments)]
+        out += [self.event("response.output_item.added", output_index=index, item=_call_item(item_id, call, "in_progress", self.kinds)),
+                *text, self.event("response.output_item.done", output_index=index, item=done)]
         self.output.append(done)
         return out
 
@@ -529,7 +619,7 @@ class ResponsesApi:
             return await stream(server, start, _Stream(r, response_id, created, self._keep))
         started, finished = await whole(server, request, start)
         choice = responses.Choice(finished[0], finished[0].text, finished[0].tool_calls)
-        out = response_body(r, response_id, created, started.served.id, _status(choice.finished), output_items(choice), _usage(choice.finished))
+        out = response_body(r, response_id, created, started.served.id, _status(choice.finished), output_items(choice, r.kinds), _usage(choice.finished))
         await self._keep(r, out)
         return JSONResponse(out)
 
@@ -541,7 +631,7 @@ class _Stream(Wire):
 
     def __init__(self, r: ResponsesRequest, response_id: str, created: int, keep: Callable[[ResponsesRequest, dict], Awaitable[None]]):
         self.r, self.response_id, self.created, self.keep = r, response_id, created, keep
-        self.events = _Events()
+        self.events = _Events(r.kinds)
         self.calls: list[ToolCall] = []
         self.held = ""  # trailing whitespace not sent yet
         self.model: str | None = None  # the model answering, once under way

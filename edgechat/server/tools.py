@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+
 from edgechat.engine.output.tools import check_function
 from edgechat.engine.types.request import Tools
 from edgechat.server.errors import bad_request
+
+log = logging.getLogger("edgechat.server")
+
+
+def note_hosted_tools(api: str, kinds: list[str]) -> None:
+    """Tools a hosted API runs on its own side (web search, code execution, ...), which a client
+    offers along with its own: left out of the prompt and logged once per set, never a 400."""
+    if kinds:
+        _log_hosted(api, tuple(sorted(set(kinds))))
+
+
+@functools.cache
+def _log_hosted(api: str, kinds: tuple[str, ...]) -> None:
+    log.info("%s tools left out (they run on the hosted API's side, not here): %s", api, ", ".join(kinds))
 
 
 def parse_tools(body: dict) -> Tools | None:

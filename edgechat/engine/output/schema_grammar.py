@@ -1,21 +1,26 @@
-"""JSON Schema -> llama.cpp grammar, refusing what the converter cannot enforce.
+"""JSON Schema -> llama.cpp grammar.
 
 The conversion is llama-cpp-python's `SchemaConverter` (the Python port of llama.cpp's own
 json-schema-to-grammar), kept up with llama.cpp. It skips keywords it does not know without a
-word, so every schema is walked first and a keyword it would skip is an `InvalidFieldError`
-naming the keyword and where it is (the server answers it as a 400): a client that asks for
-`minimum` expects it to hold. Used by tool calling (tools.py) and by the server's structured
-outputs.
+word, so every schema is walked first. Structured outputs (`check_schema`) refuse a keyword it
+would skip with an `InvalidFieldError` naming the keyword and where it is (a 400): a client that
+asks for `minimum` in its answer's format expects it to hold. A tool's parameters (`tool_schema`)
+describe the client's tool, and agents send every keyword JSON Schema has: there what cannot be
+enforced is left out of the grammar and logged, as hosted APIs accept it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import re
 
 from llama_cpp.llama_grammar import SchemaConverter
 
 from edgechat.errors import InvalidFieldError
+
+log = logging.getLogger("edgechat.tools")
 
 #: keywords the converter turns into grammar
 _ENFORCED = {
@@ -31,6 +36,7 @@ _HARMLESS = {
 #: string formats the converter has a rule for (others would be any string)
 _FORMATS = {"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"}
 _TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+_ANY = ["object", "array", "string", "number", "boolean", "null"]
 #: a bound on schema nesting: the converter recurses once per level
 _MAX_DEPTH = 64
 
@@ -43,63 +49,111 @@ def _unsupported(param: str, where: str, what: str) -> InvalidFieldError:
     )
 
 
-def check_schema(schema: object, param: str) -> None:
-    """Raise a 400 naming the first keyword (and its JSON pointer) that would not be enforced."""
-    if not isinstance(schema, dict):
-        raise InvalidFieldError(f"{param} must be a JSON Schema object", param=param, code="invalid_schema")
+def _invalid(param: str, message: str) -> InvalidFieldError:
+    return InvalidFieldError(f"{param}{message}", param=param, code="invalid_schema")
 
-    def walk(node: object, where: str, depth: int) -> None:
+
+def _walk(schema: object, param: str, strict: bool) -> tuple[dict, list[str]]:
+    """A checked copy of `schema` the converter can take, and what of it is not enforced.
+
+    Malformed schemas (a node that is no object, an unknown type, a list keyword that is no
+    list) are an InvalidFieldError either way. What the grammar cannot hold (a keyword such as
+    `minimum`, an unknown format, an unanchored pattern) is an error when `strict`; otherwise it
+    is left out of the copy and named in the list, as "keyword at #/pointer"."""
+    if not isinstance(schema, dict):
+        raise _invalid(param, " must be a JSON Schema object")
+    skipped: list[str] = []
+
+    def skip(where: str, what: str) -> None:
+        if strict:
+            raise _unsupported(param, where, what)
+        skipped.append(f"{what} at {where}")
+
+    def walk(node: object, where: str, depth: int) -> dict:
         if depth > _MAX_DEPTH:
-            raise InvalidFieldError(f"{param} is nested more than {_MAX_DEPTH} levels deep", param=param, code="invalid_schema")
+            raise _invalid(param, f" is nested more than {_MAX_DEPTH} levels deep")
         if isinstance(node, bool):
-            # true (anything) and false (nothing) are valid schemas the converter does not take
-            raise _unsupported(param, where, f"the boolean schema {str(node).lower()}")
+            # true (anything) and false (nothing) are valid schemas the converter does not take:
+            # both become "any value"
+            skip(where, f"the boolean schema {str(node).lower()}")
+            return {}
         if not isinstance(node, dict):
-            raise InvalidFieldError(f"{param}: the schema at {where} must be an object", param=param, code="invalid_schema")
-        for key in node:
-            if key not in _ENFORCED and key not in _HARMLESS:
-                raise _unsupported(param, where, f"the keyword '{key}'")
+            raise _invalid(param, f": the schema at {where} must be an object")
+        out: dict = {}
+        for key, value in node.items():
+            if key in _ENFORCED or key in _HARMLESS:
+                out[key] = value
+            else:
+                skip(where, f"the keyword '{key}'")
         kind = node.get("type")
         for t in kind if isinstance(kind, list) else [kind]:
             if t is not None and t not in _TYPES:
-                raise InvalidFieldError(f"{param}: unknown type {t!r} at {where}", param=param, code="invalid_schema")
-        if "format" in node and node["format"] not in _FORMATS:
-            raise _unsupported(param, where, f"the format {node['format']!r}")
-        if "items" in node and "prefixItems" in node:
-            raise _unsupported(param, where, "'prefixItems' together with 'items'")
-        if "pattern" in node:
-            p = node["pattern"]
+                raise _invalid(param, f": unknown type {t!r} at {where}")
+        if "format" in out and out["format"] not in _FORMATS:
+            skip(where, f"the format {out['format']!r}")
+            del out["format"]
+        if "items" in out and "prefixItems" in out:
+            skip(where, "'prefixItems' together with 'items'")
+            del out["prefixItems"]
+        if "pattern" in out:
+            p = out["pattern"]
             if not isinstance(p, str) or not (p.startswith("^") and p.endswith("$")) or "(?" in p:
-                raise _unsupported(param, where, "a 'pattern' that is not anchored with ^...$ or uses (?...) groups")
-        ref = node.get("$ref")
+                skip(where, "a 'pattern' that is not anchored with ^...$ or uses (?...) groups")
+                del out["pattern"]
+        ref = out.get("$ref")
         if ref is not None and (not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/"))):
-            raise _unsupported(param, where, f"the $ref {ref!r} (only references inside the schema, #...)")
-        if "allOf" in node:
-            for i, part in enumerate(node["allOf"]):
+            skip(where, f"the $ref {ref!r} (only references inside the schema, #...)")
+            del out["$ref"]
+        if isinstance(out.get("allOf"), list):
+            for i, part in enumerate(out["allOf"]):
                 # the converter merges only the properties of each part
                 if not isinstance(part, dict) or set(part) - {"properties", "required", "type", "$ref", "anyOf", *_HARMLESS}:
-                    raise _unsupported(param, f"{where}/allOf/{i}", "an allOf part with more than properties")
+                    skip(f"{where}/allOf/{i}", "an allOf part with more than properties")
         for key in ("properties", "$defs", "definitions"):
-            sub = node.get(key)
+            sub = out.get(key)
             if sub is not None:
                 if not isinstance(sub, dict):
-                    raise InvalidFieldError(f"{param}: '{key}' at {where} must be an object", param=param, code="invalid_schema")
-                for name, child in sub.items():
-                    walk(child, f"{where}/{key}/{name}", depth + 1)
+                    raise _invalid(param, f": '{key}' at {where} must be an object")
+                out[key] = {name: walk(child, f"{where}/{key}/{name}", depth + 1) for name, child in sub.items()}
         for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
-            sub = node.get(key)
+            sub = out.get(key)
             if sub is not None:
                 if not isinstance(sub, list) or not sub:
-                    raise InvalidFieldError(f"{param}: '{key}' at {where} must be a non-empty list", param=param, code="invalid_schema")
-                for i, child in enumerate(sub):
-                    walk(child, f"{where}/{key}/{i}", depth + 1)
-        if "items" in node:
-            walk(node["items"], f"{where}/items", depth + 1)
-        extra = node.get("additionalProperties")
+                    raise _invalid(param, f": '{key}' at {where} must be a non-empty list")
+                out[key] = [walk(child, f"{where}/{key}/{i}", depth + 1) for i, child in enumerate(sub)]
+        if "items" in out:
+            out["items"] = walk(out["items"], f"{where}/items", depth + 1)
+        extra = out.get("additionalProperties")
         if extra is not None and not isinstance(extra, bool):
-            walk(extra, f"{where}/additionalProperties", depth + 1)
+            out["additionalProperties"] = walk(extra, f"{where}/additionalProperties", depth + 1)
+        if not strict and not set(out) - _HARMLESS:
+            # no constraint left: any JSON value (the converter would read {} as an object)
+            out["type"] = _ANY
+        return out
 
-    walk(schema, "#", 0)
+    return walk(schema, "#", 0), skipped
+
+
+def check_schema(schema: object, param: str) -> None:
+    """Raise a 400 naming the first keyword (and its JSON pointer) that would not be enforced:
+    a client that asks for structured output expects every keyword of it to hold."""
+    _walk(schema, param, strict=True)
+
+
+def tool_schema(schema: object, param: str) -> dict:
+    """A tool's parameter schema as the grammar enforces it: what the converter cannot hold is
+    left out (a tool's schema describes the tool; hosted APIs take any valid keyword there, and
+    the tool checks its own arguments). Malformed schemas still raise. What is left out is
+    logged once per process for each set."""
+    enforced, skipped = _walk(schema, param, strict=False)
+    if skipped:
+        _log_unenforced(tuple(sorted({s.split(" at ")[0] for s in skipped})))
+    return enforced
+
+
+@functools.cache
+def _log_unenforced(what: tuple[str, ...]) -> None:
+    log.info("tool schemas: not enforced by the grammar (accepted, left to the tool): %s", ", ".join(what))
 
 
 def _local_refs(schema: dict, name: str, param: str) -> tuple[dict, dict[str, object]]:

@@ -31,7 +31,7 @@ import uuid
 
 from edgechat.engine.output.jsonvalue import JsonPrefix, fits
 from edgechat.engine.output.markers import marker_tail
-from edgechat.engine.output.schema_grammar import check_schema, schema_rules
+from edgechat.engine.output.schema_grammar import schema_rules, tool_schema
 from edgechat.engine.output.toolfamilies import GENERIC, CallSyntax, ToolFamily, call_objects, native_messages
 from edgechat.engine.types.request import ToolCall, Tools
 from edgechat.errors import InvalidFieldError
@@ -80,7 +80,7 @@ def check_function(where: str, fn: dict, functions: list[dict]) -> dict:
     param = f"{where}.parameters"
     if not isinstance(params, dict) or params.get("type", "object") != "object":
         raise InvalidFieldError(f"{param} must be a JSON Schema of type object", param=param, code="invalid_schema")
-    check_schema(params, param)
+    tool_schema(params, param)
     return {"name": name, "description": description, "parameters": params}
 
 
@@ -92,7 +92,7 @@ def tool_grammar(tools: Tools, family: ToolFamily = GENERIC) -> Grammar | None:
         return None
     offered = tools.offered
     # checked per tool: each tool's $refs point into its own parameters
-    rules = schema_rules([(f"args-{i}", f["parameters"]) for i, f in enumerate(offered)], "tools")
+    rules = schema_rules([(f"args-{i}", tool_schema(f["parameters"], "tools")) for i, f in enumerate(offered)], "tools")
     key, many = family.args_key, tools.parallel and tools.named is None
     lines = ["tool-calls ::= " + " | ".join(f"calls-{k}" for k in range(len(family.syntaxes)))]
     for k, syntax in enumerate(family.syntaxes):
@@ -258,7 +258,8 @@ class ToolCallParser:
         self._syntax: CallSyntax | None = None  # the syntax of the call being read
         self._json: JsonPrefix | None = None  # a fallback call's JSON as it is read
         self._fed = 0  # how much of _held the fallback's JsonPrefix has read
-        self._schemas = None if functions is None else {f["name"]: f.get("parameters") or {} for f in functions}
+        # what the grammar holds a call to (a keyword it cannot enforce is the tool's to check)
+        self._schemas = None if functions is None else {f["name"]: tool_schema(f.get("parameters") or {}, "tools") for f in functions}
         #: a bare JSON call can only be the whole answer: once other text is out, none can come
         self._bare = any(not s.opener for s in family.syntaxes)
         self._openers = [s for s in family.syntaxes if s.opener]
