@@ -101,6 +101,17 @@ def test_a_tool_schema_keeps_what_the_grammar_enforces_and_leaves_out_the_rest(c
         check_schema(AGENT_PARAMS, "response_format.json_schema.schema")
 
 
+def test_a_length_bound_past_what_a_grammar_holds_is_left_to_the_tool_or_refused():
+    # Claude Code's Workflow tool: a script of up to 512 KiB; the converter writes a bound as
+    # that many nested optional characters (megabytes of grammar, past llama.cpp's stack)
+    script = {"type": "object", "properties": {"script": {"type": "string", "maxLength": 524288}, "note": {"type": "string", "maxLength": 200}}}
+    enforced = tool_schema(script, "tools[0].parameters")
+    assert enforced["properties"] == {"script": {"type": "string"}, "note": {"type": "string", "maxLength": 200}}
+    assert len(schema_rules([("", enforced)], "x")) < 10_000
+    with pytest.raises(InvalidFieldError, match="'maxLength' above"):
+        check_schema(script, "response_format.json_schema.schema")
+
+
 @pytest.mark.parametrize("schema, where", [
     ({"type": "object", "properties": {"a": {"type": "strange"}}}, "unknown type"),
     ({"type": "object", "properties": {"a": {"anyOf": {"type": "string"}}}}, "must be a non-empty list"),

@@ -37,6 +37,9 @@ _HARMLESS = {
 _FORMATS = {"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"}
 _TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 _ANY = ["object", "array", "string", "number", "boolean", "null"]
+#: the keywords that count characters or items, and the most the grammar holds to
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
+MAX_COUNT = 512
 #: a bound on schema nesting: the converter recurses once per level
 _MAX_DEPTH = 64
 
@@ -89,6 +92,12 @@ def _walk(schema: object, param: str, strict: bool) -> tuple[dict, list[str]]:
         for t in kind if isinstance(kind, list) else [kind]:
             if t is not None and t not in _TYPES:
                 raise _invalid(param, f": unknown type {t!r} at {where}")
+        for key in _COUNTS:
+            # the converter writes a bound as that many nested optional items: a large one is a
+            # grammar of megabytes, whose parsing overflows llama.cpp's stack
+            if isinstance(out.get(key), int) and out[key] > MAX_COUNT:
+                skip(where, f"'{key}' above {MAX_COUNT}")
+                del out[key]
         if "format" in out and out["format"] not in _FORMATS:
             skip(where, f"the format {out['format']!r}")
             del out["format"]
