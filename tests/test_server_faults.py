@@ -11,6 +11,7 @@ import pytest
 from serving import serving
 
 from edgechat.engine import Engine, EngineConfig
+from edgechat.engine.pool import ModelPool
 from edgechat.server import ServerSettings, create_app
 
 MODEL = "smollm2-135m-instruct"
@@ -67,6 +68,46 @@ def test_a_dead_engine_answers_503_at_once(models_root, monkeypatch):
             second = ask(url, "Say hello.")
             assert second.status_code == 503 and second.json()["error"]["code"] == "engine_stopped"
             assert time.monotonic() - started < 10  # refused, not queued behind a dead thread
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_served_model_whose_engine_died_is_loaded_again_for_the_next_request(models_root):
+    """`serve`'s models live in the pool: a dead engine thread is a 503 with Retry-After at
+    most (which agents retry), then a fresh engine answers; /health never says ok over a dead one."""
+    pool = ModelPool()
+    pool.add(MODEL, EngineConfig(model=MODEL, n_ctx=512, paths=models_root))
+    try:
+        with serving(create_app(ServerSettings(model_id=MODEL, degrade_queue_wait=None), pool=pool)) as url:
+            first = pool.acquire(MODEL)
+            pool.release(MODEL)
+
+            def die():
+                raise Killed("the engine thread died")
+
+            first.scheduler.step = die
+            assert ask(url, "Say hello.").status_code == 500
+            replies = [ask(url, "Say hello.") for _ in range(2)]
+            assert all(r.status_code == 200 or (r.status_code == 503 and r.headers["Retry-After"]) for r in replies), replies
+            assert replies[-1].status_code == 200 and replies[-1].json()["choices"][0]["message"]["content"]
+            again = pool.acquire(MODEL)
+            pool.release(MODEL)
+            assert again is not first and again.stopped is None and first.stopped is not None
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    finally:
+        pool.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_health_is_not_ok_over_an_engine_that_cannot_be_loaded_again(models_root):
+    with Engine(EngineConfig(model=MODEL, n_ctx=512, paths=models_root)) as engine:
+        with serving(create_app(ServerSettings(model_id=MODEL, degrade_queue_wait=None), engine)) as url:
+            def die():
+                raise Killed("the engine thread died")
+
+            engine.scheduler.step = die
+            ask(url, "Say hello.")
+            health = httpx.get(f"{url}/health", timeout=10)
+            assert health.status_code == 503 and health.json()["status"] == "error"
 
 
 def test_each_request_builds_its_prompt_once(models_root, monkeypatch):

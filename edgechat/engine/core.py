@@ -379,6 +379,14 @@ class Engine(PromptQueries):
         """For checking near-ties: the n highest (token, logit) after `tokens`, prefilled cold."""
         return self._call("top_logits", (tokens, n))
 
+    @property
+    def stopped(self) -> str | None:
+        """Why the engine thread ended without being closed (a bug, a llama.cpp failure); None
+        while it runs."""
+        if self._closed:
+            return None
+        return self._stopped or (None if self._thread.is_alive() else "its thread ended")
+
     def close(self) -> None:
         if self._closed:
             return

@@ -222,7 +222,7 @@ class ModelPool:
         """A lease on the model if it is loaded now, without waiting (False: acquire it)."""
         model = self.models[name]
         with self._cond:
-            if model.state is not ModelState.LOADED or self._closed:
+            if model.state is not ModelState.LOADED or self._closed or (model.engine is not None and model.engine.stopped):
                 return False
             model.users += 1
             model.last_used, model.unload_at = time.monotonic(), None
@@ -236,10 +236,18 @@ class ModelPool:
         with self._cond:
             model.users -= 1
             now = model.last_used = time.monotonic()
-            if model.users == 0:
+            dead = model.engine is not None and model.engine.stopped is not None and not model.pinned
+            if model.users == 0 and dead and model.state is ModelState.LOADED:
+                # its thread died: unloaded now, so the next request loads it afresh (a restart)
+                model.state = ModelState.UNLOADING
+            elif model.users == 0:
                 keep = model.idle_unload if keep_alive is None else keep_alive
                 model.unload_at = None if keep is None or keep == KEEP_FOREVER else now + max(keep, 0.0)
+                dead = False
             self._cond.notify_all()
+        if dead and model.state is ModelState.UNLOADING:
+            log.error("the engine of %s stopped (%s); it is loaded again for the next request", name, model.engine.stopped)
+            self._unload(model, "its engine stopped")
 
     def unload(self, name: str) -> bool:
         """Unload an idle model now; False if it is busy, pinned or not loaded."""

@@ -41,6 +41,11 @@ log = logging.getLogger("edgechat.server")
 
 
 async def _health(server: Dispatcher, request: Request) -> Response:
+    # an engine given to the server loaded cannot be loaded again: once its thread died, every
+    # request would fail, and a supervisor reading /health should restart the process
+    dead = [m.name for m in server.pool.resident() if m.pinned and m.engine is not None and m.engine.stopped]
+    if dead:
+        return JSONResponse({"status": "error", "model": server.primary.id, "stopped": dead}, status_code=503)
     return JSONResponse({"status": "ok", "model": server.primary.id, **server.stats(), "degraded": server.degrade.active})
 
 

@@ -89,6 +89,7 @@ def from_engine_error(exc: EdgechatError, retry_after: int) -> ApiError:
     if isinstance(exc, UsageError):
         return bad_request(str(exc))
     if isinstance(exc, EngineStoppedError):
-        # no request will be served until the server is restarted: say so, not "try again"
-        return ApiError(503, str(exc), type="server_error", code="engine_stopped")
+        # the pool loads a model whose engine stopped afresh for the next request: agents retry
+        # a 503 with Retry-After (a model given to the server loaded stays stopped: see /health)
+        return ApiError(503, str(exc), type="server_error", code="engine_stopped", headers={"Retry-After": "1"})
     return ApiError(500, str(exc), type="server_error", code="engine_error")

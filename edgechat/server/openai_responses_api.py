@@ -523,14 +523,14 @@ class _Events:
         item_id, index = _new_id("fc"), len(self.output)
         place = {"item_id": item_id, "output_index": index}
         done = _call_item(item_id, call, "completed", self.kinds)
+        out.append(self.event("response.output_item.added", output_index=index, item=_call_item(item_id, call, "in_progress", self.kinds)))
         if done["type"] == "custom_tool_call":
             text = [self.event("response.custom_tool_call_input.delta", **place, delta=done["input"]),
                     self.event("response.custom_tool_call_input.done", **place, input=done["input"])]
         else:
             text = [self.event("response.function_call_arguments.delta", **place, delta=call.arguments),
                     self.event("response.function_call_arguments.done", **place, arguments=call.arguments)]
-        out += [self.event("response.output_item.added", output_index=index, item=_call_item(item_id, call, "in_progress", self.kinds)),
-                *text, self.event("response.output_item.done", output_index=index, item=done)]
+        out += [*text, self.event("response.output_item.done", output_index=index, item=done)]
         self.output.append(done)
         return out
 
