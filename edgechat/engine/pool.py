@@ -245,7 +245,7 @@ class ModelPool:
                 model.unload_at = None if keep is None or keep == KEEP_FOREVER else now + max(keep, 0.0)
                 dead = False
             self._cond.notify_all()
-        if dead and model.state is ModelState.UNLOADING:
+        if dead and model.state is ModelState.UNLOADING and model.engine is not None:
             log.error("the engine of %s stopped (%s); it is loaded again for the next request", name, model.engine.stopped)
             self._unload(model, "its engine stopped")
 
