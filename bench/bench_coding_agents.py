@@ -84,13 +84,15 @@ def measure(server: str, model: Path, agents: list[str], tasks: list[str], ctx: 
             for i, task in enumerate(tasks):
                 files, prompt, check = TASKS[task]
                 repo = git_repo(work / server / agent / task, files)
-                row = _session(agent, bins, url, repo, prompt, work / server / agent / f"home-{task}", timeout)
+                # one home for the agent, as a user has: Claude Code names it in its system prompt
+                home = work / server / agent / "home"
+                row = _session(agent, bins, url, repo, prompt, home, timeout)
                 row["solved"] = subprocess.run(check, cwd=repo, capture_output=True, timeout=60).returncode == 0
                 if i == 0:
                     # a later session in the same folder, the repo as it was
                     subprocess.run(["git", "checkout", "-q", "."], cwd=repo, check=True)
-                    subprocess.run(["git", "clean", "-qfd"], cwd=repo, check=True)
-                    row["later"] = _session(agent, bins, url, repo, prompt, work / server / agent / "home-later", timeout)
+                    subprocess.run(["git", "clean", "-qfdx"], cwd=repo, check=True)
+                    row["later"] = _session(agent, bins, url, repo, prompt, home, timeout)
                 rows[task] = row
                 print(f"{server:12s} {agent:8s} {task:7s} {json.dumps(row)}", file=sys.stderr, flush=True)
             out[agent] = rows

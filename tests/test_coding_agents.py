@@ -75,6 +75,7 @@ def _check_session(recorder, agent: str, run) -> list:
     return posts
 
 
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("agent", ["codex", "opencode"])
 def test_the_agent_runs_its_tool_loop_to_the_end(agent, agent_bins, serve, tmp_path):
     start, stop, _ = serve
@@ -96,24 +97,28 @@ def _first_token(posts) -> float:
     return main.first_token_s
 
 
+@pytest.mark.timeout(2400)  # the first session reads ~19k tokens: minutes on two shared cores
 def test_claude_code_runs_and_its_prefix_is_read_once(agent_bins, serve, tmp_path):
     start, stop, log = serve
     repo = git_repo(tmp_path / "repo", BUGGY)
     url = start()
     with recording_proxy(url) as (proxy, recorder):
-        run = run_agent("claude", agent_bins, proxy, repo, PROMPTS["claude"], tmp_path / "home1", AGENT_TIMEOUT_S, max_turns=2)
+        run = run_agent("claude", agent_bins, proxy, repo, PROMPTS["claude"], tmp_path / "home", AGENT_TIMEOUT_S, max_turns=2)
     cold = _first_token(_check_session(recorder, "claude", run))
+    # the folder as it was: Claude Code's system prompt holds its git status (and the user's
+    # home, in its memory folder's path), ahead of the tools
     subprocess.run(["git", "checkout", "-q", "."], cwd=repo, check=True)
+    subprocess.run(["git", "clean", "-qfdx"], cwd=repo, check=True)
     # a new session in the same folder: the system prompt and 24 tools come from the cache
     with recording_proxy(url) as (proxy, recorder):
-        run_agent("claude", agent_bins, proxy, repo, PROMPTS["claude"], tmp_path / "home2", AGENT_TIMEOUT_S, max_turns=1)
+        run_agent("claude", agent_bins, proxy, repo, PROMPTS["claude"], tmp_path / "home", AGENT_TIMEOUT_S, max_turns=1)
     warm = _first_token(recorder.posts(APIS["claude"]))
     stop()
     # and after a restart, from the disk cache the server wrote as it stopped
     url = start()
     try:
         with recording_proxy(url) as (proxy, recorder):
-            run_agent("claude", agent_bins, proxy, repo, PROMPTS["claude"], tmp_path / "home3", AGENT_TIMEOUT_S, max_turns=1)
+            run_agent("claude", agent_bins, proxy, repo, PROMPTS["claude"], tmp_path / "home", AGENT_TIMEOUT_S, max_turns=1)
         restarted = _first_token(recorder.posts(APIS["claude"]))
     finally:
         stop()
