@@ -197,15 +197,17 @@ def _agent_env(home: Path) -> dict[str, str]:
 
 
 def run_agent(agent: str, bin_dir: Path, base_url: str, repo: Path, prompt: str, home: Path, timeout_s: float,
-              max_turns: int | None = None, model: str = "local") -> AgentRun:
-    """One non-interactive session of `agent` in `repo` against `base_url` (the server's root)."""
+              max_turns: int | None = None, model: str = "local", tools: str | None = None) -> AgentRun:
+    """One non-interactive session of `agent` in `repo` against `base_url` (the server's root);
+    `tools` narrows Claude Code's built-in tools ("Read,Edit"), all of them when None."""
     home.mkdir(parents=True, exist_ok=True)
     env = {**_agent_env(home), "PWD": str(repo)}  # opencode takes its project folder from $PWD
     exe = str(bin_dir / BINS[agent])
     if agent == "claude":
         # IS_SANDBOX: Claude Code refuses to skip its permission prompts as root elsewhere
         env.update(ANTHROPIC_BASE_URL=base_url, ANTHROPIC_API_KEY="none", IS_SANDBOX="1", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
-        cmd = [exe, "-p", prompt, "--model", model, "--dangerously-skip-permissions", *(["--max-turns", str(max_turns)] if max_turns else [])]
+        cmd = [exe, "-p", prompt, "--model", model, "--dangerously-skip-permissions",
+               *(["--max-turns", str(max_turns)] if max_turns else []), *(["--tools", tools] if tools else [])]
     elif agent == "codex":
         codex_home = home / ".codex"
         codex_home.mkdir(parents=True, exist_ok=True)

@@ -199,7 +199,8 @@ def test_a_prompt_that_leaves_no_room_for_the_answer_is_refused_by_the_engine(op
     assert info.value.code == "context_length_exceeded"
     # the engine keeps a quarter of the context for the answer
     n = engine.count_tokens(ChatRequest(messages=messages))
-    assert f"{n} tokens" in info.value.message and f"the {N_CTX - N_CTX // 4} allowed" in info.value.message
+    assert f"resulted in {n} tokens" in info.value.message
+    assert f"maximum context length is {N_CTX - N_CTX // 4} tokens" in info.value.message
 
 
 def test_huge_max_tokens_is_clamped_to_the_room_left_in_the_context(open_url, engine):
