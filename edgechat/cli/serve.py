@@ -24,6 +24,7 @@ from edgechat.cli.common import (
     speculative_option,
     swa_cache_option,
 )
+from edgechat.cli.voice import speech_models
 from edgechat.errors import UsageError
 from edgechat.server.settings import ServerSettings
 
@@ -140,6 +141,10 @@ def _models_dir(ctx, param, value: str | None) -> list[str]:
               show_default=True, help="The most pixels an image may have (millions, from its header); more get 400.")
 @click.option("--max-images", type=click.IntRange(min=1), default=ServerSettings.max_images, show_default=True,
               help="The most images one request may hold; more get 400.")
+@click.option("--stt-model", default=None, metavar="MODEL",
+              help="Speech to text for /v1/audio/transcriptions: a faster-whisper folder, a Hub repo, or whisper-base (needs edgechat[voice]).")
+@click.option("--tts-model", default=None, metavar="VOICE",
+              help="Text to speech for /v1/audio/speech: a Piper voice's .onnx or its name, en_US-lessac-medium (needs edgechat[voice]).")
 @chat_template_option
 @mmproj_option
 @click.option("--reasoning-budget", type=click.IntRange(min=-1), default=-1, show_default=True,
@@ -190,6 +195,8 @@ def serve_cmd(
     max_image_mib: float,
     max_image_megapixels: float,
     max_images: int,
+    stt_model: str | None,
+    tts_model: str | None,
     data_dir: str | None,
 ) -> None:
     """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /metrics),
@@ -204,6 +211,7 @@ def serve_cmd(
 
     gpu_layers_note(gpu_layers, rpc)
     paths = get_paths(data_dir)
+    speech = speech_models(stt_model, tts_model, paths, threads)
     deterministic = deterministic_setting(deterministic, paths)
     classes = tuple(parse_class(c) for c in priority_classes)
     keys = dict(k.rpartition("=")[::2] for k in key_classes)
@@ -296,7 +304,7 @@ def serve_cmd(
         log.info("serving %s%s%s: %d sequences of %d tokens on %s", engine.model_name, reads, others, engine.config.n_parallel,
                  engine.n_ctx, urls)
         del engine  # the pool's to unload: nothing else may hold it
-        listen.serve(create_app(settings, fallback=fallback, pool=pool), sockets)
+        listen.serve(create_app(settings, fallback=fallback, pool=pool, speech=speech), sockets)
     finally:
         for sock in sockets:
             sock.close()

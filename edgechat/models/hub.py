@@ -417,7 +417,16 @@ def _reporting_bar(progress: Progress) -> type:
     return Bar
 
 
-def _download(repo: str, file: str, text: str, paths: Paths, progress: Progress | None = None) -> Path:
+def hub_file(repo: str, file: str, text: str, paths: Paths) -> Path:
+    """Any one file of a Hub repo (not a GGUF: a speech model's), from the cache or downloaded."""
+    if found := cached_file(repo, file, paths):
+        return found
+    if offline():
+        raise _unreachable(text)
+    return _download(repo, file, text, paths, gguf=False)
+
+
+def _download(repo: str, file: str, text: str, paths: Paths, progress: Progress | None = None, gguf: bool = True) -> Path:
     from huggingface_hub import hf_hub_download
 
     from edgechat.models.embedded import sha256_file
@@ -440,6 +449,8 @@ def _download(repo: str, file: str, text: str, paths: Paths, progress: Progress 
         _drop(path)
         raise ModelFormatError(f"{text}: {file}'s sha256 is {got[:12]}…, the Hub's is {listed.sha256[:12]}…; "
                                "it was not kept, pull it again")
+    if not gguf:
+        return path
     with open(path, "rb") as fh:
         is_gguf = fh.read(4) == GGUF_MAGIC
     if not is_gguf:

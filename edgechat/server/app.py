@@ -5,7 +5,7 @@ create_app(settings, engine) or create_app(settings, pool=pool) builds a Starlet
 state lives in one dispatch.Dispatcher (models, leases, admission, failover), so several apps
 can share a process, even an engine. Each API is a translator module of its own onto that
 dispatcher (openai_chat_api, openai_responses_api, anthropic_api, ollama_api, llamacpp_api,
-embeddings_api), answering through streaming.py; an error is answered in the shape of the API
+embeddings_api, audio_api), answering through streaming.py; an error is answered in the shape of the API
 whose path was called. The API key is checked in auth.py, browsers' preflights in cors.py.
 """
 
@@ -22,9 +22,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edgechat.engine.pool import ModelPool
+from edgechat.engine.speech.models import SpeechModels
 from edgechat.errors import InvalidFieldError
 from edgechat.server import (
     anthropic_api,
+    audio_api,
     embeddings_api,
     llamacpp_api,
     ollama_api,
@@ -84,14 +86,15 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return error_response(request.url.path, ApiError(500, "internal server error", type="server_error"))
 
 
-def create_app(settings: ServerSettings, engine=None, fallback=None, pool: ModelPool | None = None) -> Starlette:
+def create_app(settings: ServerSettings, engine=None, fallback=None, pool: ModelPool | None = None,
+               speech: SpeechModels | None = None) -> Starlette:
     """The ASGI app serving `engine` (and, while degraded, `fallback`: a smaller model's engine,
-    or the name of one in the pool), and every model of `pool` (loaded when a request names one,
-    unloaded when idle).
+    or the name of one in the pool), every model of `pool` (loaded when a request names one,
+    unloaded when idle), and the `speech` models on the audio endpoints.
 
     It owns neither: the caller closes the engines and the pool.
     """
-    server = Dispatcher(settings, engine, fallback, pool)
+    server = Dispatcher(settings, engine, fallback, pool, speech)
     routes = [
         Route("/health", functools.partial(_health, server), methods=["GET"]),
         Route("/metrics", functools.partial(_metrics, server), methods=["GET"]),
@@ -101,6 +104,7 @@ def create_app(settings: ServerSettings, engine=None, fallback=None, pool: Model
         *anthropic_api.MessagesApi(server).routes(),
         *openai_responses_api.ResponsesApi(server).routes(),
         *embeddings_api.EmbeddingsApi(server).routes(),
+        *audio_api.AudioApi(server).routes(),
     ]
     # CORS outside the key check: a browser's preflight carries no key
     cors = [Middleware(Cors, origins=settings.cors_origins, render=error_response)] if settings.cors_origins else []

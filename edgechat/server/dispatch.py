@@ -26,6 +26,7 @@ from edgechat.config import get_paths
 from edgechat.engine.output.tools import tool_grammar
 from edgechat.engine.pool import ModelPool, ModelState, PoolModel
 from edgechat.engine.prompt.prompt import Prepared
+from edgechat.engine.speech.models import SpeechModels
 from edgechat.engine.types.request import ChatRequest, Event, Finished, RequestStatus
 from edgechat.errors import EdgechatError, ModelLoadError, NoRoomError
 from edgechat.models import find_projector
@@ -95,8 +96,11 @@ class Dispatcher:
     """One app's models, admission, leases and failover (`create_app` makes one; every API's
     module holds it)."""
 
-    def __init__(self, settings: ServerSettings, engine=None, fallback=None, pool: ModelPool | None = None):
+    def __init__(self, settings: ServerSettings, engine=None, fallback=None, pool: ModelPool | None = None,
+                 speech: SpeechModels | None = None):
         self.settings = settings
+        #: the speech models the audio endpoints run (audio_api.py), loaded on first use
+        self.speech = speech if speech is not None else SpeechModels()
         #: every model served: an engine given is a pool entry that is never unloaded
         self.pool = pool if pool is not None else ModelPool()
         if engine is not None:

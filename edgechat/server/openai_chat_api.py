@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edgechat.engine.output.tools import tool_grammar
+from edgechat.engine.speech.models import speech_cards
 from edgechat.engine.types.request import ChatRequest, Finished, Infill
 from edgechat.params import SamplingParams
 from edgechat.server import fields, responses
@@ -260,7 +261,7 @@ class ChatApi:
     async def list_models(self, request: Request) -> Response:
         server = self.server
         cards = [model_card(m, server.created, name) for m in server.served() for name in (m.id, *m.aliases)]
-        return JSONResponse({"object": "list", "data": cards})
+        return JSONResponse({"object": "list", "data": [*cards, *speech_cards(server.speech, server.created)]})
 
     async def get_model(self, request: Request) -> Response:
         return JSONResponse(model_card(self.server.find_model(request.path_params["model"]), self.server.created))

@@ -1,0 +1,254 @@
+"""Voice, offline, on real models: Whisper base (faster-whisper) and the Piper voice
+en_US-joe-medium, fetched once per machine (bench/speechmodels.py). Sentences the voice speaks
+come back as their words from Whisper; every audio endpoint through the official openai client,
+whole and streamed; each bad input a 400 naming its field; the voice extra missing a 501; the
+command line's transcribe and say."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+import wave
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from edgechat.engine.speech import AudioInputError
+from edgechat.engine.speech.audio import MAX_AUDIO_BYTES, decode, wav_bytes
+from edgechat.engine.speech.models import SpeechModels
+from edgechat.server import create_app
+from edgechat.server.settings import ServerSettings
+from tests.serving import serving
+
+pytest.importorskip("faster_whisper", reason="the voice extra (faster-whisper, piper-tts) is not installed")
+pytestmark = pytest.mark.slow
+
+SENTENCES = [
+    "The weather is nice today, so we will walk to the park.",
+    "Please open the window before you leave the kitchen.",
+    "My brother bought three red apples at the market.",
+    "The train to the city leaves at seven in the morning.",
+    "She wrote a long letter to her friend in Canada.",
+]
+#: word error rate of the round trip (voice -> Whisper base, greedy): measured 0.0-0.04 here
+WER_BOUND = 0.1
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def wer(reference: str, heard: str) -> float:
+    """Word error rate: the word-level edit distance over the reference's length."""
+    ref, hyp = words(reference), words(heard)
+    row = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, row[0] = row[0], i
+        for j, h in enumerate(hyp, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
+    return row[-1] / len(ref)
+
+
+@pytest.fixture(scope="module")
+def speech_paths():
+    from bench.speechmodels import piper_voice, whisper_dir
+
+    try:
+        return whisper_dir(), piper_voice()
+    except (RuntimeError, OSError) as why:
+        pytest.skip(f"speech models not available: {why}")
+
+
+@pytest.fixture(scope="module")
+def speech(speech_paths):
+    return SpeechModels(*speech_paths, threads=2)
+
+
+@pytest.fixture(scope="module")
+def spoken(speech) -> list[bytes]:
+    """Each sentence as a WAV file the voice spoke."""
+    voice = speech.voice()
+    return [wav_bytes(b"".join(voice.speak(s)), voice.sample_rate) for s in SENTENCES]
+
+
+@pytest.fixture(scope="module")
+def url(smol, speech):
+    with serving(create_app(ServerSettings(), smol, speech=speech)) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def test_spoken_sentences_come_back_as_their_words(speech, spoken):
+    rates = []
+    for sentence, audio in zip(SENTENCES, spoken, strict=True):
+        transcript = speech.transcriber().transcribe(decode(audio))
+        text = "".join(s.text for s in transcript.segments)
+        assert transcript.language == "en"
+        rates.append(wer(sentence, text))
+    assert sum(rates) / len(rates) <= WER_BOUND, list(zip(SENTENCES, rates, strict=True))
+
+
+def test_transcriptions_through_the_openai_client_in_every_format(client, spoken):
+    audio = ("hello.wav", spoken[0], "audio/wav")
+    got = client.audio.transcriptions.create(model="whisper-1", file=audio)
+    assert wer(SENTENCES[0], got.text) <= WER_BOUND
+    text = client.audio.transcriptions.create(model="whisper-1", file=audio, response_format="text")
+    assert words(text) == words(got.text)
+    srt = client.audio.transcriptions.create(model="whisper-1", file=audio, response_format="srt")
+    assert re.match(r"1\n00:00:00,000 --> 00:00:0\d,\d{3}\n\S", srt), srt
+    vtt = client.audio.transcriptions.create(model="whisper-1", file=audio, response_format="vtt")
+    assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> ")
+    verbose = client.audio.transcriptions.create(model="whisper-1", file=audio, response_format="verbose_json",
+                                                 timestamp_granularities=["word", "segment"], language="en")
+    assert verbose.language == "en" and verbose.duration > 1
+    assert verbose.segments and verbose.segments[-1].end <= verbose.duration + 0.5
+    spoken_words = [w.word for w in verbose.words]
+    assert words(" ".join(spoken_words)) == words(verbose.text)
+    assert all(a.start <= b.start for a, b in zip(verbose.words, verbose.words[1:], strict=False))
+
+
+def test_a_transcription_streams_as_deltas_then_the_whole_text(client, spoken):
+    audio = b"".join([spoken[1][:44], *(a[44:] for a in spoken[1:3])])  # two sentences, one WAV
+    audio = wav_bytes(audio[44:], 22050)
+    events = list(client.audio.transcriptions.create(model="gpt-4o-transcribe", file=("two.wav", audio), stream=True))
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    done = events[-1]
+    assert done.type == "transcript.text.done" and deltas and "".join(deltas) == done.text
+    assert wer(SENTENCES[1] + " " + SENTENCES[2], done.text) <= WER_BOUND
+
+
+def test_translation_writes_english(client, spoken):
+    got = client.audio.translations.create(model="whisper-1", file=("s.wav", spoken[3]))
+    assert wer(SENTENCES[3], got.text) <= WER_BOUND
+
+
+@pytest.mark.parametrize("fmt", ["wav", "mp3", "flac", "opus", "aac", "pcm"])
+def test_speech_streams_in_each_format_and_is_heard_back(client, speech, fmt):
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input=SENTENCES[4], response_format=fmt) as resp:
+        chunks = list(resp.iter_bytes())
+    audio = b"".join(chunks)
+    if fmt == "pcm":
+        audio = wav_bytes(audio, speech.voice().sample_rate)
+    transcript = speech.transcriber().transcribe(decode(audio))
+    assert wer(SENTENCES[4], "".join(s.text for s in transcript.segments)) <= WER_BOUND
+
+
+def test_speech_arrives_sentence_by_sentence(url, speech):
+    text = " ".join(SENTENCES)
+    with httpx.stream("POST", f"{url}/v1/audio/speech", json={"input": text, "voice": "joe", "response_format": "pcm"}, timeout=120) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"] == "audio/pcm"
+        sizes = [len(c) for c in resp.iter_raw()]
+    assert len(sizes) >= len(SENTENCES), sizes  # a chunk per sentence at least, not one at the end
+    # and as OpenAI's server-sent events
+    with httpx.stream("POST", f"{url}/v1/audio/speech", json={"input": SENTENCES[0], "voice": "alloy", "response_format": "wav",
+                                                              "stream_format": "sse"}, timeout=120) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == {"type": "speech.audio.done"} and all(e["type"] == "speech.audio.delta" for e in events[:-1])
+
+
+def test_models_lists_the_speech_models(client, speech):
+    listed = {m.id: m for m in client.models.list()}
+    assert listed["whisper-base"].meta["kind"] == "transcription"
+    assert listed["en_US-joe-medium"].meta["kind"] == "speech"
+
+
+def _tone(rate: int, seconds: float = 1.0, amplitude: float = 0.0) -> bytes:
+    t = np.arange(int(rate * seconds)) / rate
+    return wav_bytes((amplitude * 32767 * np.sin(2 * np.pi * 440 * t)).astype(np.int16).tobytes(), rate)
+
+
+@pytest.mark.parametrize(("upload", "param", "says"), [
+    (b"", "file", "is empty"),
+    (b"RIFF\x00\x00not a wave at all" * 100, "file", "not audio"),
+    (b"just some text, not audio\n" * 200, "file", "not audio"),
+    (_tone(16000), "file", "silent"),
+])
+def test_a_bad_audio_file_is_a_400_naming_it(url, upload, param, says):
+    resp = httpx.post(f"{url}/v1/audio/transcriptions", files={"file": ("a.wav", upload)}, data={"model": "whisper-1"}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and says in error["message"]
+
+
+def test_a_file_over_the_limit_is_refused_before_it_is_decoded(url):
+    resp = httpx.post(f"{url}/v1/audio/transcriptions", files={"file": ("big.wav", b"\0" * (MAX_AUDIO_BYTES + 10))}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "file"
+
+
+def test_another_sample_rate_is_resampled(client, spoken):
+    with wave.open(io.BytesIO(spoken[2])) as w:
+        pcm = np.frombuffer(w.readframes(w.getnframes()), np.int16)
+    eight_k = pcm[np.round(np.arange(0, len(pcm), 22050 / 8000)).astype(int)[:-1]]
+    got = client.audio.transcriptions.create(model="whisper-1", file=("8k.wav", wav_bytes(eight_k.tobytes(), 8000)))
+    assert wer(SENTENCES[2], got.text) <= 0.2
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"language": "xx"}, "language"),
+    ({"response_format": "docx"}, "response_format"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"timestamp_granularities[]": "sentence"}, "timestamp_granularities"),
+])
+def test_a_bad_transcription_field_is_a_400_naming_it(url, spoken, fields, param):
+    resp = httpx.post(f"{url}/v1/audio/transcriptions", files={"file": ("a.wav", spoken[0])}, data=fields, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": "", "voice": "alloy"}, "input"),
+    ({"input": "word " * 20_000, "voice": "alloy"}, "input"),
+    ({"input": "hello", "voice": "nobody"}, "voice"),
+    ({"input": "hello", "voice": "alloy", "speed": 9}, "speed"),
+    ({"input": "hello", "voice": "alloy", "response_format": "midi"}, "response_format"),
+    ({"voice": "alloy"}, "input"),
+])
+def test_a_bad_speech_field_is_a_400_naming_it(url, body, param):
+    resp = httpx.post(f"{url}/v1/audio/speech", json=body, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_without_the_voice_extra_each_endpoint_says_what_to_install(smol, speech_paths, monkeypatch, spoken):
+    monkeypatch.setitem(sys.modules, "faster_whisper", None)
+    monkeypatch.setitem(sys.modules, "piper", None)
+    with serving(create_app(ServerSettings(), smol, speech=SpeechModels(*speech_paths))) as base:
+        stt = httpx.post(f"{base}/v1/audio/transcriptions", files={"file": ("a.wav", spoken[0])}, timeout=60)
+        tts = httpx.post(f"{base}/v1/audio/speech", json={"input": "hello", "voice": "alloy"}, timeout=60)
+    for resp in (stt, tts):
+        assert resp.status_code == 501 and "pip install 'edgechat[voice]'" in resp.json()["error"]["message"]
+
+
+def test_the_command_line_says_and_transcribes(speech_paths, tmp_path):
+    stt, tts = speech_paths
+    (tmp_path / "out").mkdir()
+    out = tmp_path / "out" / "hello.mp3"
+    env_cmd = [sys.executable, "-m", "edgechat"]
+    said = subprocess.run([*env_cmd, "say", SENTENCES[1], "-o", str(out), "--tts-model", str(tts)], capture_output=True, text=True, timeout=300)
+    assert said.returncode == 0, said.stderr
+    assert [p.name for p in out.parent.iterdir()] == ["hello.mp3"]  # no temp file left
+    heard = subprocess.run([*env_cmd, "transcribe", str(out), "--stt-model", str(stt)], capture_output=True, text=True, timeout=300)
+    assert heard.returncode == 0 and wer(SENTENCES[1], heard.stdout) <= WER_BOUND, heard.stderr
+    srt = subprocess.run([*env_cmd, "transcribe", str(out), "--stt-model", str(stt), "--format", "srt"], capture_output=True, text=True, timeout=300)
+    assert srt.stdout.startswith("1\n00:00:00,000 --> ")
+    # a user's mistakes: one line, no traceback
+    for args in (["say", "", "-o", str(out.parent / "x.wav"), "--tts-model", str(tts)],
+                 ["say", "hi", "-o", str(tmp_path / "x.doc"), "--tts-model", str(tts)],
+                 ["transcribe", str(tmp_path / "missing.wav"), "--stt-model", str(stt)],
+                 ["transcribe", __file__, "--stt-model", str(stt)]):
+        bad = subprocess.run([*env_cmd, *args], capture_output=True, text=True, timeout=300)
+        assert bad.returncode != 0 and "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, (args, bad.stderr)
+    assert [p.name for p in out.parent.iterdir()] == ["hello.mp3"]
+
+
+def test_audio_input_errors_name_the_field():
+    with pytest.raises(AudioInputError) as info:
+        decode(_tone(16000, amplitude=0.0), "upload")
+    assert info.value.param == "upload"
