@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -226,7 +227,7 @@ def test_without_the_voice_extra_each_endpoint_says_what_to_install(smol, speech
         assert resp.status_code == 501 and "pip install 'edgechat[voice]'" in resp.json()["error"]["message"]
 
 
-def test_the_command_line_says_and_transcribes(speech_paths, tmp_path):
+def test_the_command_line_says_and_transcribes(speech_paths, smollm2_path, tmp_path):
     stt, tts = speech_paths
     (tmp_path / "out").mkdir()
     out = tmp_path / "out" / "hello.mp3"
@@ -236,6 +237,11 @@ def test_the_command_line_says_and_transcribes(speech_paths, tmp_path):
     assert [p.name for p in out.parent.iterdir()] == ["hello.mp3"]  # no temp file left
     heard = subprocess.run([*env_cmd, "transcribe", str(out), "--stt-model", str(stt)], capture_output=True, text=True, timeout=300)
     assert heard.returncode == 0 and wer(SENTENCES[1], heard.stdout) <= WER_BOUND, heard.stderr
+    # a spoken question, answered
+    asked = subprocess.run([*env_cmd, "run", "--audio", str(out), "--stt-model", str(stt), "-m", str(smollm2_path), "--max-tokens", "8"],
+                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert asked.returncode == 0 and asked.stdout.strip(), asked.stderr
+    assert wer(SENTENCES[1], asked.stderr.split("heard: ", 1)[1]) <= WER_BOUND
     srt = subprocess.run([*env_cmd, "transcribe", str(out), "--stt-model", str(stt), "--format", "srt"], capture_output=True, text=True, timeout=300)
     assert srt.stdout.startswith("1\n00:00:00,000 --> ")
     # a user's mistakes: one line, no traceback
@@ -252,3 +258,33 @@ def test_audio_input_errors_name_the_field():
     with pytest.raises(AudioInputError) as info:
         decode(_tone(16000, amplitude=0.0), "upload")
     assert info.value.param == "upload"
+
+
+def test_speech_models_by_name_download_once_then_run_offline(speech_paths, isolated_dirs, tmp_path):
+    from tests.test_hub import FakeHub
+
+    stt, tts = speech_paths
+    files = {("Systran/faster-whisper-base", name): stt / name for name in ("model.bin", "config.json", "tokenizer.json", "vocabulary.txt")}
+    files.update({("rhasspy/piper-voices", f"en/en_US/joe/medium/{tts.name}{ext}"): tts.with_name(tts.name + ext) for ext in ("", ".json")})
+    hub = FakeHub(files)
+    wav = tmp_path / "said.wav"
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    online = dict(env, HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf-home"))
+    cmd = [sys.executable, "-m", "edgechat"]
+    try:
+        pulled = subprocess.run([*cmd, "pull", "en_US-joe-medium"], env=online, capture_output=True, text=True, timeout=300)
+        assert pulled.returncode == 0 and pulled.stdout.startswith("ready: ") and pulled.stdout.strip().endswith(tts.name), pulled.stderr
+        said = subprocess.run([*cmd, "say", SENTENCES[0], "-o", str(wav), "--tts-model", "en_US-joe-medium"], env=online,
+                              capture_output=True, text=True, timeout=300)
+        assert said.returncode == 0, said.stderr
+        heard = subprocess.run([*cmd, "transcribe", str(wav), "--stt-model", "whisper-base"], env=online, capture_output=True, text=True, timeout=300)
+        assert heard.returncode == 0 and wer(SENTENCES[0], heard.stdout) <= WER_BOUND, heard.stderr
+    finally:
+        hub.close()
+    offline = dict(online, HF_HUB_OFFLINE="1")
+    again = subprocess.run([*cmd, "transcribe", str(wav), "--stt-model", "whisper-base"], env=offline, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and words(again.stdout) == words(heard.stdout), again.stderr
+    missing = subprocess.run([*cmd, "say", "hi", "-o", str(tmp_path / "x.wav"), "--tts-model", "en_US-amy-low"], env=offline,
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode != 0 and "HF_HUB_OFFLINE" in missing.stderr and "Traceback" not in missing.stderr
+    assert "edgechat pull en_US-amy-low" in missing.stderr  # and that command fetches it

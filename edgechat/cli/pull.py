@@ -9,7 +9,7 @@ import click
 from edgechat.cli.common import data_dir_option
 from edgechat.config import get_paths
 from edgechat.errors import ModelNotFoundError, UsageError
-from edgechat.models import catalog, hub, planner, read_model_info
+from edgechat.models import catalog, hub, planner, read_model_info, speech
 from edgechat.models.catalog import format_size
 from edgechat.models.ggufinfo import read_projector_info
 
@@ -23,9 +23,18 @@ from edgechat.models.ggufinfo import read_projector_info
 def pull_cmd(ref: str, yes: bool, no_mmproj: bool, data_dir: str | None) -> None:
     """Download REF once: a catalog name (see `edgechat models --catalog`), NAME:QUANT,
     hf:OWNER/REPO/FILE.gguf or OWNER/REPO:QUANT, with its vision projector where the catalog
-    names one or the repo has one. Interrupted downloads resume; every file is checked against
+    names one or the repo has one; or a speech model (whisper-base, a Piper voice such as
+    en_US-lessac-medium). Interrupted downloads resume; every file is checked against
     the Hub's size and sha256 and not kept if it differs."""
     paths = get_paths(data_dir)
+    if kind := speech.speech_kind(ref):
+        try:
+            found = speech.resolve_stt(ref, paths) if kind == "stt" else speech.resolve_tts(ref, paths)
+        except hub.HubUnreachableError as exc:
+            raise ModelNotFoundError(f"cannot download {ref}: {exc.why}; {'unset it' if hub.offline() else 'connect to the internet'} "
+                                     "and run this again") from None
+        click.echo(f"ready: {found}")
+        return
     hub_ref = hub.pull_ref(ref)
     was_here = hub.cached(hub_ref, paths) is not None
     try:

@@ -32,6 +32,7 @@ from edgechat.cli.common import (
     swa_cache_option,
 )
 from edgechat.cli.sessions import find_session
+from edgechat.cli.voice import stt_model_option
 from edgechat.config import get_paths, read_chat_template
 from edgechat.engine.types.request import DEFAULT_MAX_TOKENS, ChatRequest, ContextPolicy, Evicted, Infill, TextDelta
 from edgechat.errors import EdgechatError, UsageError
@@ -58,6 +59,17 @@ def build_sampling(base: SamplingParams, temperature, top_p, top_k, min_p, repea
     """The options given on the command line laid over `base` (the model's recommended sampling)."""
     given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
     return dataclasses.replace(base, **{name: value for name, value in given.items() if value is not None})
+
+
+def _heard(audio: Path, stt_model: str, data_dir: str | None) -> str:
+    """What is said in `audio`, shown on stderr as it will be asked."""
+    from edgechat.cli.voice import transcribe_file
+    from edgechat.engine.speech.models import speech_models
+
+    _, segments = transcribe_file(speech_models(stt_model, None, get_paths(data_dir)), audio)
+    heard = "".join(s.text for s in segments).strip()
+    click.echo(f"heard: {heard}", err=True)
+    return heard
 
 
 def read_prompt(prompt: str | None) -> str | None:
@@ -95,17 +107,22 @@ def read_prompt(prompt: str | None) -> str | None:
 @click.option("--image", "images", multiple=True, metavar="FILE",
               help="A picture to ask about, before PROMPT (repeatable; a vision model's: see --mmproj).")
 @mmproj_option
+@click.option("--audio", default=None, type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="A spoken question (WAV, MP3, ...): written down offline, then answered (after PROMPT, if given; needs edgechat[voice]).")
+@stt_model_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.argument("prompt", required=False)
 @data_dir_option
 def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
             loop_guard, system, session, raw, suffix, context_policy, kv_type, flash_attn, swa_cache, speculative, draft_model, deterministic, ep,
-            think, hide_thinking, chat_template, images, mmproj, as_json, prompt, data_dir):
+            think, hide_thinking, chat_template, images, mmproj, audio, stt_model, as_json, prompt, data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
     from edgechat.engine import EngineConfig, open_engine
     from edgechat.models.settings import with_model_settings
 
-    text = read_prompt(prompt)
+    text = prompt if audio is not None and prompt is None else read_prompt(prompt)
+    if audio is not None:
+        text = "\n\n".join(filter(None, [text, _heard(audio, stt_model, data_dir)]))
     if text is not None and not text.strip():
         raise UsageError("the prompt is empty; pass some text, e.g. edgechat run \"Hello\"")
     plain = "--suffix" if suffix is not None else "--raw" if raw else None

@@ -24,7 +24,7 @@ from edgechat.cli.common import (
     speculative_option,
     swa_cache_option,
 )
-from edgechat.cli.voice import speech_models
+from edgechat.engine.speech.models import speech_models
 from edgechat.errors import UsageError
 from edgechat.server.settings import ServerSettings
 

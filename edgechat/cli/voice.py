@@ -11,20 +11,16 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
 from edgechat.cli.common import data_dir_option
-from edgechat.config import Paths, get_paths
+from edgechat.config import get_paths
 from edgechat.engine.speech import AudioInputError
+from edgechat.engine.speech.models import SpeechModels, speech_models
 from edgechat.errors import UsageError
+from edgechat.models.speech import DEFAULT_STT, DEFAULT_TTS
 
-if TYPE_CHECKING:
-    from edgechat.engine.speech.models import SpeechModels
-
-DEFAULT_STT = "whisper-base"
-DEFAULT_TTS = "en_US-lessac-medium"
 #: a file's extension -> the encoder's format
 _FORMAT_BY_SUFFIX = {".wav": "wav", ".mp3": "mp3", ".flac": "flac", ".ogg": "opus", ".opus": "opus", ".aac": "aac", ".pcm": "pcm", ".raw": "pcm"}
 #: players that take a WAV on standard input or as a file, in the order tried
@@ -37,26 +33,12 @@ tts_model_option = click.option("--tts-model", envvar="EDGECHAT_TTS_MODEL", defa
                                 help="Text to speech: a Piper voice's .onnx or its name (env: EDGECHAT_TTS_MODEL).")
 
 
-def speech_models(stt: str | None, tts: str | None, paths: Paths, threads: int | None = None) -> SpeechModels:
-    """The named speech models, found (or fetched from the Hub) now, loaded on first use."""
-    from edgechat.engine.speech.models import SpeechModels
-    from edgechat.models.speech import resolve_stt, resolve_tts
-
-    return SpeechModels(resolve_stt(stt, paths) if stt else None, resolve_tts(tts, paths) if tts else None, threads or 0)
-
-
 def transcribe_file(models: SpeechModels, file: Path, language: str | None = None, translate: bool = False):
     """The transcript of one audio file and its segments; a bad file is a UsageError naming it."""
-    from edgechat.engine.speech.audio import decode
-
     try:
-        samples = decode(file.read_bytes(), str(file))
-        transcript = models.transcriber().transcribe(samples, language, translate=translate)
-        return transcript, list(transcript.segments)
+        return models.transcribe_file(file, language, translate)
     except AudioInputError as exc:
         raise UsageError(str(exc).replace(f"'{file}'", str(file))) from None
-    except OSError as exc:
-        raise UsageError(f"cannot read {file}: {exc.strerror}") from None
 
 
 @click.command("transcribe")

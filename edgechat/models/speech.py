@@ -16,6 +16,9 @@ from edgechat.config import Paths
 from edgechat.errors import ModelNotFoundError
 from edgechat.models.hub import hub_file
 
+#: the models a command uses when none is named (multilingual Whisper; a clear US English voice)
+DEFAULT_STT = "whisper-base"
+DEFAULT_TTS = "en_US-lessac-medium"
 #: what faster-whisper loads from a model folder
 WHISPER_FILES = ("model.bin", "config.json", "tokenizer.json", "vocabulary.txt")
 PIPER_REPO = "rhasspy/piper-voices"
@@ -23,12 +26,19 @@ PIPER_REPO = "rhasspy/piper-voices"
 _PIPER_NAME = re.compile(r"(?P<lang>[a-z]{2,3})_(?P<region>[A-Z]{2})-(?P<name>[A-Za-z0-9_]+)-(?P<quality>x_low|low|medium|high)")
 
 
+def speech_kind(ref: str) -> str | None:
+    """"stt" or "tts" for the short names of speech models (whisper-base, en_US-lessac-medium)."""
+    if re.fullmatch(r"whisper-[\w.-]+", ref):
+        return "stt"
+    return "tts" if _PIPER_NAME.fullmatch(ref) else None
+
+
 def resolve_stt(ref: str, paths: Paths) -> Path:
     """The folder of a speech-to-text model; ModelNotFoundError says what to give instead."""
     local = Path(ref).expanduser()
     if local.is_dir():
         return local
-    repo = f"Systran/faster-{ref}" if re.fullmatch(r"whisper-[\w.-]+", ref) else ref
+    repo = f"Systran/faster-{ref}" if speech_kind(ref) == "stt" else ref
     if repo.count("/") != 1:
         raise ModelNotFoundError(f"{ref!r} is not a speech-to-text model: give a faster-whisper folder, "
                                  "a Hub repo such as Systran/faster-whisper-base, or whisper-base")

@@ -6,9 +6,19 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from edgechat.engine.speech.transcriber import Transcriber
+from edgechat.config import Paths
+from edgechat.engine.speech import AudioInputError
+from edgechat.engine.speech.transcriber import Segment, Transcriber, Transcript
 from edgechat.engine.speech.voice import Voice
 from edgechat.errors import EdgechatError
+
+
+def speech_models(stt: str | None, tts: str | None, paths: Paths, threads: int | None = None) -> SpeechModels:
+    """The named speech models (models/speech.py's names), found or fetched from the Hub now,
+    loaded on first use."""
+    from edgechat.models.speech import resolve_stt, resolve_tts
+
+    return SpeechModels(resolve_stt(stt, paths) if stt else None, resolve_tts(tts, paths) if tts else None, threads or 0)
 
 
 class SpeechModelMissingError(EdgechatError):
@@ -37,6 +47,17 @@ class SpeechModels:
             if self._transcriber is None:
                 self._transcriber = Transcriber(self.stt, self.threads)
             return self._transcriber
+
+    def transcribe_file(self, file: Path, language: str | None = None, translate: bool = False) -> tuple[Transcript, list[Segment]]:
+        """An audio file's transcript and all its segments; AudioInputError naming the file."""
+        from edgechat.engine.speech.audio import decode
+
+        try:
+            data = file.read_bytes()
+        except OSError as exc:
+            raise AudioInputError(f"cannot read {file}: {exc.strerror}", str(file)) from None
+        transcript = self.transcriber().transcribe(decode(data, str(file)), language, translate=translate)
+        return transcript, list(transcript.segments)
 
     def voice(self) -> Voice:
         if self.tts is None:
