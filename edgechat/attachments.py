@@ -3,6 +3,7 @@ fenced blocks the model is given them in (and read back from, to edit a sent mes
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
@@ -25,6 +26,8 @@ MAX_IMAGE_BYTES = 20 * 1024 * 1024
 #: picture files by suffix (edgechat/images.py tells them by their first bytes without one)
 IMAGE_TYPES = {"png": "image/png", "jpg": "image/jpeg", "jpeg": "image/jpeg", "gif": "image/gif",
                "webp": "image/webp", "bmp": "image/bmp"}
+#: audio files by suffix: attached as what is said in them (Whisper, the voice extra)
+AUDIO_SUFFIXES = frozenset({"wav", "mp3", "flac", "ogg", "opus", "m4a", "webm", "aac"})
 #: the most files one /attach takes (a directory of thousands is a mistake, not a question)
 MAX_FILES = 50
 #: a paste longer than this (characters) becomes an attachment instead of filling the input
@@ -128,6 +131,8 @@ def gather(arg: str, cwd: Path | None = None) -> Gathered:
             try:
                 if image_type(path):
                     out.images.append(read_image(path, name))
+                elif is_audio(path):
+                    out.attachments.append(read_audio(path, name))
                 else:
                     out.attachments.append(read_file(path, name))
             except UsageError as exc:
@@ -200,6 +205,42 @@ def read_file(path: Path, name: str | None = None) -> Attachment:
     except UnicodeDecodeError:
         raise UsageError("binary, or text that is not UTF-8") from None
     return Attachment(name, text, path.suffix.lstrip(".").lower())
+
+
+def is_audio(path: Path) -> bool:
+    return path.suffix.lstrip(".").lower() in AUDIO_SUFFIXES
+
+
+def names_audio(arg: str) -> bool:
+    """Whether an /attach argument names an audio file (writing it down takes seconds)."""
+    try:
+        return any(is_audio(Path(word)) for word in shlex.split(arg))
+    except ValueError:
+        return False
+
+
+@functools.cache
+def _listener():
+    """The app's speech-to-text model ($EDGECHAT_STT_MODEL, else whisper-base), found once."""
+    from edgechat.config import get_paths
+    from edgechat.engine.speech.models import speech_models
+    from edgechat.models.speech import DEFAULT_STT
+
+    return speech_models(os.environ.get("EDGECHAT_STT_MODEL") or DEFAULT_STT, None, get_paths())
+
+
+def read_audio(path: Path, name: str | None = None) -> Attachment:
+    """An audio file as its transcript; UsageError (a short reason) when it cannot be heard."""
+    from edgechat.engine.speech import AudioInputError, VoiceMissingError
+
+    try:
+        _, segments = _listener().transcribe_file(path)
+    except AudioInputError as exc:
+        # "'PATH' is silent: ..." as gather's reason after the file's name: "silent: ..."
+        raise UsageError(str(exc).removeprefix(f"'{path}' ").removeprefix("is ")) from None
+    except VoiceMissingError:
+        raise UsageError("audio is written down by the voice extra: pip install 'edgechat[voice]'") from None
+    return Attachment(f"{name or path.name} (transcript)", "".join(s.text for s in segments).strip(), "text")
 
 
 def image_type(path: Path) -> str | None:

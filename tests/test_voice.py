@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import wave
@@ -288,3 +289,52 @@ def test_speech_models_by_name_download_once_then_run_offline(speech_paths, isol
                              capture_output=True, text=True, timeout=300)
     assert missing.returncode != 0 and "HF_HUB_OFFLINE" in missing.stderr and "Traceback" not in missing.stderr
     assert "edgechat pull en_US-amy-low" in missing.stderr  # and that command fetches it
+
+
+@pytest.mark.skipif(not (shutil.which("tmux") and shutil.which("edgechat")), reason="needs tmux and an installed edgechat")
+def test_an_audio_file_attached_in_the_chat_app_is_sent_as_its_transcript(speech_paths, spoken, isolated_dirs, tmp_path):
+    from test_tui_tmux import PLACEHOLDER, Tmux
+
+    from edgechat.config import get_paths
+    from edgechat.store import open_store
+
+    memo = tmp_path / "memo.wav"
+    memo.write_bytes(spoken[2])
+    isolated_dirs.config.mkdir(parents=True, exist_ok=True)
+    isolated_dirs.config_file.write_text("[chat]\nmax_tokens = 8\ntemperature = 0.0\n")
+    env = {**os.environ, "EDGECHAT_DATA_DIR": str(isolated_dirs.data), "TERM": "xterm-256color", "EDGECHAT_STT_MODEL": str(speech_paths[0])}
+    tmux = Tmux(f"edgechat-voice-{os.getpid()}", env)
+    try:
+        tmux.start(f"edgechat --data-dir {isolated_dirs.data}")
+        tmux.wait_for(lambda: PLACEHOLDER in tmux.screen(), 30, "the input")
+        tmux.tmux("send-keys", "-l", f"/attach {memo}")
+        tmux.tmux("send-keys", "Enter")
+        tmux.wait_for(lambda: "memo.wav (transcript)" in tmux.screen(), 120, "the transcript's chip")
+        tmux.tmux("send-keys", "-l", "What did I buy?")
+        tmux.tmux("send-keys", "Enter")
+        tmux.wait_for(lambda: "tok/s" in tmux.screen(), 120, "the answer")
+        tmux.tmux("send-keys", "C-q")
+        tmux.wait_for(lambda: not tmux.running(), 30, "edgechat to quit")
+    finally:
+        tmux.kill()
+    store = open_store(get_paths(isolated_dirs.data))
+    (conv,) = store.list_conversations()
+    user = store.messages(conv.id)[0]
+    store.close()
+    assert user.content.startswith("File: memo.wav (transcript)\n") and user.content.endswith("What did I buy?")
+    said = user.content.split("\n", 2)[2].rsplit("```", 1)[0]
+    assert wer(SENTENCES[2], said) <= WER_BOUND, user.content
+
+
+def test_an_audio_file_that_cannot_be_heard_is_not_attached_and_says_why(speech_paths, monkeypatch, tmp_path):
+    from edgechat import attachments
+
+    monkeypatch.setenv("EDGECHAT_STT_MODEL", str(speech_paths[0]))
+    attachments._listener.cache_clear()
+    (tmp_path / "quiet.wav").write_bytes(_tone(16000))
+    (tmp_path / "broken.mp3").write_bytes(b"not an mp3 at all" * 50)
+    found = attachments.gather(f"{tmp_path / 'quiet.wav'} {tmp_path / 'broken.mp3'}", cwd=tmp_path)
+    attachments._listener.cache_clear()
+    assert found.attachments == []
+    assert dict(found.skipped) == {"quiet.wav": "silent: there is no speech to write down",
+                                   "broken.mp3": "not audio edgechat can read (InvalidDataError): send WAV, MP3, FLAC, OGG, M4A or WebM"}

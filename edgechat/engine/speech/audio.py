@@ -35,7 +35,7 @@ def decode(data: bytes, field: str = "file") -> np.ndarray:
     try:
         samples = decode_audio(io.BytesIO(data), sampling_rate=SAMPLE_RATE)
     except Exception as exc:  # av raises its own error per container and codec fault
-        raise AudioInputError(f"'{field}' is not audio this server can read ({type(exc).__name__}): "
+        raise AudioInputError(f"'{field}' is not audio edgechat can read ({type(exc).__name__}): "
                               "send WAV, MP3, FLAC, OGG, M4A or WebM", field) from None
     if samples.size == 0:
         raise AudioInputError(f"'{field}' holds no audio samples", field)

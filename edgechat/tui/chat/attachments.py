@@ -124,8 +124,21 @@ class AttachmentsPart(ChatBase):
 
             self.app.push_screen(AttachPickerScreen(Path.cwd()), picked)
             return
-        if (found := self._gather(arg)) is not None:
+        if attachments.names_audio(arg):
+            self.notify("Writing down what is said…")
+            self._gather_audio(arg)
+        elif (found := self._gather(arg)) is not None:
             self._add_attachments(found)
+
+    @work(thread=True, group="attach-audio")
+    def _gather_audio(self, arg: str) -> None:
+        """`_gather` off the event loop: a minute of speech takes seconds to write down."""
+        try:
+            found = attachments.gather(arg)
+        except UsageError as exc:
+            self.app.call_from_thread(self.notify, str(exc), severity="warning")
+            return
+        self.app.call_from_thread(self._add_attachments, found)
 
     def action_image(self, arg: str = "") -> None:
         if not arg.strip():
