@@ -10,6 +10,7 @@ dependency of the installed app.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import zipfile
@@ -74,6 +75,21 @@ def piper_voice(fetch: bool = True) -> Path:
         os.replace(Path(tmp) / (VOICE + ".json"), target.with_suffix(".onnx.json"))
         os.replace(Path(tmp) / VOICE, target)
     return target
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def wer(reference: str, heard: str) -> float:
+    """Word error rate: the word-level edit distance over the reference's length."""
+    ref, hyp = words(reference), words(heard)
+    row = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, row[0] = row[0], i
+        for j, h in enumerate(hyp, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
+    return row[-1] / len(ref)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import numpy as np
 import openai
 import pytest
 
+from bench.speechmodels import wer, words
 from edgechat.engine.speech import AudioInputError
 from edgechat.engine.speech.audio import MAX_AUDIO_BYTES, decode, wav_bytes
 from edgechat.engine.speech.models import SpeechModels
@@ -39,21 +40,6 @@ SENTENCES = [
 ]
 #: word error rate of the round trip (voice -> Whisper base, greedy): measured 0.0-0.04 here
 WER_BOUND = 0.1
-
-
-def words(text: str) -> list[str]:
-    return re.findall(r"[a-z0-9']+", text.lower())
-
-
-def wer(reference: str, heard: str) -> float:
-    """Word error rate: the word-level edit distance over the reference's length."""
-    ref, hyp = words(reference), words(heard)
-    row = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        prev, row[0] = row[0], i
-        for j, h in enumerate(hyp, 1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
-    return row[-1] / len(ref)
 
 
 @pytest.fixture(scope="module")
