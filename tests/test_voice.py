@@ -324,3 +324,119 @@ def test_an_audio_file_that_cannot_be_heard_is_not_attached_and_says_why(speech_
     assert found.attachments == []
     assert dict(found.skipped) == {"quiet.wav": "silent: there is no speech to write down",
                                    "broken.mp3": "not audio edgechat can read (InvalidDataError): send WAV, MP3, FLAC, OGG, M4A or WebM"}
+
+
+@pytest.fixture
+def devices(tmp_path, monkeypatch, speech_paths, spoken):
+    """A speaker and a microphone as their command-line tools: `aplay` keeps each sound it is
+    given as a file, `arecord` "hears" a spoken sentence until it is interrupted, as the real
+    ones do on SIGINT (this machine has neither a sound card nor a microphone)."""
+    bin_dir, played = tmp_path / "bin", tmp_path / "played"
+    bin_dir.mkdir()
+    played.mkdir()
+    said = tmp_path / "said.wav"
+    said.write_bytes(spoken[0])
+    (bin_dir / "aplay").write_text(f'#!/bin/bash\ncat > "{played}/$(date +%s%N).wav"\n')
+    (bin_dir / "arecord").write_text(f'#!/bin/bash\ncp "{said}" "${{!#}}"\ntrap "exit 0" INT TERM\nwhile :; do sleep 0.05; done\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("EDGECHAT_STT_MODEL", str(speech_paths[0]))
+    monkeypatch.setenv("EDGECHAT_TTS_MODEL", str(speech_paths[1]))
+    return played
+
+
+def _until(condition, timeout: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_an_answer_is_read_aloud_sentence_by_sentence_without_its_code(devices, speech):
+    from edgechat.tui.voice import Voice
+
+    notes: list[str] = []
+    voice = Voice(lambda message, severity: notes.append(message))
+    voice.reading = True
+    answer = f"{SENTENCES[0]} {SENTENCES[1]}\n```python\nprint('not read')\n```\n{SENTENCES[2]}"
+    for i in range(0, len(answer), 7):  # as tokens arrive
+        voice.feed(answer[i:i + 7])
+    voice.finish()
+    _until(lambda: len(list(devices.iterdir())) == 3)
+    heard = [" ".join(s.text for s in speech.transcriber().transcribe(decode(p.read_bytes())).segments) for p in sorted(devices.iterdir())]
+    assert [wer(s, h) <= WER_BOUND for s, h in zip(SENTENCES[:3], heard, strict=True)] == [True] * 3, heard
+    assert not notes
+
+
+def test_esc_silences_what_is_queued(devices):
+    from edgechat.tui.voice import Voice
+
+    voice = Voice(lambda message, severity: None)
+    voice.reading = True
+    voice.feed(" ".join(SENTENCES) + " ")
+    _until(lambda: len(list(devices.iterdir())) >= 1)
+    voice.stop()
+    import time
+
+    time.sleep(3)  # long enough for the rest to have been spoken
+    assert len(list(devices.iterdir())) <= 2
+
+
+def test_a_question_spoken_into_the_microphone_is_written_down(devices):
+    from edgechat.tui.voice import Voice
+
+    voice = Voice(lambda message, severity: None)
+    voice.listen()
+    assert voice.listening
+    said = voice.heard()
+    assert not voice.listening and wer(SENTENCES[0], said) <= WER_BOUND
+
+
+def test_without_a_recorder_talking_says_what_to_install(speech_paths, monkeypatch, tmp_path):
+    from edgechat.errors import UsageError
+    from edgechat.tui.voice import Voice
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no recorder, no player
+    monkeypatch.setenv("EDGECHAT_STT_MODEL", str(speech_paths[0]))
+    monkeypatch.setenv("EDGECHAT_TTS_MODEL", str(speech_paths[1]))
+    with pytest.raises(UsageError, match=r"no microphone recorder found .*\(apt install alsa-utils"):
+        Voice(lambda message, severity: None).listen()
+
+
+@pytest.mark.skipif(not (shutil.which("tmux") and shutil.which("edgechat")), reason="needs tmux and an installed edgechat")
+def test_in_the_chat_app_a_spoken_question_is_answered_aloud(devices, isolated_dirs):
+    from test_tui_tmux import PLACEHOLDER, Tmux
+
+    from edgechat.config import get_paths
+    from edgechat.store import open_store
+
+    isolated_dirs.config.mkdir(parents=True, exist_ok=True)
+    isolated_dirs.config_file.write_text("[chat]\nmax_tokens = 24\ntemperature = 0.0\n")
+    env = {**os.environ, "EDGECHAT_DATA_DIR": str(isolated_dirs.data), "TERM": "xterm-256color"}
+    tmux = Tmux(f"edgechat-talk-{os.getpid()}", env)
+    try:
+        tmux.start(f"edgechat --data-dir {isolated_dirs.data}")
+        tmux.wait_for(lambda: PLACEHOLDER in tmux.screen(), 30, "the input")
+        tmux.tmux("send-keys", "-l", "/speak on")
+        tmux.tmux("send-keys", "Enter")
+        tmux.tmux("send-keys", "F5")
+        tmux.wait_for(lambda: "Listening" in tmux.screen(), 30, "the recording to start")
+        tmux.tmux("send-keys", "F5")
+        tmux.wait_for(lambda: "walk to the park" in tmux.screen(), 60, "the question in the input")
+        tmux.tmux("send-keys", "Enter")
+        tmux.wait_for(lambda: "tok/s" in tmux.screen(), 120, "the answer")
+        tmux.wait_for(lambda: any(devices.iterdir()), 60, "the answer to be read aloud")
+        tmux.tmux("send-keys", "C-q")
+        tmux.wait_for(lambda: not tmux.running(), 30, "edgechat to quit")
+    finally:
+        tmux.kill()
+    store = open_store(get_paths(isolated_dirs.data))
+    (conv,) = store.list_conversations()
+    user, answer = store.messages(conv.id)
+    store.close()
+    assert wer(SENTENCES[0], user.content) <= WER_BOUND
+    assert answer.content.strip()
+    assert "speak = true" in isolated_dirs.config_file.read_text()  # remembered

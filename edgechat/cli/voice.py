@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -20,12 +18,10 @@ from edgechat.engine.speech import AudioInputError
 from edgechat.engine.speech.models import SpeechModels, speech_models
 from edgechat.errors import UsageError
 from edgechat.models.speech import DEFAULT_STT, DEFAULT_TTS
+from edgechat.sound import play
 
 #: a file's extension -> the encoder's format
 _FORMAT_BY_SUFFIX = {".wav": "wav", ".mp3": "mp3", ".flac": "flac", ".ogg": "opus", ".opus": "opus", ".aac": "aac", ".pcm": "pcm", ".raw": "pcm"}
-#: players that take a WAV on standard input or as a file, in the order tried
-_PLAYERS = (("aplay", ["-q", "-"]), ("paplay", []), ("pw-play", ["-"]), ("ffplay", ["-nodisp", "-autoexit", "-loglevel", "quiet", "-"]),
-            ("afplay", None), ("termux-media-player", None))
 
 stt_model_option = click.option("--stt-model", envvar="EDGECHAT_STT_MODEL", default=DEFAULT_STT, show_default=True, metavar="MODEL",
                                 help="Speech to text: a faster-whisper folder, a Hub repo, or whisper-base / whisper-small (env: EDGECHAT_STT_MODEL).")
@@ -98,7 +94,10 @@ def say_cmd(text: str, output: Path | None, tts_model: str, voice: str | None, s
         _write_atomically(output, audio)
         click.echo(f"{output}: {len(pcm) / 2 / speaker.sample_rate:.1f} s of speech", err=True)
     else:
-        _play(audio)
+        try:
+            play(audio)
+        except UsageError as exc:
+            raise UsageError(f"{exc}, or write a file with -o out.wav") from None
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -111,22 +110,6 @@ def _write_atomically(path: Path, data: bytes) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-
-
-def _play(wav: bytes) -> None:
-    for name, args in _PLAYERS:
-        if (exe := shutil.which(name)) is None:
-            continue
-        if args is None:  # players that want a file
-            with tempfile.NamedTemporaryFile(suffix=".wav") as f:
-                f.write(wav)
-                f.flush()
-                subprocess.run([exe, *(["play"] if name == "termux-media-player" else []), f.name], check=False)
-            return
-        subprocess.run([exe, *args], input=wav, check=False)
-        return
-    raise UsageError("no audio player found (aplay, paplay, pw-play, ffplay, afplay, termux-media-player): "
-                     "install one (apt install alsa-utils; pkg install termux-api) or write a file with -o out.wav")
 
 
 def register(cli: click.Group) -> None:

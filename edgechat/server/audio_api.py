@@ -125,7 +125,7 @@ class AudioApi:
                 raise AudioInputError(f"'response_format': {fmt!r} is not one of {', '.join(TRANSCRIPT_FORMATS)}", "response_format")
             language = None if translate else (str(form.get("language") or "") or None)
             try:
-                temperature = float(form.get("temperature") or 0.0)  # type: ignore[arg-type]
+                temperature = float(str(form.get("temperature") or 0.0))
             except ValueError:
                 raise AudioInputError("'temperature' must be a number between 0 and 1", "temperature") from None
             if not 0.0 <= temperature <= 1.0:
@@ -153,7 +153,7 @@ class AudioApi:
 
     async def _deltas(self, transcript: Transcript) -> AsyncIterator[bytes]:
         """OpenAI's streamed transcription: a delta per segment, then the whole text."""
-        texts = []
+        texts: list[str] = []
         async for segment in _threaded(transcript.segments):
             delta = segment.text if texts else segment.text.lstrip()
             texts.append(delta)

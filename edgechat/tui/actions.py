@@ -84,6 +84,10 @@ ACTIONS: list[Action] = [
            "WebP, BMP; images are among /attach's files too)", None, "/image", "PATH"),
     Action("detach", "Remove attachments", "Take the attachments off the next message (or the one named)", None,
            "/detach", "[NAME]"),
+    Action("talk", "Talk", "Speak a question: records from the microphone until pressed again, then writes it into "
+           "the input (offline Whisper, the voice extra)", "f5", "/talk"),
+    Action("speak", "Read answers aloud", "Read each answer aloud as it streams, sentence by sentence (Esc silences it)",
+           "f6", "/speak", "[on|off]"),
     Action("clear", "Clear conversation", "Remove every message of this conversation (asks first)", None, "/clear"),
     Action("copy", "Copy last answer", "Copy the last answer to the clipboard", "ctrl+y", "/copy"),
     Action("copy_code", "Copy last code block", "Copy the last code block to the clipboard", None, "/copycode"),

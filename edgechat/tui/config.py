@@ -45,6 +45,8 @@ class AppConfig:
     #: None: models switched away from stay loaded until another needs the memory
     idle_unload: float | None = DEFAULT_IDLE_UNLOAD
     mcp_servers: dict[str, ServerConfig] = field(default_factory=dict)
+    #: answers read aloud as they stream ([tui] speak; /speak)
+    speak: bool = False
 
 
 def load_config(paths: Paths) -> AppConfig:
@@ -62,7 +64,8 @@ def load_config(paths: Paths) -> AppConfig:
     except UsageError as exc:
         raise UsageError(f"{paths.config_file}: {exc}") from None
     idle = _idle_unload(tui.get("idle_unload", DEFAULT_IDLE_UNLOAD), paths)
-    return AppConfig(chat=chat, theme=tui.get("theme"), model=tui.get("model"), idle_unload=idle, mcp_servers=servers)
+    return AppConfig(chat=chat, theme=tui.get("theme"), model=tui.get("model"), idle_unload=idle, mcp_servers=servers,
+                     speak=tui.get("speak") is True)
 
 
 def _idle_unload(value, paths: Paths) -> float | None:
@@ -74,7 +77,7 @@ def _idle_unload(value, paths: Paths) -> float | None:
     return float(value)
 
 
-def save_tui_setting(paths: Paths, key: str, value: str) -> None:
+def save_tui_setting(paths: Paths, key: str, value: str | bool) -> None:
     """Set [tui] key = value in config.toml, keeping everything else in the file, atomically."""
     raw = load_settings(paths)
     raw.setdefault("tui", {})[key] = value

@@ -42,12 +42,15 @@ class Encoder:
         self._container = None
         if fmt in _CODED:
             import av
+            from av.audio.stream import AudioStream
 
             container, codec, rate = _CODED[fmt]
             self._sink = _Sink()
             self._container = av.open(self._sink, mode="w", format=container)
-            self._stream = self._container.add_stream(codec, rate=rate or sample_rate)
-            self._stream.layout = "mono"
+            stream = self._container.add_stream(codec, rate=rate or sample_rate)
+            assert isinstance(stream, AudioStream)
+            stream.layout = "mono"
+            self._stream = stream
 
     def feed(self, pcm: bytes) -> bytes:
         head, self._head = self._head, b""

@@ -13,6 +13,7 @@ from textual.worker import Worker
 from edgechat.errors import StoreError
 from edgechat.store import Conversation, Store
 from edgechat.store.answer import StoredAnswer
+from edgechat.tui.voice import Voice
 from edgechat.tui.widgets.attachbar import AttachBar
 from edgechat.tui.widgets.chatview import ChatView, MessageBox
 from edgechat.tui.widgets.prompt import PromptInput
@@ -69,6 +70,8 @@ class ChatBase(Screen):
         #: the worker running an answer's calls (asking, running), and whether Esc stopped them
         self._tool_run: Worker | None = None
         self._tools_stopped = False
+        #: answers read aloud, questions spoken (tui/voice.py)
+        self.voice = Voice(lambda message, severity: self.app.call_from_thread(self.notify, message, severity=severity))
 
     def notify(self, message: str, **kwargs) -> None:
         # The app's notify: messages here carry titles, model names and errors, never markup.

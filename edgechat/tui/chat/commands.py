@@ -13,7 +13,7 @@ from textual.widgets import Button
 from edgechat.errors import EdgechatError, UsageError
 from edgechat.store import atomic_write_text, export_conversation
 from edgechat.tui.chat.base import ChatBase
-from edgechat.tui.config import validate_settings
+from edgechat.tui.config import save_tui_setting, validate_settings
 from edgechat.tui.presets import find_preset, load_presets
 from edgechat.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from edgechat.tui.screens.help import HelpScreen
@@ -276,6 +276,47 @@ class CommandsPart(ChatBase):
                 self.notify(f"Unknown theme {arg}; themes: {', '.join(sorted(self.app.available_themes))}")
             return
         self.app.search_themes()
+
+    def action_speak(self, arg: str = "") -> None:
+        word = arg.strip().lower()
+        if word not in ("", "on", "off"):
+            self.notify("/speak on, /speak off, or /speak alone to switch", severity="warning")
+            return
+        on = not self.voice.reading if not word else word == "on"
+        if not on:
+            self.voice.stop()
+        self.voice.reading = self.app.config.speak = on
+        save_tui_setting(self.app.paths, "speak", on)
+        self.notify("Answers are read aloud (Esc silences one)." if on else "Answers are no longer read aloud.")
+
+    def action_talk(self, arg: str = "") -> None:
+        if self.voice.listening:
+            self.notify("Writing down what you said…")
+            self._write_down()
+            return
+        try:
+            self.voice.listen()
+        except EdgechatError as exc:
+            self.notify(str(exc), severity="error", timeout=12)
+            return
+        self.notify("Listening: F5 (or /talk) again when you are done.", timeout=30)
+
+    @work(thread=True, group="talk", exit_on_error=False)
+    def _write_down(self) -> None:
+        try:
+            said = self.voice.heard()
+        except EdgechatError as exc:
+            self.app.call_from_thread(self.notify, str(exc), severity="error", timeout=12)
+            return
+        self.app.call_from_thread(self._put_in_prompt, said)
+
+    def _put_in_prompt(self, said: str) -> None:
+        if not said:
+            self.notify("Nothing was heard.", severity="warning")
+            return
+        typed = self.prompt.text.rstrip()
+        self.prompt.set_text(f"{typed} {said}" if typed else said)
+        self.prompt.focus()
 
     def action_help(self, arg: str = "") -> None:
         self.app.push_screen(HelpScreen())

@@ -181,8 +181,10 @@ class TurnPart(ChatBase):
             self.status.state = "thinking…"
             if box is not None:
                 box.append_thoughts(event.text)
-        elif box is not None:
-            await box.append(event.text)
+        else:
+            self.voice.feed(event.text)
+            if box is not None:
+                await box.append(event.text)
 
     @on(ChatView.AnswerThoughtsEnded)
     def _thoughts_ended(self, event: ChatView.AnswerThoughtsEnded) -> None:
@@ -217,6 +219,8 @@ class TurnPart(ChatBase):
             calls = [pending_call(c, offered.servers.get(c.name)) for c in f.tool_calls]
         if not calls:
             self.turn = None
+        if f.reason != "cancelled":
+            self.voice.finish()
         if f.reason == "cancelled" and not f.text.strip() and not (f.reasoning or turn.reasoning).strip():
             # Stopped before anything came back: undo the send, the prompt goes back in the input.
             await self._undo_turn(turn)
@@ -274,6 +278,7 @@ class TurnPart(ChatBase):
             self.turn = None
 
     def action_stop(self, arg: str = "") -> None:
+        self.voice.stop()
         if self.turn is not None:
             self._tools_stopped = True
             self.chat.cancel()

@@ -49,6 +49,7 @@ class ChatScreen(TurnPart, AttachmentsPart, ToolsPart, GaugePart, CommandsPart):
 
     def on_mount(self) -> None:
         self.set_class(self.app.size.width < NARROW, "-narrow")
+        self.voice.reading = self.app.config.speak
         if self.client is None:
             self.status.model = self.app.model_ref or "model"
             self.status.state = "loading…"
