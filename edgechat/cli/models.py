@@ -274,8 +274,10 @@ def doctor_cmd(expect, rpc, data_dir):
         if dev.kind != "cpu":
             click.echo(f"  device {dev.name} ({dev.kind}, {dev.description}): {format_size(dev.free)} free of {format_size(dev.total)}")
     from edgechat.engine.runners.onnxrt import runtime_report
+    from edgechat.engine.speech import voice_report
 
     click.echo(runtime_report())
+    click.echo(voice_report())
     if expect and expect.lower() not in (b.lower() for b in built):
         raise UsageError(f"this llama.cpp has no {expect} backend (it has {', '.join(built)}); "
                          "reinstall llama-cpp-python with the CMAKE_ARGS in packaging/GPU.md")

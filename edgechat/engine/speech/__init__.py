@@ -24,6 +24,21 @@ class AudioInputError(EdgechatError):
         self.param = param
 
 
+def voice_report() -> str:
+    """doctor's line: the voice extra's versions, or what to install and what each part needs."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found, missing = [], []
+    for package in ("faster-whisper", "ctranslate2", "av", "piper-tts"):
+        try:
+            found.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            missing.append(package)
+    if not missing:
+        return f"Voice: {', '.join(found)} (transcribe, say, /v1/audio/*, /talk, /speak)"
+    return f"Voice: not installed ({', '.join(missing)} missing): {INSTALL_HINT}"
+
+
 def require(module: str, what: str) -> None:
     """VoiceMissingError unless `module` (faster_whisper or piper) can be imported."""
     try:
