@@ -299,21 +299,28 @@ def doctor_cmd(expect, rpc, data_dir):
 
 def server_models(url: str, api_key: str | None, timeout: float = 10.0) -> list[dict]:
     """The /v1/models cards of the server at `url` (edgechat's: each with its state in meta)."""
+    return _server_get(url, api_key, "/v1/models", timeout).json()["data"]
+
+
+def _server_get(url: str, api_key: str | None, path: str, timeout: float = 10.0):
+    """GET `path` of the server at `url`; one line where it does not answer as an OpenAI-compatible one."""
     import httpx
 
     base = url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.get(f"{base}/v1/models", headers=headers, timeout=timeout)
+        r = httpx.get(f"{base}{path}", headers=headers, timeout=timeout)
     except httpx.HTTPError as exc:
         raise EdgechatError(f"no server answers at {base} ({type(exc).__name__}); start one with: edgechat serve, or pass --url") from None
     if r.status_code in (401, 403):
         raise EdgechatError(f"the server at {base} wants an API key: pass --api-key (or set EDGECHAT_API_KEY)")
     try:
         r.raise_for_status()
-        return r.json()["data"]
+        if path == "/v1/models":
+            r.json()["data"]
+        return r
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        raise EdgechatError(f"{base} did not answer /v1/models as an OpenAI-compatible server does (HTTP {r.status_code})") from None
+        raise EdgechatError(f"{base} did not answer {path} as an OpenAI-compatible server does (HTTP {r.status_code})") from None
 
 
 def _mib(n) -> str:
@@ -345,3 +352,40 @@ def ps_cmd(url: str, api_key: str | None) -> None:
                      str(meta.get("running", 0)) if loaded else "-", _seconds(meta.get("idle_seconds")),
                      _seconds(unloads) if loaded and unloads is not None else "-"])
     click.echo(_table(["NAME", "STATE", "MEMORY", "CTX", "RUNNING", "IDLE", "UNLOADS IN"], rows))
+    _ps_memory_and_tails(url, api_key)
+
+
+#: /metrics histograms `ps` shows, as (column, histogram, unit)
+_TAILS = (("PROMPT TOKENS", "edgechat_request_prompt_tokens", ""), ("OUTPUT TOKENS", "edgechat_request_output_tokens", ""),
+          ("TTFT", "edgechat_time_to_first_token_seconds", "s"), ("TPOT", "edgechat_time_per_output_token_seconds", "s"),
+          ("QUEUE", "edgechat_queue_wait_seconds", "s"))
+
+
+def _ps_memory_and_tails(url: str, api_key: str | None) -> None:
+    """The server's memory (/health) and its requests' p50/p95/p99 (/metrics); nothing from a
+    server that has neither (another OpenAI-compatible one)."""
+    from edgechat.scrape import histograms
+
+    try:
+        memory = _server_get(url, api_key, "/health").json().get("memory")
+        tails = histograms(_server_get(url, api_key, "/metrics").text)
+    except (EdgechatError, ValueError):
+        return
+    if memory:
+        limit = f", cgroup {_mib(memory.get('cgroup_usage'))} of {_mib(memory['cgroup_limit'])}" if memory.get("cgroup_limit") else ""
+        click.echo(f"\nmemory: server {_mib(memory.get('rss'))} resident, {_mib(memory.get('available'))} available{limit}")
+    models = sorted({m for _, name, _ in _TAILS for m in tails.get(name, {})})
+    rows = []
+    for model in models:
+        count = tails.get("edgechat_request_prompt_tokens", {}).get(model, (0, []))[0]
+        if count:
+            rows.append([model, str(count), *(_quantiles(tails[name].get(model), unit) for _, name, unit in _TAILS)])
+    if rows:
+        click.echo("\nrequests (p50 / p95 / p99):")
+        click.echo(_table(["MODEL", "DONE", *(column for column, _, _ in _TAILS)], rows))
+
+
+def _quantiles(entry, unit: str) -> str:
+    if not entry or not entry[0]:
+        return "-"
+    return " / ".join("-" if v is None else (f"{v:.2f}" if unit else f"{v:.0f}") for v in entry[1]) + (f" {unit}" if unit else "")

@@ -11,6 +11,7 @@ whose path was called. The API key is checked in auth.py, browsers' preflights i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -21,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from edgechat import sysmem
 from edgechat.engine.pool import ModelPool
 from edgechat.engine.speech.models import SpeechModels
 from edgechat.errors import InvalidFieldError
@@ -48,11 +50,14 @@ async def _health(server: Dispatcher, request: Request) -> Response:
     dead = [m.name for m in server.pool.resident() if m.pinned and m.engine is not None and m.engine.stopped]
     if dead:
         return JSONResponse({"status": "error", "model": server.primary.id, "stopped": dead}, status_code=503)
-    return JSONResponse({"status": "ok", "model": server.primary.id, **server.stats(), "degraded": server.degrade.active})
+    memory = sysmem.read()
+    return JSONResponse({"status": "ok", "model": server.primary.id, **server.stats(), "degraded": server.degrade.active,
+                         "memory": dataclasses.asdict(memory)})
 
 
 async def _metrics(server: Dispatcher, request: Request) -> Response:
-    body = server.metrics.render(server.stats(), server.degrade.active, server.gate.snapshot() if server.gate else {}, server.pool.resident())
+    body = server.metrics.render(server.stats(), server.degrade.active, server.gate.snapshot() if server.gate else {}, server.pool.resident(),
+                                 sysmem.read())
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -176,6 +176,7 @@ class Dispatcher:
 
     def reject(self, error: ApiError) -> ApiError:
         self.metrics.requests.labels("rejected").inc()
+        self.metrics.rejections.labels(error.code or str(error.status)).inc()
         return error
 
     # ---- models ------------------------------------------------------------------------------

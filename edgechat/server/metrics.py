@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from edgechat.engine.pool import PoolModel
 from edgechat.engine.types.request import RequestMetrics
+from edgechat.sysmem import MemoryReading
 
 #: what happened to a request, as counted in edgechat_requests_total{outcome=...}
 OUTCOMES = ("ok", "cancelled", "timeout", "rejected", "error")
@@ -15,6 +16,9 @@ OUTCOMES = ("ok", "cancelled", "timeout", "rejected", "error")
 # From one token on a fast desktop to minutes of queueing on a phone.
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+#: token counts from a one-line question to an agent's whole prefix, doubling: the P99 of
+#: prompt lengths is what --ctx should hold
+_TOKEN_BUCKETS = tuple(float(16 << i) for i in range(14))  # 16 .. 131072
 
 
 class ServerMetrics:
@@ -34,6 +38,17 @@ class ServerMetrics:
             "edgechat_request_duration_seconds", "Time from arrival to the last token (end to end).", buckets=_LATENCY_BUCKETS, labelnames=["model", "priority"], registry=r
         )
         self.prompt_tokens = Counter("edgechat_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.prompt_lengths = Histogram("edgechat_request_prompt_tokens", "Prompt tokens per finished request.", buckets=_TOKEN_BUCKETS,
+                                        labelnames=["model", "priority"], registry=r)
+        self.output_lengths = Histogram("edgechat_request_output_tokens", "Generated tokens per finished request.", buckets=_TOKEN_BUCKETS,
+                                        labelnames=["model", "priority"], registry=r)
+        self.rejections = Counter("edgechat_rejections", "Requests refused before any compute, by reason (the error code: queue_full, "
+                                  "context_length_exceeded, model_memory_full, timeout, ...).", ["reason"], registry=r)
+        self.process_rss = Gauge("edgechat_process_resident_bytes", "This server's resident memory (VmRSS).", registry=r)
+        self.mem_available = Gauge("edgechat_memory_available_bytes", "The machine's available memory (MemAvailable).", registry=r)
+        self.cgroup_limit = Gauge("edgechat_cgroup_memory_limit_bytes", "The memory cgroup's limit (absent: none set).", registry=None)
+        self.cgroup_usage = Gauge("edgechat_cgroup_memory_usage_bytes", "The memory cgroup's usage.", registry=None)
+        self._shown: set[Gauge] = set()
         self.cached_tokens = Counter("edgechat_prompt_cached_tokens", "Prompt tokens taken from the KV cache instead of prefilled.", registry=r)
         self.prompt_cache_hits = Counter("edgechat_prompt_cache_hits", "Requests whose prompt prefix was restored from the prompt cache (host RAM).", registry=r)
         self.prompt_cache_misses = Counter("edgechat_prompt_cache_misses", "Requests for which the prompt cache held no longer prefix than the sequences.", registry=r)
@@ -69,7 +84,7 @@ class ServerMetrics:
 
     def add_model(self, model: str, classes: list[str]) -> None:
         """Export a served model's latency series from the start (at zero), as the outcomes are."""
-        for histogram in (self.queue_wait, self.ttft, self.tpot, self.e2e):
+        for histogram in (self.queue_wait, self.ttft, self.tpot, self.e2e, self.prompt_lengths, self.output_lengths):
             for priority in classes:
                 histogram.labels(model, priority)
 
@@ -89,6 +104,8 @@ class ServerMetrics:
             # a cancelled request's latencies describe the client, not the server
             return
         self.queue_wait.labels(model, priority).observe(m.queue_wait)
+        self.prompt_lengths.labels(model, priority).observe(m.prompt_tokens)
+        self.output_lengths.labels(model, priority).observe(m.completion_tokens)
         if m.completion_tokens > 0:
             self.ttft.labels(model, priority).observe(m.ttft)
         if m.completion_tokens > 1:
@@ -105,8 +122,11 @@ class ServerMetrics:
         elif event == "unload":
             self.model_unloads.labels(model.name).inc()
 
-    def render(self, stats: dict, degraded: bool, classes: dict[str, dict[str, int]], resident: Sequence[PoolModel] = ()) -> bytes:
-        """The text exposition, with the gauges read from the engines and the pool at scrape time."""
+    def render(self, stats: dict, degraded: bool, classes: dict[str, dict[str, int]], resident: Sequence[PoolModel] = (),
+               memory: MemoryReading | None = None) -> bytes:
+        """The text exposition, with the gauges read from the engines, the pool and /proc at scrape time."""
+        if memory is not None:
+            self._memory(memory)
         self.resident_models.set(len(resident))
         self.resident_bytes.set(sum(m.need for m in resident))
         self.running.set(stats.get("running", 0))
@@ -121,3 +141,14 @@ class ServerMetrics:
             self.class_running.labels(name).set(state["running"])
             self.class_queued.labels(name).set(state["waiting"])
         return generate_latest(self.registry)
+
+    def _memory(self, m: MemoryReading) -> None:
+        if m.rss is not None:
+            self.process_rss.set(m.rss)
+        self.mem_available.set(m.available)
+        for gauge, value in ((self.cgroup_limit, m.cgroup_limit), (self.cgroup_usage, m.cgroup_usage)):
+            if value is not None:
+                if gauge not in self._shown:  # absent until there is a value: a 0-byte limit would read as full
+                    self.registry.register(gauge)
+                    self._shown.add(gauge)
+                gauge.set(value)
