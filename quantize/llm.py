@@ -47,18 +47,11 @@ except ImportError:  # the report says so when it runs; conversion does not need
 
 def use_extra_buffers() -> bool:
     """Whether llama.cpp may put weights in its extra CPU buffer types (repacked layouts, AMX
-    tiles). On CPUs with AMX, ggml's AMX matmul takes a general protection fault in some virtual
-    machines (seen here: every prompt of more than a token, both embedded models), killing the
-    process; plain buffers run everywhere. EDGECHAT_EXTRA_BUFFERS=1 or 0 overrides the guess."""
-    forced = os.environ.get("EDGECHAT_EXTRA_BUFFERS", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
-            flags = next((line for line in fh if line.startswith("flags")), "")
-    except OSError:
-        return True
-    return "amx_tile" not in flags.split()
+    tiles): where they run, which quantize/cpuprobe.py finds out (EDGECHAT_EXTRA_BUFFERS=1 or 0
+    decides without it)."""
+    from quantize.cpuprobe import verdict
+
+    return verdict()[0]
 
 
 class Model:

@@ -253,6 +253,7 @@ def doctor_cmd(expect, rpc, data_dir):
     from edgechat.android import on_android
     from edgechat.android import report as android_report
     from edgechat.engine.runners import devices, llama
+    from quantize import cpuprobe
 
     paths = get_paths(data_dir)
     features = llama.system_info()
@@ -265,6 +266,8 @@ def doctor_cmd(expect, rpc, data_dir):
     click.echo(f"CPU: {platform.processor() or platform.machine()}; {planner.physical_cores()} physical cores, "
                f"{os.cpu_count()} logical; edgechat uses {planner.default_threads()} threads by default")
     click.echo(f"CPU features (llama.cpp): {features.strip()}")
+    extra, why = cpuprobe.verdict()
+    click.echo(f"CPU weight layouts: {'repacked (extra buffer types)' if extra else 'plain'}: {why}")
     click.echo(f"RAM: {format_size(planner.total_memory())} total, {format_size(planner.available_memory())} available"
                f"; plans use {planner.headroom():.0%} of what is available")
     built = devices.backends()
