@@ -26,7 +26,8 @@ PROBE_TIMEOUT_S = 180
 
 def _cpu() -> tuple[str, list[str]]:
     """The CPU's model name and flags from /proc/cpuinfo ("", [] where there is none)."""
-    name, flags = "", []
+    name = ""
+    flags: list[str] = []
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
             for line in fh:

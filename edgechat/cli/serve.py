@@ -120,6 +120,9 @@ def _models_dir(ctx, param, value: str | None) -> list[str]:
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True, help="Requests that may wait for a sequence; more get 429.")
 @click.option("--max-input-tokens", type=click.IntRange(min=1), default=None, help="Longer prompts get 400 (default: what the context holds).")
 @click.option("--max-messages", type=click.IntRange(min=1), default=ServerSettings.max_messages, show_default=True, help="Chat requests with more messages get 400 before any templating.")
+@click.option("--memory-floor", type=click.IntRange(min=0), default=None, metavar="MIB",
+              help="Free memory below which the server sheds: the prompt cache's RAM, idle models, then new requests (503, Retry-After); "
+                   "default: 10% of the memory it may use (its cgroup's limit, else RAM), at least 256; 0: never.")
 @click.option("--timeout", "request_timeout", type=click.FloatRange(min=1.0), default=600.0, show_default=True, help="Seconds before a request is cancelled.")
 @click.option("--degrade-queue-wait", type=click.FloatRange(min=0.0), default=10.0, show_default=True, help="Queue wait (s) that turns on the degrade switch (max_tokens cap, --fallback-model); 0 disables.")
 @click.option("--degrade-max-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="The max_tokens cap while degraded.")
@@ -197,16 +200,19 @@ def serve_cmd(
     max_images: int,
     stt_model: str | None,
     tts_model: str | None,
+    memory_floor: int | None,
     data_dir: str | None,
 ) -> None:
     """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /metrics),
     Anthropic's, Ollama's and llama-server's. With several -m, each loads when a request names it."""
+    from edgechat import sysmem
     from edgechat.config import get_paths, read_chat_template
     from edgechat.engine import EngineConfig
     from edgechat.engine.pool import ModelPool
-    from edgechat.models import DEFAULT_MODEL
+    from edgechat.models import DEFAULT_MODEL, planner
     from edgechat.models.settings import own_settings, with_model_settings
     from edgechat.server import create_app, listen
+    from edgechat.server.memoryguard import default_floor
     from edgechat.server.priority import parse_class
 
     gpu_layers_note(gpu_layers, rpc)
@@ -278,6 +284,9 @@ def serve_cmd(
         pool.release(first)
         if engine.template_mode != "chat":
             log.warning("%s has no usable chat template: chat messages are joined as plain text", engine.model_name)
+        floor = memory_floor << 20 if memory_floor is not None else default_floor(sysmem.read(), planner.total_memory())
+        if floor:
+            log.info("memory floor: %d MiB free (below it the server sheds; --memory-floor)", floor >> 20)
         settings = ServerSettings(
             api_key=api_key,
             max_input_tokens=max_input_tokens,
@@ -297,6 +306,7 @@ def serve_cmd(
             max_image_bytes=int(max_image_mib * 2**20),
             max_image_megapixels=max_image_megapixels,
             max_images=max_images,
+            memory_floor=floor,
         )
         urls = ", ".join(f"http://{listen.url_host(h)}:{s.getsockname()[1]}/v1" for h, s in zip(hosts, sockets, strict=False))
         others = f" (and {', '.join(list(pool.models)[1:])}, loaded when asked)" if len(pool.models) > 1 else ""

@@ -366,6 +366,11 @@ class Engine(PromptQueries):
         """(pos_min, pos_max, mirrored length) of a session's sequence, for consistency checks."""
         return self._call("positions", session)
 
+    def shed_prompt_cache(self) -> int:
+        """Memory is short: the prompt cache lets go of its states in RAM (those on disk stay
+        and are read back when asked). The bytes let go."""
+        return self._call("shed_cache")
+
     def kv_problems(self) -> list[str]:
         """Every way the KV mirrors disagree with llama.cpp's cells (empty when consistent)."""
         return self._call("check")
@@ -618,6 +623,8 @@ class Engine(PromptQueries):
                 cmd.result = self.scheduler.continuation(*cmd.arg)
             elif cmd.name == "top_logits":
                 cmd.result = self.scheduler.top_logits(*cmd.arg)
+            elif cmd.name == "shed_cache":
+                cmd.result = self.prompt_cache.shed()
             elif cmd.name == "release":
                 if found is not None and not found.busy:
                     self.kv.save_snapshot(found)

@@ -36,6 +36,7 @@ from edgechat.server.bridge import Generation, Lease, Started
 from edgechat.server.degrade import DegradeSwitch
 from edgechat.server.errors import ApiError, bad_request, from_engine_error, overloaded, prompt_too_long
 from edgechat.server.fields import ParsedRequest, decode_body
+from edgechat.server.memoryguard import MemoryGuard
 from edgechat.server.metrics import ServerMetrics
 from edgechat.server.priority import ClassFull, PriorityGate
 from edgechat.server.settings import ServerSettings
@@ -129,6 +130,7 @@ class Dispatcher:
         self.classes = [c.name for c in settings.priority_classes] or [DEFAULT_CLASS]
         for served in self.served():
             self.metrics.add_model(served.id, self.classes)
+        self.memory = MemoryGuard(settings.memory_floor, self.pool)
         self.degrade = DegradeSwitch(
             settings.degrade_queue_wait,
             settings.degrade_max_tokens,
@@ -437,6 +439,9 @@ class Dispatcher:
                 bad_request(f"'n' is {parsed.n}, more than the {parallel} answers this server generates at once for this request", param="n", code="invalid_value")
             )
         failover_at = self.failover_at(request, arrival, served)
+        if not await self.memory.admit():
+            raise self.reject(ApiError(503, "the server is short of memory and takes no new request until it has room again; retry shortly",
+                                       type="server_error", code="memory_low", headers={"Retry-After": str(self.settings.retry_after)}))
         lease = await self.lease(served, parsed.keep_alive, arrival + self.settings.request_timeout)
         try:
             ready = await self.prepare(served, parsed, priority)

@@ -16,6 +16,8 @@ class ServerSettings:
     max_input_tokens: int | None = None
     #: a request still generating after this many seconds is cancelled
     request_timeout: float = 600.0
+    #: bytes of free memory below which the server sheds (server/memoryguard.py); None: never
+    memory_floor: int | None = None
     #: the id /v1/models lists and responses carry (None: the model file's name without .gguf)
     model_id: str | None = None
     #: more names the primary model answers to in every API; /v1/models lists them too

@@ -182,6 +182,13 @@ class PromptCache:
             self._write_later(entry, replaced)
         return entry
 
+    def shed(self) -> int:
+        """Let go of every state held in RAM (memory is short); those still waiting for their
+        write to disk are written first, by the writer that holds them. The bytes let go."""
+        freed = self.bytes
+        self._entries.clear()
+        return freed
+
     def drop(self, entry: CachedPrompt) -> None:
         entry.gone = True
         self._entries.pop(id(entry), None)
