@@ -115,7 +115,6 @@ def test_under_the_floor_the_server_sheds_then_refuses_and_lives(cgroup, tmp_pat
         assert shed < text.index("new requests are refused (503, Retry-After)")
         assert _metric(url, "edgechat_prompt_cache_entries") == 0
         worker.join(300)
-
         assert long_answer["status"] == 200 and "[DONE]" in long_answer["body"]  # not lost
         assert proc.poll() is None  # and not killed
         # room again: served as before
