@@ -235,3 +235,145 @@ async def load(
 
 async def run_load(url: str, concurrency: int = 1, requests: int = 16, max_tokens: int = 128, seed: int = 0, **kw) -> Report:
     return summarize([await load(url, concurrency, requests, max_tokens, seed, **kw)])
+
+
+# ---- replayed traffic ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TraceEntry:
+    """One request of a trace: when it arrives (seconds from the start), its prompt (text, or a
+    length in tokens of words drawn from its `group`'s stream, so entries of one group share
+    their beginning: an agent's fixed prefix and its growing history), and its answer's length."""
+
+    at: float
+    max_tokens: int
+    prompt: str | None = None
+    tokens: int = 0
+    group: str | None = None
+
+
+#: the shipped mixes, by name (`--trace chat|agents|document`); a JSONL file gives any other
+MIXES = ("chat", "agents", "document")
+
+
+def read_trace(path: str) -> list[TraceEntry]:
+    """A JSONL trace: one object per line with `at`, `max_tokens`, and `prompt` (text) or `tokens`
+    (with an optional `group`); a line that is none of these is a ValueError naming it."""
+    entries = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+                entry = TraceEntry(float(raw["at"]), int(raw.get("max_tokens", 128)), raw.get("prompt"), int(raw.get("tokens", 0)),
+                                   raw.get("group"))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{n}: not a trace entry ({exc}); give at, max_tokens, and prompt or tokens") from None
+            if entry.at < 0 or entry.max_tokens < 1 or (entry.prompt is None and entry.tokens < 1):
+                raise ValueError(f"{path}:{n}: at must be >= 0, max_tokens >= 1, and a prompt or tokens >= 1 given")
+            entries.append(entry)
+    if not entries:
+        raise ValueError(f"{path} holds no entries")
+    return sorted(entries, key=lambda e: e.at)
+
+
+def mix(name: str, seed: int = 0) -> list[TraceEntry]:
+    """A shipped mix. chat: two minutes of long-tail chat, a request every 2 s on average;
+    agents: three sessions of one agent (a 6,000-token prefix they share, 400 tokens of history
+    more each turn, six turns 15 s apart); document: three chats asking every 4 s, and a
+    16,000-token document arriving 10 s in."""
+    rng = random.Random(seed)
+    if name == "chat":
+        at, out = 0.0, []
+        for target in prompt_token_targets(60, rng):
+            out.append(TraceEntry(round(at, 2), rng.choice((32, 64, 128, 256)), tokens=target))
+            at += rng.expovariate(0.5)
+        return out
+    if name == "agents":
+        return sorted((TraceEntry(turn * 15.0 + s * 5.0, 96, tokens=6000 + 400 * turn, group=f"session-{s}")
+                       for s in range(3) for turn in range(6)), key=lambda e: e.at)
+    if name == "document":
+        chats = [TraceEntry(i * 4.0 + c, 64, tokens=100 + 50 * c, group=f"chat-{c}-{i}") for c in range(3) for i in range(10)]
+        return sorted([*chats, TraceEntry(10.0, 64, tokens=16_000, group="document")], key=lambda e: e.at)
+    raise ValueError(f"no mix {name!r}: {', '.join(MIXES)}, or a JSONL file")
+
+
+def _text(entry: TraceEntry, index: int, seed: int) -> str:
+    if entry.prompt is not None:
+        return entry.prompt
+    # a group's words are one stream: its entries' prompts are prefixes of each other; the
+    # agents' sessions share their first 6,000 tokens (one agent, one system prompt)
+    group = entry.group or f"request-{index}"
+    shared = group.split("-", 1)[0] if group.startswith("session-") else group
+    head = random.Random(f"{seed}:{shared}")
+    words = [head.choice(_WORDS) for _ in range(int(min(entry.tokens, 6000) * _WORDS_PER_TOKEN))]
+    rest = random.Random(f"{seed}:{group}")
+    words += [rest.choice(_WORDS) for _ in range(int(max(0, entry.tokens - 6000) * _WORDS_PER_TOKEN))]
+    return "Read these words, then answer with a story: " + " ".join(words)
+
+
+@dataclass
+class TraceReport:
+    url: str
+    model: str
+    requests: int
+    ok: int
+    duration_s: float
+    ttft: dict
+    tpot: dict
+    e2e: dict
+    #: SLO met by both TTFT and TPOT: the share of requests, and good requests per second
+    slo: dict
+    goodput_share: float
+    goodput_rps: float
+    errors: dict[str, int]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def table(self) -> str:
+        lines = [f"{self.url}  model {self.model}  trace of {self.requests} requests in {self.duration_s:.1f} s",
+                 f"{'':6}{'p50':>12}{'p95':>12}{'p99':>12}"]
+        for name, stats, scale, unit in (("TTFT", self.ttft, 1, "s"), ("TPOT", self.tpot, 1000, "ms"), ("E2E", self.e2e, 1, "s")):
+            lines.append(f"{name:6}" + "".join(f"{stats[p] * scale:>10.3f}{unit:<2}" for p in ("p50", "p95", "p99")))
+        lines.append(f"goodput: {self.goodput_share:.0%} of requests within TTFT <= {self.slo['ttft_s']:g} s and TPOT <= "
+                     f"{self.slo['tpot_s'] * 1000:g} ms ({self.goodput_rps:.2f} req/s)")
+        lines += [f"errors: {kind}: {n}" for kind, n in sorted(self.errors.items())]
+        return "\n".join(lines)
+
+
+async def replay(url: str, entries: list[TraceEntry], seed: int = 0, api_key: str | None = None, timeout: float = 900.0,
+                 slo_ttft: float = 2.0, slo_tpot: float = 0.2, progress=None) -> TraceReport:
+    """Send each entry at its time (whatever is still running), streamed; `progress(done, total)`
+    after each ends."""
+    base = _base_url(url)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=len(entries) + 1, max_keepalive_connections=8)
+    done = 0
+    async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
+        model = await _model_id(client, base)
+        start = time.perf_counter()
+
+        async def send(i: int, entry: TraceEntry) -> RequestResult:
+            nonlocal done
+            await asyncio.sleep(max(0.0, start + entry.at - time.perf_counter()))
+            result = await _one(client, base, model, _text(entry, i, seed), entry.tokens, entry.max_tokens, seed + i)
+            done += 1
+            if progress is not None:
+                progress(done, len(entries))
+            return result
+
+        results = await asyncio.gather(*(send(i, e) for i, e in enumerate(entries)))
+        duration = time.perf_counter() - start
+    ok = [r for r in results if r.ok]
+    good = [r for r in ok if r.ttft <= slo_ttft and (r.tpot is None or r.tpot <= slo_tpot)]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            kind = f"HTTP {r.status}" if r.status and r.status != 200 else (r.error or "error").split(":", 1)[0]
+            errors[kind] = errors.get(kind, 0) + 1
+    return TraceReport(url, model, len(results), len(ok), duration, _summary([r.ttft for r in ok]),
+                       _summary([t for r in ok if (t := r.tpot) is not None]), _summary([r.e2e for r in ok]),
+                       {"ttft_s": slo_ttft, "tpot_s": slo_tpot}, len(good) / len(results), len(good) / duration if duration else 0.0, errors)
