@@ -110,3 +110,28 @@ def test_cgroup_files_are_found_in_either_hierarchy(tmp_path):
     (tmp_path / "cgroup1").write_text("5:cpu:/\n4:memory:/box\n0::/\n")
     limit, usage = sysmem.cgroup_files(v1, tmp_path / "cgroup1")
     assert limit.read_text().strip() == "536870912" and usage.name == "memory.usage_in_bytes"
+
+
+def test_tune_proposes_flags_from_the_traffic_seen_with_its_arithmetic(url):
+    import math
+
+    from edgechat.cli.tune import tune_cmd
+
+    httpx.post(f"{url}/v1/chat/completions", timeout=60, json={"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 4})
+    tails = histograms(httpx.get(f"{url}/metrics").text)
+    _, (_, _, prompt_p99) = tails["edgechat_request_prompt_tokens"][MODEL]
+    _, (_, _, output_p99) = tails["edgechat_request_output_tokens"][MODEL]
+    out = CliRunner().invoke(tune_cmd, ["--url", url])
+    assert out.exit_code == 0, out.output
+    ctx = max(512, math.ceil((prompt_p99 + output_p99) * 1.10 / 256) * 256)
+    assert f"prompt p99 {prompt_p99:,.0f} + answer p99 {output_p99:,.0f}" in out.output
+    assert f"edgechat serve -m {MODEL} --ctx {ctx} --parallel 1 --kv-type f16" in out.output  # one request at a time here
+    assert "f16: weights " in out.output and ": fits" in out.output
+
+
+def test_tune_on_a_server_without_traffic_says_so(engine):
+    from edgechat.cli.tune import tune_cmd
+
+    with serving(create_app(ServerSettings(model_id=MODEL, degrade_queue_wait=None), engine)) as fresh:
+        out = CliRunner().invoke(tune_cmd, ["--url", fresh])
+    assert "has answered no request yet" in str(out.exception)  # run_guarded prints it as one line

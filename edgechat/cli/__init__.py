@@ -49,13 +49,13 @@ def cli(ctx: click.Context, model: str | None, url: str | None, api_key: str | N
 
 
 def _register() -> None:
-    from edgechat.cli import bench, models, pull, quantize, run, serve, sessions, voice
+    from edgechat.cli import bench, models, pull, quantize, run, serve, sessions, tune, voice
 
     cli.add_command(run.run_cmd)
     cli.add_command(models.models_cmd)
     cli.add_command(models.doctor_cmd)
     cli.add_command(models.ps_cmd)
-    for module in (sessions, serve, quantize, bench, pull, voice):
+    for module in (sessions, serve, quantize, bench, pull, tune, voice):
         module.register(cli)
 
 

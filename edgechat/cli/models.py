@@ -302,10 +302,10 @@ def doctor_cmd(expect, rpc, data_dir):
 
 def server_models(url: str, api_key: str | None, timeout: float = 10.0) -> list[dict]:
     """The /v1/models cards of the server at `url` (edgechat's: each with its state in meta)."""
-    return _server_get(url, api_key, "/v1/models", timeout).json()["data"]
+    return server_get(url, api_key, "/v1/models", timeout).json()["data"]
 
 
-def _server_get(url: str, api_key: str | None, path: str, timeout: float = 10.0):
+def server_get(url: str, api_key: str | None, path: str, timeout: float = 10.0):
     """GET `path` of the server at `url`; one line where it does not answer as an OpenAI-compatible one."""
     import httpx
 
@@ -370,8 +370,8 @@ def _ps_memory_and_tails(url: str, api_key: str | None) -> None:
     from edgechat.scrape import histograms
 
     try:
-        memory = _server_get(url, api_key, "/health").json().get("memory")
-        tails = histograms(_server_get(url, api_key, "/metrics").text)
+        memory = server_get(url, api_key, "/health").json().get("memory")
+        tails = histograms(server_get(url, api_key, "/metrics").text)
     except (EdgechatError, ValueError):
         return
     if memory:

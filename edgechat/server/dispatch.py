@@ -439,6 +439,7 @@ class Dispatcher:
                 bad_request(f"'n' is {parsed.n}, more than the {parallel} answers this server generates at once for this request", param="n", code="invalid_value")
             )
         failover_at = self.failover_at(request, arrival, served)
+        self.metrics.in_flight.labels(served.id).observe(1 + sum(g.model == served.id for g in self.in_flight))
         if not await self.memory.admit():
             raise self.reject(ApiError(503, "the server is short of memory and takes no new request until it has room again; retry shortly",
                                        type="server_error", code="memory_low", headers={"Retry-After": str(self.settings.retry_after)}))

@@ -42,6 +42,9 @@ class ServerMetrics:
                                         labelnames=["model", "priority"], registry=r)
         self.output_lengths = Histogram("edgechat_request_output_tokens", "Generated tokens per finished request.", buckets=_TOKEN_BUCKETS,
                                         labelnames=["model", "priority"], registry=r)
+        self.in_flight = Histogram("edgechat_requests_in_flight", "Requests running or queued on the model as one arrives, itself "
+                                   "counted: the concurrency --parallel should hold.", buckets=tuple(float(n) for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)),
+                                   labelnames=["model"], registry=r)
         self.rejections = Counter("edgechat_rejections", "Requests refused before any compute, by reason (the error code: queue_full, "
                                   "context_length_exceeded, model_memory_full, timeout, ...).", ["reason"], registry=r)
         self.process_rss = Gauge("edgechat_process_resident_bytes", "This server's resident memory (VmRSS).", registry=r)
