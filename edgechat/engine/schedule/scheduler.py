@@ -27,7 +27,7 @@ from edgechat.engine.output.jsonvalue import JsonPrefix, step_texts
 from edgechat.engine.output.reasoning import ChannelFormat, ReasoningFormat, Thinking
 from edgechat.engine.output.stream import OutputProcessor
 from edgechat.engine.output.toolfamilies import GENERIC, ToolFamily
-from edgechat.engine.output.tools import ToolCallParser
+from edgechat.engine.output.tools import ToolCallParser, answered_calls
 from edgechat.engine.prompt.prompt import Prepared
 from edgechat.engine.runners.llama import token_logprobs
 from edgechat.engine.runners.runner import ModelRunner, TokenBatch
@@ -291,7 +291,8 @@ class Scheduler:
         tools = req.tools if req.tools is not None and req.tools.active else None
         run.proc = OutputProcessor(req.stop, loop_guard=req.loop_guard and not req.ignore_eos,
                                    splitter=self.thinking.splitter(req, run.prep),
-                                   parser=ToolCallParser(self.tool_family, tools.offered) if tools is not None else None)
+                                   parser=ToolCallParser(self.tool_family, tools.offered, answered_calls(req.messages))
+                                   if tools is not None else None)
         mode = self.speculative(req)
         if mode in (SpeculativeMode.AUTO, SpeculativeMode.LOOKUP):
             run.drafter = NgramDrafter(prompt)
