@@ -25,7 +25,14 @@ from edgechat.engine.output.toolfamilies import (
     family_for,
     native_messages,
 )
-from edgechat.engine.output.tools import ToolCallParser, _trigger, answered_calls, fallback_triggers, render_messages, tool_grammar
+from edgechat.engine.output.tools import (
+    ToolCallParser,
+    _trigger,
+    answered_calls,
+    fallback_triggers,
+    render_messages,
+    tool_grammar,
+)
 from edgechat.engine.prompt.templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, choose_format
 from edgechat.engine.types.request import Evicted
 from edgechat.params import SamplingParams
