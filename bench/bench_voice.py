@@ -26,18 +26,11 @@ from pathlib import Path
 import httpx
 
 from bench.bench_serve import _free_port, _server
-from bench.speechmodels import piper_voice, wer, whisper_dir
+from bench.speechmodels import ROUND_TRIP, piper_voice, wer, whisper_dir
 from edgechat.config import get_paths
 from edgechat.models import resolve_model
 
-SENTENCES = [
-    "The weather is nice today, so we will walk to the park.",
-    "Please open the window before you leave the kitchen.",
-    "My brother bought three red apples at the market.",
-    "The train to the city leaves at seven in the morning.",
-    "She wrote a long letter to her friend in Canada.",
-    "Offline speech lets people talk to their phone without a network.",
-]
+SENTENCES = ROUND_TRIP
 
 
 def main(argv: list[str] | None = None) -> int:

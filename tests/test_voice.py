@@ -20,7 +20,7 @@ import numpy as np
 import openai
 import pytest
 
-from bench.speechmodels import wer, words
+from bench.speechmodels import ROUND_TRIP, wer, words
 from edgechat.engine.speech import AudioInputError
 from edgechat.engine.speech.audio import MAX_AUDIO_BYTES, decode, wav_bytes
 from edgechat.engine.speech.models import SpeechModels
@@ -31,13 +31,7 @@ from tests.serving import serving
 pytest.importorskip("faster_whisper", reason="the voice extra (faster-whisper, piper-tts) is not installed")
 pytestmark = pytest.mark.slow
 
-SENTENCES = [
-    "The weather is nice today, so we will walk to the park.",
-    "Please open the window before you leave the kitchen.",
-    "My brother bought three red apples at the market.",
-    "The train to the city leaves at seven in the morning.",
-    "She wrote a long letter to her friend in Canada.",
-]
+SENTENCES = list(ROUND_TRIP[:5])
 #: word error rate of the round trip (voice -> Whisper base, greedy): measured 0.0-0.04 here
 WER_BOUND = 0.1
 
