@@ -329,6 +329,9 @@ class TraceReport:
     goodput_share: float
     goodput_rps: float
     errors: dict[str, int]
+    #: TTFT and TPOT tails by kind of request (a group's name before its first "-": chat,
+    #: document, session; ungrouped ones are "request"), where a trace holds more than one kind
+    kinds: dict[str, dict] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -340,8 +343,26 @@ class TraceReport:
             lines.append(f"{name:6}" + "".join(f"{stats[p] * scale:>10.3f}{unit:<2}" for p in ("p50", "p95", "p99")))
         lines.append(f"goodput: {self.goodput_share:.0%} of requests within TTFT <= {self.slo['ttft_s']:g} s and TPOT <= "
                      f"{self.slo['tpot_s'] * 1000:g} ms ({self.goodput_rps:.2f} req/s)")
+        for kind, tails in sorted(self.kinds.items()):
+            lines.append(f"{kind} ({tails['ok']}): TTFT p50/p99 {tails['ttft']['p50']:.3f}/{tails['ttft']['p99']:.3f} s, "
+                         f"TPOT p50/p99 {tails['tpot']['p50'] * 1000:.1f}/{tails['tpot']['p99'] * 1000:.1f} ms")
         lines += [f"errors: {kind}: {n}" for kind, n in sorted(self.errors.items())]
         return "\n".join(lines)
+
+
+def _kind(entry: TraceEntry) -> str:
+    return (entry.group or "request").split("-", 1)[0]
+
+
+def _kinds(entries: list[TraceEntry], results: list[RequestResult]) -> dict[str, dict]:
+    by_kind: dict[str, list[RequestResult]] = {}
+    for entry, result in zip(entries, results, strict=True):
+        if result.ok:
+            by_kind.setdefault(_kind(entry), []).append(result)
+    if len(by_kind) < 2:
+        return {}
+    return {kind: {"ok": len(rs), "ttft": _summary([r.ttft for r in rs]), "tpot": _summary([t for r in rs if (t := r.tpot) is not None])}
+            for kind, rs in by_kind.items()}
 
 
 async def replay(url: str, entries: list[TraceEntry], seed: int = 0, api_key: str | None = None, timeout: float = 900.0,
@@ -376,4 +397,5 @@ async def replay(url: str, entries: list[TraceEntry], seed: int = 0, api_key: st
             errors[kind] = errors.get(kind, 0) + 1
     return TraceReport(url, model, len(results), len(ok), duration, _summary([r.ttft for r in ok]),
                        _summary([t for r in ok if (t := r.tpot) is not None]), _summary([r.e2e for r in ok]),
-                       {"ttft_s": slo_ttft, "tpot_s": slo_tpot}, len(good) / len(results), len(good) / duration if duration else 0.0, errors)
+                       {"ttft_s": slo_ttft, "tpot_s": slo_tpot}, len(good) / len(results), len(good) / duration if duration else 0.0, errors,
+                       _kinds(entries, results))

@@ -22,6 +22,8 @@ from pathlib import Path
 #: set to "1" or "0" to decide without probing (and what the probe leaves for child processes)
 ENV = "EDGECHAT_EXTRA_BUFFERS"
 PROBE_TIMEOUT_S = 180
+#: part of the verdict's key: a changed probe decides again (version 1 never decoded its prompt)
+PROBE_VERSION = 2
 
 
 def _cpu() -> tuple[str, list[str]]:
@@ -56,11 +58,15 @@ def _probe_model() -> Path | None:
 
 
 def _child(model: str) -> None:
-    """The probe itself: a prompt of several tokens through the extra buffers."""
+    """The probe itself: a prompt of several tokens, then a few one-token steps, as an answer
+    runs them, through the extra buffers."""
     from quantize.llm import Model
 
-    with Model(model, n_ctx=64, n_batch=32) as m:
-        m.logits(m.tokenize("The quick brown fox jumps over the lazy dog."))
+    with Model(model, n_ctx=128, n_batch=32) as m:
+        tokens = m.tokenize("The quick brown fox jumps over the lazy dog. " * 3)
+        m.feed(tokens, 0)
+        for i in range(4):
+            m.feed(tokens[i : i + 1], len(tokens) + i)
 
 
 def probe(command: list[str] | None = None) -> tuple[bool, str]:
@@ -112,7 +118,7 @@ def _key(name: str, flags: list[str]) -> str:
         build = version("llama-cpp-python")
     except Exception:  # noqa: BLE001 - any failure to read the version means "unknown build"
         build = "?"
-    return hashlib.sha256(f"{name}|{' '.join(sorted(flags))}|{build}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{PROBE_VERSION}|{name}|{' '.join(sorted(flags))}|{build}".encode()).hexdigest()[:16]
 
 
 def _write(path: Path, data: dict) -> None:

@@ -67,6 +67,13 @@ def _edgechat(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
     return proc
 
 
+def _ps_models(stdout: str) -> dict[str, list[str]]:
+    """`edgechat ps`'s model table, each row's cells by model name: the lines between its header
+    and the blank line before the memory and tails that follow it."""
+    table = stdout.split("\n\n")[0].splitlines()[2:]
+    return {line.split()[0]: line.split() for line in table}
+
+
 def _finish_reason(lines) -> str:
     """The finish reason of a chat stream read to its end."""
     chunks = [json.loads(line[5:]) for line in lines if line.startswith("data:") and line != "data: [DONE]"]
@@ -401,7 +408,7 @@ def test_ps_and_models_rm_on_a_real_server_and_cache(smollm2_path, gemma3_path, 
             assert _chat(url, "mini").status_code == 200
             ps = _edgechat("ps", "--url", url)
             assert ps.returncode == 0, ps.stderr
-            rows = {line.split()[0]: line.split() for line in ps.stdout.splitlines()[2:]}
+            rows = _ps_models(ps.stdout)
             assert rows["mini"][1] == "loaded" and rows[GEMMA][1] == "unloaded"
             assert rows["mini"][2].isdigit() and rows["mini"][3] == "MiB" and rows["mini"][4] == "1024"  # memory, context
             assert rows["mini"][5] == "0"  # nothing running now
@@ -414,7 +421,7 @@ def test_ps_and_models_rm_on_a_real_server_and_cache(smollm2_path, gemma3_path, 
             assert _chat(url, "mini", keep_alive=0).status_code == 200
             _wait_state(url, "mini", "unloaded")
             ps = _edgechat("ps", "--url", url)
-            assert {line.split()[0]: line.split()[1] for line in ps.stdout.splitlines()[2:]} == {"mini": "unloaded", GEMMA: "unloaded"}
+            assert {name: row[1] for name, row in _ps_models(ps.stdout).items()} == {"mini": "unloaded", GEMMA: "unloaded"}
             # asked and declined: kept
             declined = _edgechat("models", "rm", "mini", "--url", url, stdin="n\n")
             assert declined.returncode != 0 and cached.is_file()
@@ -476,7 +483,7 @@ def test_serve_process_with_two_models_a_budget_and_per_model_settings(smollm2_p
         states = _states(url)
         assert (states[smol]["state"], states[gemma]["state"]) == ("unloaded", "loaded")
         ps = _edgechat("ps", "--url", url)
-        assert {line.split()[0]: line.split()[1] for line in ps.stdout.splitlines()[2:]} == {smol: "unloaded", gemma: "loaded"}
+        assert {name: row[1] for name, row in _ps_models(ps.stdout).items()} == {smol: "unloaded", gemma: "loaded"}
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=PATIENCE_S)

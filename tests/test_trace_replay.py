@@ -69,6 +69,9 @@ def test_the_trace_replays_against_edgechat_with_tails_goodput_and_errors(edgech
     assert seen == [1, 2, 3, 4, 5]
     assert report.goodput_share == pytest.approx(0.8) and report.ttft["p99"] >= report.ttft["p50"] > 0
     assert report.duration_s >= 1.0  # the last entry was sent at its time
+    # by kind: the three session turns, and the one ungrouped chat that was answered
+    assert {kind: tails["ok"] for kind, tails in report.kinds.items()} == {"session": 3, "request": 1}
+    assert report.kinds["session"]["ttft"]["p99"] > 0 and "session (3): TTFT" in report.table()
 
 
 def test_the_same_trace_replays_against_llama_server(llama_tools, smollm2_path, tmp_path_factory, trace_file):

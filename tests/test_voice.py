@@ -331,7 +331,9 @@ def devices(tmp_path, monkeypatch, speech_paths, spoken):
     said = tmp_path / "said.wav"
     said.write_bytes(spoken[0])
     (bin_dir / "aplay").write_text(f'#!/bin/bash\ncat > "{played}/$(date +%s%N).wav"\n')
-    (bin_dir / "arecord").write_text(f'#!/bin/bash\ncp "{said}" "${{!#}}"\ntrap "exit 0" INT TERM\nwhile :; do sleep 0.05; done\n')
+    # the sentence is "spoken" once the file holds it: `heard` marks that, as a person stops talking
+    (bin_dir / "arecord").write_text(f'#!/bin/bash\ntrap "exit 0" INT TERM\ncp "{said}" "${{!#}}"\ntouch "{tmp_path}/heard"\n'
+                                     'while :; do sleep 0.05; done\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
@@ -385,6 +387,7 @@ def test_a_question_spoken_into_the_microphone_is_written_down(devices):
     voice = Voice(lambda message, severity: None)
     voice.listen()
     assert voice.listening
+    _until(lambda: (devices.parent / "heard").exists())  # the question asked
     said = voice.heard()
     assert not voice.listening and wer(SENTENCES[0], said) <= WER_BOUND
 
@@ -418,8 +421,10 @@ def test_in_the_chat_app_a_spoken_question_is_answered_aloud(devices, isolated_d
         tmux.tmux("send-keys", "Enter")
         tmux.tmux("send-keys", "F5")
         tmux.wait_for(lambda: "Listening" in tmux.screen(), 30, "the recording to start")
+        tmux.wait_for(lambda: (devices.parent / "heard").exists(), 30, "the question to be asked")
         tmux.tmux("send-keys", "F5")
-        tmux.wait_for(lambda: "walk to the park" in tmux.screen(), 60, "the question in the input")
+        # one word: the input wraps the sentence where its width falls
+        tmux.wait_for(lambda: "park" in tmux.screen(), 60, "the question in the input")
         tmux.tmux("send-keys", "Enter")
         tmux.wait_for(lambda: "tok/s" in tmux.screen(), 120, "the answer")
         tmux.wait_for(lambda: any(devices.iterdir()), 60, "the answer to be read aloud")
