@@ -439,3 +439,48 @@ def test_in_the_chat_app_a_spoken_question_is_answered_aloud(devices, isolated_d
     assert wer(SENTENCES[0], user.content) <= WER_BOUND
     assert answer.content.strip()
     assert "speak = true" in isolated_dirs.config_file.read_text()  # remembered
+
+
+def test_a_speech_model_is_loaded_on_use_listed_counted_and_let_go_when_idle(smol, speech_paths, spoken):
+    import gc
+    import weakref
+
+    speech = SpeechModels(*speech_paths, threads=2, idle_unload=3.0)
+
+    def states() -> dict[str, str]:
+        cards = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
+        return {c["id"]: c["meta"]["state"] for c in cards if c.get("meta", {}).get("kind") in ("transcription", "speech")}
+
+    with serving(create_app(ServerSettings(), smol, speech=speech)) as base:
+        assert states() == {speech.stt_id: "unloaded", speech.tts_id: "unloaded"} and speech.held_bytes() == 0
+        held = weakref.ref(speech.transcriber())  # loaded on first use
+        assert states() == {speech.stt_id: "loaded", speech.tts_id: "unloaded"}
+        assert speech.held_bytes() == speech.memory_bytes("stt") > 100 << 20
+        r = httpx.post(f"{base}/v1/audio/transcriptions", files={"file": ("a.wav", spoken[0])}, data={"model": "whisper-1"}, timeout=120)
+        assert r.status_code == 200, r.text
+        # idle for its seconds: let go, and the object itself is gone (nothing else holds it)
+        _until(lambda: gc.collect() >= 0 and held() is None, 30)
+        assert states()[speech.stt_id] == "unloaded" and speech.held_bytes() == 0
+
+
+def test_the_language_models_budget_counts_the_loaded_speech_models(speech_paths, smollm2_path):
+    from edgechat.config import get_paths
+    from edgechat.engine import EngineConfig
+    from edgechat.engine.pool import ModelPool
+    from edgechat.errors import NoRoomError
+
+    speech = SpeechModels(*speech_paths, threads=2)
+    speech.transcriber()
+    config = EngineConfig(model=str(smollm2_path), n_ctx=512, paths=get_paths())
+    need = ModelPool().add("smol", config).need
+    short = ModelPool(budget=need + speech.held_bytes() - 1, held_elsewhere=speech.held_bytes)
+    short.add("smol", config)
+    with pytest.raises(NoRoomError):
+        short.acquire("smol")
+    room = ModelPool(budget=need + speech.held_bytes(), held_elsewhere=speech.held_bytes)
+    room.add("smol", config)
+    try:
+        assert room.acquire("smol") is not None
+        room.release("smol")
+    finally:
+        room.close()

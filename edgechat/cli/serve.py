@@ -86,10 +86,10 @@ def _models_dir(ctx, param, value: str | None) -> list[str]:
               help="Serve every .gguf in this folder too (each by its file's name), loaded when first asked for.")
 @click.option("--memory-budget", type=click.IntRange(min=1), default=None, metavar="MIB",
               help="Memory (MiB) the loaded models may take together, as the planner counts them (weights, KV cache, "
-                   "compute); idle models are unloaded to make room (default: what the OS has available).")
+                   "compute; the loaded speech models too); idle models are unloaded to make room (default: what the OS has available).")
 @click.option("--idle-unload", type=click.FloatRange(min=0.0), default=None, metavar="SECONDS",
               help="Unload a model after this many seconds without requests (per model: idle_unload in config.toml; "
-                   "per request: keep_alive). Default: keep it until the room is needed.")
+                   "per request: keep_alive; the speech models alike). Default: keep it until the room is needed.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on, or several separated by commas (127.0.0.1,::1); anything but loopback exposes the model to your network.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
@@ -217,7 +217,7 @@ def serve_cmd(
 
     gpu_layers_note(gpu_layers, rpc)
     paths = get_paths(data_dir)
-    speech = speech_models(stt_model, tts_model, paths, threads)
+    speech = speech_models(stt_model, tts_model, paths, threads, idle_unload)
     deterministic = deterministic_setting(deterministic, paths)
     classes = tuple(parse_class(c) for c in priority_classes)
     keys = dict(k.rpartition("=")[::2] for k in key_classes)
@@ -268,7 +268,7 @@ def serve_cmd(
             mmproj=projectors.get(name),
         ))
 
-    pool = ModelPool(memory_budget << 20 if memory_budget is not None else None)
+    pool = ModelPool(memory_budget << 20 if memory_budget is not None else None, held_elsewhere=speech.held_bytes)
     fallback = None
     sigterm = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:

@@ -121,9 +121,11 @@ class ModelPool:
     until `release`. Thread-safe; acquire blocks while a load is under way."""
 
     def __init__(self, budget: int | None = None, opener: Callable | None = None,
-                 on_event: Callable[[str, PoolModel, float], None] | None = None):
+                 on_event: Callable[[str, PoolModel, float], None] | None = None, held_elsewhere: Callable[[], int] | None = None):
         #: bytes the loaded models may take together (None: what the OS has available)
         self.budget = budget
+        #: bytes of the budget other models hold now (the speech models beside these)
+        self.held_elsewhere = held_elsewhere or (lambda: 0)
         self._open = opener or _open_engine
         #: told of every "load", "unload" and "load_failed" (with the seconds it took), outside the lock
         self.on_event = on_event
@@ -291,7 +293,7 @@ class ModelPool:
 
     def _fits(self, model: PoolModel, staying: list[PoolModel], leaving: list[PoolModel]) -> bool:
         if self.budget is not None:
-            return sum(m.need for m in staying) + model.need <= self.budget
+            return sum(m.need for m in staying) + model.need + self.held_elsewhere() <= self.budget
         # the OS's count already holds the loaded models; those leaving give theirs back
         return model.need <= (planner.available_memory() + sum(m.need for m in leaving)) * planner.headroom()
 
