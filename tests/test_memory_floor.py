@@ -110,6 +110,7 @@ def test_under_the_floor_the_server_sheds_then_refuses_and_lives(cgroup, tmp_pat
         refused = chat("Hello?")
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
         assert refused.json()["error"]["code"] == "memory_low"
+        assert httpx.get(f"{url}/health").json()["degraded"] is True  # the degrade switch took memory as its signal
         text = log.read_text()
         shed = text.index("the prompt cache let go of")
         assert shed < text.index("new requests are refused (503, Retry-After)")
@@ -122,6 +123,8 @@ def test_under_the_floor_the_server_sheds_then_refuses_and_lives(cgroup, tmp_pat
         time.sleep(1.2)
         assert chat("Hello again?").status_code == 200
         assert "above the floor of 300 MiB again: back to normal" in log.read_text()
+        assert httpx.get(f"{url}/health").json()["degraded"] is False
+        assert "degrade switch on (memory: " in log.read_text() and "degrade switch off (memory: " in log.read_text()
     finally:
         proc.terminate()
         proc.wait(30)

@@ -334,3 +334,17 @@ def test_engine_errors_map_to_http():
     assert busy.status == 429 and busy.headers["Retry-After"] == "2"
     stopped = from_engine_error(EngineStoppedError("the engine stopped"), retry_after=2)
     assert (stopped.status, stopped.code) == (503, "engine_stopped")
+
+
+def test_degrade_switch_takes_memory_under_the_floor_as_a_signal_beside_the_queue():
+    changes = []
+    switch = DegradeSwitch(threshold_s=2.0, max_tokens_cap=64, on_switch=changes.append)
+    switch.memory(True, "100 MiB free, under the floor of 300 MiB")
+    assert switch.active and switch.cap(1000) == 64 and changes == [True]
+    switch.on_admit(waiting=0, oldest_wait=0.0)  # an empty queue does not undo a memory signal
+    assert switch.active
+    switch.on_admit(waiting=5, oldest_wait=3.0)  # the queue's signal too: still one switch, on
+    switch.memory(False, "400 MiB free, above the floor again")
+    assert switch.active and changes == [True]
+    switch.on_admit(waiting=0, oldest_wait=0.0)
+    assert not switch.active and changes == [True, False]

@@ -130,12 +130,12 @@ class Dispatcher:
         self.classes = [c.name for c in settings.priority_classes] or [DEFAULT_CLASS]
         for served in self.served():
             self.metrics.add_model(served.id, self.classes)
-        self.memory = MemoryGuard(settings.memory_floor, self.pool)
         self.degrade = DegradeSwitch(
             settings.degrade_queue_wait,
             settings.degrade_max_tokens,
             on_switch=lambda on: self.metrics.degrade_switches.inc() if on else None,
         )
+        self.memory = MemoryGuard(settings.memory_floor, self.pool, on_pressure=self.degrade.memory)
         self.created = int(time.time())
         #: submitted and not finished: the degrade switch reads how long the queued ones wait
         self.in_flight: set[Generation] = set()

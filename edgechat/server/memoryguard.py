@@ -31,11 +31,14 @@ def default_floor(reading: sysmem.MemoryReading, total: int) -> int:
 
 
 class MemoryGuard:
-    def __init__(self, floor: int | None, pool: ModelPool, read: Callable[[], sysmem.MemoryReading] = sysmem.read):
+    def __init__(self, floor: int | None, pool: ModelPool, read: Callable[[], sysmem.MemoryReading] = sysmem.read,
+                 on_pressure: Callable[[bool, str], None] | None = None):
         #: None or 0: never shed
         self.floor = floor or None
         self.pool = pool
         self.read = read
+        #: told (True, why) when memory falls under the floor, (False, why) when it is back: the degrade switch
+        self.on_pressure = on_pressure or (lambda short, why: None)
         #: refusing new requests until memory is back above the floor
         self.short = False
         self._shed_cache = self._shed_models = False
@@ -65,11 +68,13 @@ class MemoryGuard:
         if free >= self.floor * HYSTERESIS:
             if self._shed_cache or self.short:
                 log.info("memory: %s free, above the floor of %s again: back to normal", _mib(free), _mib(self.floor))
+                self.on_pressure(False, f"{_mib(free)} free, above the floor again")
             self._shed_cache = self._shed_models = self.short = False
             return
         if free >= self.floor:
             return
         if not self._shed_cache:
+            self.on_pressure(True, f"{_mib(free)} free, under the floor of {_mib(self.floor)}")
             self._shed_cache = True
             freed = sum(m.engine.shed_prompt_cache() for m in self.pool.resident() if m.engine is not None and m.engine.stopped is None)
             log.warning("memory: %s free, under the floor of %s: the prompt cache let go of %s in RAM", _mib(free), _mib(self.floor), _mib(freed))
