@@ -85,9 +85,9 @@ def transcript_body(t: Transcript, segments: list[Segment], fmt: str, task: str,
 
 
 class AudioApi:
-    def __init__(self, server):
-        self.server = server
-        self.speech: SpeechModels = server.speech
+    def __init__(self, dispatcher):
+        self.dispatcher = dispatcher
+        self.speech: SpeechModels = dispatcher.speech
 
     def routes(self) -> list[Route]:
         return [

@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from edgechat.engine.output.tools import check_function, tool_grammar
+from edgechat.engine.output.tools import check_function
 from edgechat.engine.types.request import ChatRequest, Finished, ToolCall, Tools
 from edgechat.errors import StoreError
 from edgechat.server import fields, responses
@@ -351,8 +351,7 @@ def parse_responses(body: dict, settings: ServerSettings, sampling=None, history
         sampling=fields.sampling({k: body[k] for k in ("temperature", "top_p") if k in body}, sampling),
         max_tokens=fields.opt_int(body, "max_output_tokens", lo=1),
         reasoning_budget=budget,
-        split_reasoning=settings.reasoning_format != "none",
-        grammar=tool_grammar(active) if active is not None else grammar,
+        grammar=grammar,
     )
     parsed = ParsedRequest(request, model, fields.opt_bool(body, "stream"), False, 1, active, messages)
     echo = {
@@ -548,10 +547,10 @@ def _held_whitespace(text: str) -> tuple[str, str]:
 class ResponsesApi:
     """The endpoints on one app's Dispatcher (its admission, queue and models)."""
 
-    def __init__(self, server):
-        self.server = server
+    def __init__(self, dispatcher):
+        self.dispatcher = dispatcher
         #: in the data directory the server's engine was given (`serve --data-dir`)
-        self.store = ResponseStore(server.paths)
+        self.store = ResponseStore(dispatcher.paths)
 
     def routes(self) -> list[Route]:
         return [
@@ -601,23 +600,23 @@ class ResponsesApi:
 
     async def input_tokens(self, request: Request) -> Response:
         """The prompt tokens a Responses body (with the context it continues) would decode."""
-        server = self.server
-        body = await server.read_body(request)
-        r = parse_responses(body, server.settings, None, await self._history(body))
-        return JSONResponse({"object": "response.input_tokens", "input_tokens": await server.count_prompt(r.parsed)})
+        dispatcher = self.dispatcher
+        body = await dispatcher.read_body(request)
+        r = parse_responses(body, dispatcher.settings, None, await self._history(body))
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": await dispatcher.count_prompt(r.parsed)})
 
     async def create(self, request: Request) -> Response:
-        server = self.server
+        dispatcher = self.dispatcher
         arrival = time.monotonic()
-        body = await server.read_body(request)
-        r = parse_responses(body, server.settings, server.defaults_for(body.get("model")), await self._history(body))
+        body = await dispatcher.read_body(request)
+        r = parse_responses(body, dispatcher.settings, dispatcher.defaults_for(body.get("model")), await self._history(body))
         r.parsed.keep_alive = keep_alive_seconds(body.get("keep_alive"))  # an extension, as on chat completions
         # every refusal (queue full, prompt too long, unknown model) is an HTTP status from here
-        start = await server.launch(request, r.parsed, arrival)
+        start = await dispatcher.launch(request, r.parsed, arrival)
         response_id, created = _new_id("resp"), int(time.time())
         if r.parsed.stream:
-            return await stream(server, start, _Stream(r, response_id, created, self._keep))
-        started, finished = await whole(server, request, start)
+            return await stream(dispatcher, start, _Stream(r, response_id, created, self._keep))
+        started, finished = await whole(dispatcher, request, start)
         choice = responses.Choice(finished[0], finished[0].text, finished[0].tool_calls)
         out = response_body(r, response_id, created, started.served.id, _status(choice.finished), output_items(choice, r.kinds), _usage(choice.finished))
         await self._keep(r, out)
