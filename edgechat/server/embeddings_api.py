@@ -63,7 +63,7 @@ async def _run(dispatcher, request: Request, submit: Callable[[Callable], Embedd
         while not done.done():
             if time.monotonic() > deadline:
                 job.cancel()
-                raise ApiError(504, f"the embeddings were not computed within {server.settings.request_timeout:g} s", type="timeout", code="timeout")
+                raise ApiError(504, f"the embeddings were not computed within {dispatcher.settings.request_timeout:g} s", type="timeout", code="timeout")
             await asyncio.wait({done}, timeout=DISCONNECT_POLL_S)
             if not done.done() and await request.is_disconnected():
                 job.cancel()
