@@ -139,9 +139,8 @@ def _image(where: str, block: dict, images: ImageReader) -> ImageInput:
                       param=f"{where}.source.type")
 
 
-def _messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
-    """Anthropic's messages -> the checked chat messages the OpenAI translator makes too
-    (fields.messages): {role, content[, tool_calls | tool_call_id]}."""
+def _message_list(body: dict, max_messages: int) -> list:
+    """`messages`, checked to be a list of 1 to `max_messages` items."""
     raw = body.get("messages")
     if raw is None:
         raise bad_request("messages: field required", param="messages")
@@ -151,9 +150,15 @@ def _messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
         raise bad_request("messages: at least one message is required", param="messages")
     if len(raw) > max_messages:
         raise bad_request(f"messages: {len(raw)} messages, more than the {max_messages} this server accepts", param="messages")
+    return raw
+
+
+def _messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
+    """Anthropic's messages -> the checked chat messages the OpenAI translator makes too
+    (fields.messages): {role, content[, tool_calls | tool_call_id]}."""
     out: list[dict] = []
     calls: set[str] = set()  # ids of the tool_use blocks earlier messages made
-    for i, message in enumerate(raw):
+    for i, message in enumerate(_message_list(body, max_messages)):
         if not isinstance(message, dict):
             raise fields.type_error(f"messages[{i}]", "an object", message)
         role = message.get("role")

@@ -202,26 +202,29 @@ def _custom_function(where: str, tool: dict, functions: list[dict]) -> dict:
     return check_function(where, {"name": tool.get("name"), "description": description, "parameters": schema}, functions)
 
 
+def _tool_choice(choice: object) -> tuple[str, str | None]:
+    """`tool_choice` as (kind, the function it names or None)."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return str(choice or "auto"), None
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
+        return "function", choice.get("name")
+    if isinstance(choice, dict) and isinstance(choice.get("type"), str):
+        return "auto", None  # a hosted tool or an allowed_tools list: every offered tool stays allowed
+    raise bad_request("'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}",
+                      param="tool_choice", code="invalid_value")
+
+
 def _tools(body: dict) -> tuple[Tools | None, dict[str, dict]]:
     """`tools` (function tools in Responses' flat shape, the functions of `namespace` tools,
     `custom` freeform tools as functions of one string), `tool_choice` (auto, none, required,
     {type: function|custom, name}) and `parallel_tool_calls` as tools.Tools; and for each tool
     name that is no plain function, what its call item carries (its namespace, or that it is
     custom). Hosted tools (web_search, file_search, ...) run on OpenAI's side: left out, logged."""
-    raw, choice = body.get("tools"), body.get("tool_choice")
+    raw = body.get("tools")
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise fields.type_error("parallel_tool_calls", "a boolean", parallel)
-    named = None
-    if choice is None or choice in ("auto", "none", "required"):
-        kind = choice or "auto"
-    elif isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
-        kind, named = "function", choice.get("name")
-    elif isinstance(choice, dict) and isinstance(choice.get("type"), str):
-        kind = "auto"  # a hosted tool or an allowed_tools list: every offered tool stays allowed
-    else:
-        raise bad_request("'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}",
-                          param="tool_choice", code="invalid_value")
+    kind, named = _tool_choice(body.get("tool_choice"))
     if raw is None or raw == []:
         if kind not in ("auto", "none"):
             raise bad_request("'tool_choice' needs 'tools'", param="tool_choice", code="invalid_value")
