@@ -27,6 +27,7 @@ from edgechat.engine.output.tools import NAME
 from edgechat.engine.types.request import ChatRequest, Finished, ImageInput, ToolCall, Tools
 from edgechat.server import fields, responses
 from edgechat.server.bridge import Part, Started
+from edgechat.server.dispatch import Api
 from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.fields import ParsedRequest
 from edgechat.server.images import ImageReader
@@ -418,11 +419,8 @@ class _Blocks:
         ] + self.stop()
 
 
-class MessagesApi:
+class MessagesApi(Api):
     """The two endpoints on one app's Dispatcher (its admission, queue and models)."""
-
-    def __init__(self, dispatcher):
-        self.dispatcher = dispatcher
 
     def routes(self) -> list[Route]:
         return [

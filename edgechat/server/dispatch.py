@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
+from starlette.routing import Route
 
 from edgechat.config import get_paths
 from edgechat.engine.pool import ModelPool, ModelState, PoolModel
@@ -438,6 +439,17 @@ class Dispatcher:
         started.add_done_callback(lambda _: lease.drop())
         return started
 
+
+
+class Api:
+    """One API's routes on the app's dispatcher: each API module's class is one (server/app.py
+    gathers their routes)."""
+
+    def __init__(self, dispatcher: Dispatcher):
+        self.dispatcher = dispatcher
+
+    def routes(self) -> list[Route]:
+        raise NotImplementedError
 
 async def done_within(task: asyncio.Future, timeout: float | None) -> bool:
     """Whether `task` (or a future) is done within `timeout` seconds (None: once it is); it runs

@@ -19,6 +19,7 @@ from starlette.routing import Route
 from edgechat.engine.embeddings import EmbeddingInputError, EmbeddingJob
 from edgechat.errors import EdgechatError
 from edgechat.server import fields
+from edgechat.server.dispatch import Api
 from edgechat.server.errors import ApiError, bad_request, from_engine_error
 
 #: how often a waiting request checks that its client is still there
@@ -114,11 +115,8 @@ def _is_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class EmbeddingsApi:
+class EmbeddingsApi(Api):
     """The /v1/embeddings route on one app's Dispatcher."""
-
-    def __init__(self, dispatcher):
-        self.dispatcher = dispatcher
 
     def routes(self) -> list[Route]:
         return [Route("/v1/embeddings", self.embeddings, methods=["POST"]),

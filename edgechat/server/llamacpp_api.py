@@ -11,7 +11,6 @@ while it reads the engine, so the pool never unloads it under them.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
 
@@ -23,11 +22,11 @@ from starlette.routing import Route
 from edgechat import __version__
 from edgechat.engine.prompt.fim import DEFAULT_FILENAME
 from edgechat.engine.types.request import ChatRequest, Finished, Infill, TokenLogprob
-from edgechat.errors import UsageError
 from edgechat.params import SamplingParams
 from edgechat.server import fields, responses
 from edgechat.server.bridge import Part, Started
-from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.dispatch import Api
+from edgechat.server.errors import ApiError, answered_as, bad_request
 from edgechat.server.fields import ParsedRequest
 from edgechat.server.images import ImageReader
 from edgechat.server.streaming import Wire, sse, stream, whole
@@ -48,19 +47,8 @@ def error_response(exc: ApiError) -> Response:
     return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
 
 
-def _llamacpp_errors(handler):
-    """Errors raised inside a handler, answered in llama-server's shape."""
-
-    @functools.wraps(handler)
-    async def wrapped(self, request: Request) -> Response:
-        try:
-            return await handler(self, request)
-        except ApiError as exc:
-            return error_response(exc)
-        except UsageError as exc:
-            return error_response(bad_request(str(exc)))
-
-    return wrapped
+#: errors raised inside a handler, answered in llama-server's shape
+_llamacpp_errors = answered_as(error_response, usage_errors=True)
 
 
 def parse_completion(body: dict, dispatcher) -> ParsedRequest:
@@ -193,11 +181,8 @@ def _stop_type(finished: Finished) -> str:
     return "word" if finished.stop_sequence else "eos"
 
 
-class LlamaCppApi:
+class LlamaCppApi(Api):
     """llama-server's native routes on one app's Dispatcher."""
-
-    def __init__(self, dispatcher):
-        self.dispatcher = dispatcher
 
     def routes(self) -> list[Route]:
         return [

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import functools
 import hashlib
 import json
 import threading
@@ -37,8 +36,9 @@ from edgechat.errors import EdgechatError, ModelNotFoundError, UsageError
 from edgechat.models import hub
 from edgechat.server import fields
 from edgechat.server.bridge import Part, Started
+from edgechat.server.dispatch import Api
 from edgechat.server.embeddings_api import check_dimensions, embed
-from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.errors import ApiError, answered_as, bad_request
 from edgechat.server.fields import ParsedRequest
 from edgechat.server.images import ImageReader
 from edgechat.server.images import content as content_of
@@ -71,17 +71,8 @@ def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
-def _ollama_errors(handler):
-    """Errors raised inside a handler, answered in Ollama's shape (the app's handlers would use OpenAI's)."""
-
-    @functools.wraps(handler)
-    async def wrapped(self, request: Request) -> Response:
-        try:
-            return await handler(self, request)
-        except ApiError as exc:
-            return error_response(exc)
-
-    return wrapped
+#: errors raised inside a handler, answered in Ollama's shape (the app's handlers would use OpenAI's)
+_ollama_errors = answered_as(error_response)
 
 
 def _refuse(body: dict, name: str, why: str) -> None:
@@ -281,11 +272,8 @@ def _untagged(name: str | None) -> str | None:
     return name[: -len(DEFAULT_TAG)] if name and name.endswith(DEFAULT_TAG) else name
 
 
-class OllamaApi:
+class OllamaApi(Api):
     """The /api/ routes on one app's Dispatcher."""
-
-    def __init__(self, dispatcher):
-        self.dispatcher = dispatcher
 
     def routes(self) -> list[Route]:
         return [

@@ -18,7 +18,7 @@ from edgechat.engine.types.request import ChatRequest, Finished, Infill
 from edgechat.params import SamplingParams
 from edgechat.server import fields, responses
 from edgechat.server.bridge import Part, Started
-from edgechat.server.dispatch import Dispatcher, Served
+from edgechat.server.dispatch import Api, Served
 from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.fields import ParsedRequest
 from edgechat.server.images import ImageReader
@@ -235,11 +235,8 @@ class _Chunks(Wire):
         return [sse(exc.body())]
 
 
-class ChatApi:
+class ChatApi(Api):
     """The OpenAI routes on one app's Dispatcher."""
-
-    def __init__(self, dispatcher: Dispatcher):
-        self.dispatcher = dispatcher
 
     def routes(self) -> list[Route]:
         return [

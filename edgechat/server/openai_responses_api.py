@@ -36,6 +36,7 @@ from edgechat.engine.types.request import ChatRequest, Finished, ToolCall, Tools
 from edgechat.errors import StoreError
 from edgechat.server import fields, responses
 from edgechat.server.bridge import Part, Started
+from edgechat.server.dispatch import Api
 from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.fields import ParsedRequest
 from edgechat.server.images import DATA_URL_HINT, ImageReader
@@ -547,11 +548,11 @@ def _held_whitespace(text: str) -> tuple[str, str]:
     return body, text[len(body):]
 
 
-class ResponsesApi:
+class ResponsesApi(Api):
     """The endpoints on one app's Dispatcher (its admission, queue and models)."""
 
     def __init__(self, dispatcher):
-        self.dispatcher = dispatcher
+        super().__init__(dispatcher)
         #: in the data directory the server's engine was given (`serve --data-dir`)
         self.store = ResponseStore(dispatcher.paths)
 
