@@ -1,14 +1,14 @@
 """The dispatcher: the models a server offers and every request's way to one of them, whatever
 API it came in on. A request names a model (`find_model`, routed to the fallback while degraded);
 it takes a lease on that model's engine (loading it first if need be: waiting for the load, a 503
-when no room can be made), gets the rules every API shares for that model (server/rules.py: the
-family's tool grammar, the reasoning split, max_tokens fitted, on a copy per model), is built
-(`admit`), waits for its priority class's share
-(`prepare`, `submit`), becomes one engine.submit() per choice, followed on the event loop through a
-bridge.Generation, and moves to the fallback model when no first token comes in time (`start`).
-Its lease goes back when its last answer ends. It knows no wire format: each API's module
-renders (server/streaming.py carries the answer to it), and every refusal here is an ApiError
-that the API called answers in its own shape.
+when no room can be made), gets what every API shares, for that model and on a copy of its own
+(server/rules.py: the family's tool grammar, the reasoning split, max_tokens fitted: `admit`),
+waits for its priority class's share (`prepare`, `submit`), becomes one engine.submit() per
+choice, followed on the event loop through a bridge.Generation, and moves to the fallback model
+when no first token comes in time (`start`), fitted afresh there. Its lease goes back when its
+last answer ends. It knows no wire format: each API's module renders (server/streaming.py
+carries the answer to it), and every refusal here is an ApiError that the API called answers in
+its own shape.
 """
 
 from __future__ import annotations
