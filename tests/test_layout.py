@@ -1,7 +1,8 @@
 """The package's shape, read from the code: edgechat's import graph (every import, those inside
 functions and TYPE_CHECKING blocks too) has no circle; the engine's sub-packages never import its
 top level (the `Engine` front: core, pool, embeddings, the package itself); models/ (the catalog
-and the memory planner) imports nothing of the engine."""
+and the memory planner) imports nothing of the engine; the server's translators only translate
+(what every API shares is set in server/rules.py)."""
 
 from __future__ import annotations
 
@@ -99,3 +100,17 @@ def test_models_imports_nothing_of_the_engine():
     upward = sorted(f"{module} -> {target}" for module, targets in graph.items() if module.startswith("edgechat.models")
                     for target in targets if target == ENGINE or target.startswith(ENGINE + "."))
     assert upward == []
+
+
+def test_only_the_servers_rules_set_what_every_api_shares():
+    """The tool grammar for the model's family and the reasoning split are set once, by the
+    dispatcher's rules after translation: no translator builds a tool grammar or sets the split."""
+    setters = set()
+    for path in sorted((PACKAGE / "server").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module == "edgechat.engine.output.tools":
+                setters |= {f"{path.stem} imports tool_grammar" for alias in node.names if alias.name == "tool_grammar"}
+            elif isinstance(node, ast.keyword) and node.arg == "split_reasoning" or \
+                    isinstance(node, ast.Attribute) and node.attr == "split_reasoning":
+                setters.add(f"{path.stem} sets split_reasoning")
+    assert setters == {"rules imports tool_grammar", "rules sets split_reasoning"}

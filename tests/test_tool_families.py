@@ -345,14 +345,14 @@ def test_a_tool_conversation_reaches_the_engine_as_messages_and_evicts_whole_one
     prompt builder through the model's template, with a span per message: when the answer fills
     the context, whole messages leave it (a pre-rendered prompt had no boundaries to keep to)."""
     with Engine(EngineConfig(model=MODEL, n_ctx=512, n_parallel=1, paths=models_root, chat_template=QWEN)) as engine:
-        served = create_app(ServerSettings(model_id=MODEL, degrade_queue_wait=None), engine).state.server.primary
+        dispatcher = create_app(ServerSettings(model_id=MODEL, degrade_queue_wait=None), engine).state.dispatcher
         history = _agent_history(3)
         # the calls as OpenAI's clients send them
         wire = [{**m, "tool_calls": [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                                      for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in history]
         parsed = parse_chat({"messages": wire, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 200, "ignore_eos": True,
                              "temperature": 0})
-        req = served.request(parsed)
+        req = dispatcher.request_for(dispatcher.primary, parsed)
         assert req.prompt is None and req.messages == parsed.messages
         prep = engine.prepare(req)
         rendered, variables = native_messages(parsed.messages, None, HERMES)

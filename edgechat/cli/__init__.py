@@ -7,34 +7,19 @@ import sys
 import click
 
 from edgechat import __version__
-from edgechat.cli.common import (
-    data_dir_option,
-    deterministic_option,
-    deterministic_setting,
-    draft_model_option,
-    gpu_layers_note,
-    gpu_layers_option,
-    mmproj_for,
-    mmproj_option,
-    rpc_option,
-    run_guarded,
-)
+from edgechat.cli.common import data_dir_option, gpu_layers_note, model_option, run_guarded
+from edgechat.cli.engine_options import EngineOptions, engine_fields, engine_options
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="edgechat")
-@click.option("-m", "--model", default=None, help="Model: short name, path to a .gguf, or Hub reference.")
+@model_option
 @click.option("--url", default=None, help="Chat through an OpenAI-compatible server instead of a local model.")
 @click.option("--api-key", default=None, envvar="EDGECHAT_API_KEY", help="API key for --url.")
-@gpu_layers_option
-@rpc_option
-@draft_model_option
-@mmproj_option
-@deterministic_option
+@engine_options(per_model=False)
 @data_dir_option
 @click.pass_context
-def cli(ctx: click.Context, model: str | None, url: str | None, api_key: str | None, gpu_layers, rpc, draft_model,
-        mmproj: dict[str | None, str], deterministic: bool | None, data_dir: str | None) -> None:
+def cli(ctx: click.Context, model: str | None, url: str | None, api_key: str | None, options: EngineOptions, data_dir: str | None) -> None:
     """Offline LLM chat on your own machine. With no command, opens the chat app."""
     if ctx.invoked_subcommand is not None:
         return
@@ -42,10 +27,9 @@ def cli(ctx: click.Context, model: str | None, url: str | None, api_key: str | N
     from edgechat.config import get_paths
 
     if url is None:
-        gpu_layers_note(gpu_layers, rpc)
-    open_app(model=model, url=url, api_key=api_key, data_dir=data_dir,
-             engine_options={"n_gpu_layers": gpu_layers, "rpc_servers": rpc, "draft_model": draft_model, "mmproj": mmproj_for(mmproj, [model]).get(model),
-                             "deterministic": deterministic_setting(deterministic, get_paths(data_dir))})
+        gpu_layers_note(options.gpu_layers, options.rpc)
+    # the app's local models are built from these as `run` builds its one (tui/client.py)
+    open_app(model=model, url=url, api_key=api_key, data_dir=data_dir, engine_options=engine_fields(options, model, get_paths(data_dir)))
 
 
 def _register() -> None:

@@ -209,16 +209,11 @@ def gpu_layers_note(value, rpc: list[str] | None = None) -> None:
                    "(GPU builds: packaging/GPU.md)", err=True)
 
 
-def model_options(func=None, *, many: bool = False):
-    """-m/--model, --ctx, --threads, --gpu-layers, --rpc: how a command loads its model (with
-    many=True, -m may be given several times: `serve`'s models)."""
+def model_option(func=None, *, many: bool = False):
+    """-m/--model: the model a command loads (with many=True, -m may be given several times:
+    `serve`'s models); its engine's options are cli/engine_options.py's."""
     if func is None:
-        return lambda f: model_options(f, many=many)
-    func = rpc_option(func)
-    func = gpu_layers_option(func)
-    func = click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: $EDGECHAT_THREADS, else the physical cores).")(func)
-    func = click.option("--ctx", type=click.IntRange(min=64), default=None,
-                        help="Context size in tokens (default: largest that fits, capped" + ("; per model: ctx in config.toml)." if many else ")."))(func)
+        return lambda f: model_option(f, many=many)
     if many:
         return click.option("-m", "--model", "models", multiple=True, metavar="MODEL",
                             help="Model: short name, path to a .gguf, or Hub reference; repeat it to serve several "

@@ -16,24 +16,11 @@ from pathlib import Path
 import click
 
 from edgechat.attachments import ImageAttachment, read_image
-from edgechat.cli.common import (
-    chat_template_option,
-    data_dir_option,
-    deterministic_option,
-    deterministic_setting,
-    flash_attn_option,
-    gpu_layers_note,
-    kv_type_option,
-    mmproj_for,
-    mmproj_option,
-    model_options,
-    sampling_options,
-    speculative_option,
-    swa_cache_option,
-)
+from edgechat.cli.common import data_dir_option, gpu_layers_note, model_option, sampling_options
+from edgechat.cli.engine_options import EngineOptions, engine_config, engine_options
 from edgechat.cli.sessions import find_session
 from edgechat.cli.voice import stt_model_option
-from edgechat.config import get_paths, read_chat_template
+from edgechat.config import get_paths
 from edgechat.engine.types.request import DEFAULT_MAX_TOKENS, ChatRequest, ContextPolicy, Evicted, Infill, TextDelta
 from edgechat.errors import EdgechatError, UsageError
 from edgechat.params import SamplingParams, values
@@ -80,7 +67,8 @@ def read_prompt(prompt: str | None) -> str | None:
 
 
 @click.command("run")
-@model_options
+@model_option
+@engine_options
 @sampling_options
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--session", default=None, help="Continue the stored conversation with this id or name (a new name starts one).")
@@ -94,31 +82,21 @@ def read_prompt(prompt: str | None) -> str | None:
     default=None,
     help="When the context is full: shift (default), truncate or summarize.",
 )
-@kv_type_option
-@flash_attn_option
-@swa_cache_option
-@speculative_option
-@deterministic_option
-@click.option("--ep", default=None, metavar="NAME", help="ONNX models: onnxruntime execution provider (cpu, xnnpack, qnn, coreml, cuda).")
 @click.option("--think", default="on", metavar="on|off|N", callback=_think,
               help="Reasoning models: think as long as they like (on), not at all (off), or at most N tokens.")
 @click.option("--hide-thinking", is_flag=True, help="Do not print a reasoning model's thoughts (they go to stderr).")
-@chat_template_option
 @click.option("--image", "images", multiple=True, metavar="FILE",
               help="A picture to ask about, before PROMPT (repeatable; a vision model's: see --mmproj).")
-@mmproj_option
 @click.option("--audio", default=None, type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
               help="A spoken question (WAV, MP3, ...): written down offline, then answered (after PROMPT, if given; needs edgechat[voice]).")
 @stt_model_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.argument("prompt", required=False)
 @data_dir_option
-def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
-            loop_guard, system, session, raw, suffix, context_policy, kv_type, flash_attn, swa_cache, speculative, draft_model, deterministic, ep,
-            think, hide_thinking, chat_template, images, mmproj, audio, stt_model, as_json, prompt, data_dir):
+def run_cmd(model, options: EngineOptions, temperature, top_p, top_k, min_p, repeat_penalty, seed, max_tokens, stop, ignore_eos,
+            loop_guard, system, session, raw, suffix, context_policy, think, hide_thinking, images, audio, stt_model, as_json, prompt, data_dir):
     """Answer PROMPT (or stdin with '-') with a local model. No PROMPT on a terminal: chat interactively."""
-    from edgechat.engine import EngineConfig, open_engine
-    from edgechat.models.settings import with_model_settings
+    from edgechat.engine import open_engine
 
     text = prompt if audio is not None and prompt is None else read_prompt(prompt)
     if audio is not None:
@@ -143,14 +121,8 @@ def run_cmd(model, ctx, threads, gpu_layers, rpc, temperature, top_p, top_k, min
                                  repeat_penalty=repeat_penalty, seed=seed)
     params = dict(max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, stop=list(stop),
                   ignore_eos=ignore_eos, loop_guard=loop_guard, reasoning_budget=think)
-    paths = get_paths(data_dir)
-    gpu_layers_note(gpu_layers, rpc)
-    cfg = EngineConfig(model=model, n_ctx=ctx, n_threads=threads, n_gpu_layers=gpu_layers, rpc_servers=rpc, kv_type=kv_type,
-                       flash_attn=flash_attn, swa_cache=swa_cache, speculative=speculative, draft_model=draft_model, ep=ep, paths=paths,
-                       deterministic=deterministic_setting(deterministic, paths), chat_template=read_chat_template(chat_template),
-                       mmproj=mmproj_for(mmproj, [model]).get(model))
-    # the model's own gpu_layers and chat_template from config.toml, where the options gave none
-    cfg = with_model_settings(cfg)
+    gpu_layers_note(options.gpu_layers, options.rpc)
+    cfg = engine_config(options, model, get_paths(data_dir))
     if session is not None:
         finished = _session_turn(cfg, session, text, system, context_policy, params, sampling, as_json, not hide_thinking,
                                  pictures)

@@ -10,20 +10,8 @@ from pathlib import Path
 
 import click
 
-from edgechat.cli.common import (
-    chat_template_option,
-    data_dir_option,
-    deterministic_option,
-    deterministic_setting,
-    flash_attn_option,
-    gpu_layers_note,
-    kv_type_option,
-    mmproj_for,
-    mmproj_option,
-    model_options,
-    speculative_option,
-    swa_cache_option,
-)
+from edgechat.cli.common import data_dir_option, gpu_layers_note, model_option
+from edgechat.cli.engine_options import EngineOptions, engine_config, engine_options
 from edgechat.engine.speech.models import speech_models
 from edgechat.errors import UsageError
 from edgechat.server.settings import ServerSettings
@@ -81,7 +69,8 @@ def _models_dir(ctx, param, value: str | None) -> list[str]:
 
 
 @click.command("serve")
-@model_options(many=True)
+@model_option(many=True)
+@engine_options(many=True)
 @click.option("--models-dir", type=click.Path(file_okay=False), default=None, callback=_models_dir,
               help="Serve every .gguf in this folder too (each by its file's name), loaded when first asked for.")
 @click.option("--memory-budget", type=click.IntRange(min=1), default=None, metavar="MIB",
@@ -94,7 +83,6 @@ def _models_dir(ctx, param, value: str | None) -> list[str]:
               help="Address to listen on, or several separated by commas (127.0.0.1,::1); anything but loopback exposes the model to your network.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--parallel", type=click.IntRange(1, 256), default=4, show_default=True, help="Sequences generated at once (continuous batching).")
-@kv_type_option
 @click.option(
     "--cache-ram",
     type=click.IntRange(min=0),
@@ -112,10 +100,6 @@ def _models_dir(ctx, param, value: str | None) -> list[str]:
     help="Disk (MiB) for the prompt cache's states, so they outlive a restart or an unload (written while serving "
          "and at shutdown; least recently used out first). 0 = off.",
 )
-@flash_attn_option
-@swa_cache_option
-@speculative_option
-@deterministic_option
 @click.option("--api-key", default=None, envvar="EDGECHAT_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health (env: EDGECHAT_API_KEY).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True, help="Requests that may wait for a sequence; more get 429.")
 @click.option("--max-input-tokens", type=click.IntRange(min=1), default=None, help="Longer prompts get 400 (default: what the context holds).")
@@ -148,8 +132,6 @@ def _models_dir(ctx, param, value: str | None) -> list[str]:
               help="Speech to text for /v1/audio/transcriptions: a faster-whisper folder, a Hub repo, or whisper-base (needs edgechat[voice]).")
 @click.option("--tts-model", default=None, metavar="VOICE",
               help="Text to speech for /v1/audio/speech: a Piper voice's .onnx or its name, en_US-lessac-medium (needs edgechat[voice]).")
-@chat_template_option
-@mmproj_option
 @click.option("--reasoning-budget", type=click.IntRange(min=-1), default=-1, show_default=True,
               help="Reasoning models: the most tokens a request may think when it names no budget (-1: no limit, 0: no thinking).")
 @click.option("--reasoning-format", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
@@ -158,25 +140,14 @@ def _models_dir(ctx, param, value: str | None) -> list[str]:
 def serve_cmd(
     models: tuple[str, ...],
     models_dir: list[str],
+    options: EngineOptions,
     memory_budget: int | None,
     idle_unload: float | None,
-    ctx: int | None,
-    threads: int | None,
-    gpu_layers: str | int | None,
-    rpc: list[str],
     host: str,
     port: int,
     parallel: int,
-    kv_type: str,
     cache_ram: int,
     cache_disk: int,
-    flash_attn: str,
-    swa_cache: str,
-    speculative: str,
-    draft_model: str | None,
-    deterministic: bool | None,
-    chat_template: str | None,
-    mmproj: dict[str | None, str],
     reasoning_budget: int,
     reasoning_format: str,
     api_key: str | None,
@@ -206,19 +177,18 @@ def serve_cmd(
     """Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /metrics),
     Anthropic's, Ollama's and llama-server's. With several -m, each loads when a request names it."""
     from edgechat import sysmem
-    from edgechat.config import get_paths, read_chat_template
+    from edgechat.config import get_paths
     from edgechat.engine import EngineConfig
     from edgechat.engine.pool import ModelPool
     from edgechat.models import DEFAULT_MODEL, planner
-    from edgechat.models.settings import own_settings, with_model_settings
+    from edgechat.models.settings import own_settings
     from edgechat.server import create_app, listen
     from edgechat.server.memoryguard import default_floor
     from edgechat.server.priority import parse_class
 
-    gpu_layers_note(gpu_layers, rpc)
+    gpu_layers_note(options.gpu_layers, options.rpc)
     paths = get_paths(data_dir)
-    speech = speech_models(stt_model, tts_model, paths, threads, idle_unload)
-    deterministic = deterministic_setting(deterministic, paths)
+    speech = speech_models(stt_model, tts_model, paths, options.threads, idle_unload)
     classes = tuple(parse_class(c) for c in priority_classes)
     keys = dict(k.rpartition("=")[::2] for k in key_classes)
     unknown = sorted({c for c in keys.values() if c not in {k.name for k in classes}} | {"" for k in keys if not k})
@@ -227,9 +197,8 @@ def serve_cmd(
     hosts = listen.parse_hosts(host)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     log = logging.getLogger("edgechat.server")
-    template = read_chat_template(chat_template)
     refs = list(models or ([] if models_dir else [DEFAULT_MODEL])) + models_dir
-    projectors = mmproj_for(mmproj, [*refs, *([fallback_model] if fallback_model else [])])
+    every = [*refs, *([fallback_model] if fallback_model else [])]
     # before the model loads: an address that cannot be had fails at once
     sockets = listen.bind(hosts, port)
     for h in hosts:
@@ -244,29 +213,17 @@ def serve_cmd(
         return value
 
     def config(name: str, first: bool = False) -> EngineConfig:
-        return with_model_settings(EngineConfig(
-            model=name,
-            n_ctx=own(name, "ctx", ctx, least=64),
+        # the draft, embedding, template and execution provider options are the first model's
+        return engine_config(
+            options, name, paths, every, first,
+            n_ctx=own(name, "ctx", options.ctx, least=64),
             ctx_cap=None,  # agents' prompts are 10-20k tokens: the trained window where memory allows
-            n_threads=threads,
-            n_gpu_layers=gpu_layers,
-            rpc_servers=rpc,
             n_parallel=own(name, "parallel", parallel),
-            kv_type=kv_type,
             prompt_cache_budget=cache_ram << 20,
             prompt_cache_disk=cache_disk << 20,
-            flash_attn=flash_attn,
-            swa_cache=swa_cache,
-            speculative=speculative,
-            # the draft, embedding and template options are the first model's
-            draft_model=draft_model if first else None,
             embedding_model=embedding_model if first else None,
             max_queue=max_queue,
-            paths=paths,
-            deterministic=deterministic,
-            chat_template=template if first else None,
-            mmproj=projectors.get(name),
-        ))
+        )
 
     pool = ModelPool(memory_budget << 20 if memory_budget is not None else None, held_elsewhere=speech.held_bytes)
     fallback = None

@@ -23,10 +23,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edgechat.engine.output.schema_grammar import tool_schema
-from edgechat.engine.output.tools import NAME, tool_grammar
+from edgechat.engine.output.tools import NAME
 from edgechat.engine.types.request import ChatRequest, Finished, ImageInput, ToolCall, Tools
 from edgechat.server import fields, responses
 from edgechat.server.bridge import Part, Started
+from edgechat.server.dispatch import Api
 from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.fields import ParsedRequest
 from edgechat.server.images import ImageReader
@@ -139,9 +140,8 @@ def _image(where: str, block: dict, images: ImageReader) -> ImageInput:
                       param=f"{where}.source.type")
 
 
-def _messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
-    """Anthropic's messages -> the checked chat messages the OpenAI translator makes too
-    (fields.messages): {role, content[, tool_calls | tool_call_id]}."""
+def _message_list(body: dict, max_messages: int) -> list:
+    """`messages`, checked to be a list of 1 to `max_messages` items."""
     raw = body.get("messages")
     if raw is None:
         raise bad_request("messages: field required", param="messages")
@@ -151,9 +151,15 @@ def _messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
         raise bad_request("messages: at least one message is required", param="messages")
     if len(raw) > max_messages:
         raise bad_request(f"messages: {len(raw)} messages, more than the {max_messages} this server accepts", param="messages")
+    return raw
+
+
+def _messages(body: dict, max_messages: int, images: ImageReader) -> list[dict]:
+    """Anthropic's messages -> the checked chat messages the OpenAI translator makes too
+    (fields.messages): {role, content[, tool_calls | tool_call_id]}."""
     out: list[dict] = []
     calls: set[str] = set()  # ids of the tool_use blocks earlier messages made
-    for i, message in enumerate(raw):
+    for i, message in enumerate(_message_list(body, max_messages)):
         if not isinstance(message, dict):
             raise fields.type_error(f"messages[{i}]", "an object", message)
         role = message.get("role")
@@ -330,8 +336,6 @@ def parse_messages(body: dict, settings: ServerSettings, sampling=None, counting
         max_tokens=max_tokens,
         stop=_stop_sequences(body),
         reasoning_budget=_reasoning_budget(body, settings.reasoning_budget),
-        split_reasoning=settings.reasoning_format != "none",
-        grammar=tool_grammar(active) if active is not None else None,
     )
     return ParsedRequest(request, model, fields.opt_bool(body, "stream"), False, 1, active, messages)
 
@@ -415,11 +419,8 @@ class _Blocks:
         ] + self.stop()
 
 
-class MessagesApi:
+class MessagesApi(Api):
     """The two endpoints on one app's Dispatcher (its admission, queue and models)."""
-
-    def __init__(self, server):
-        self.server = server
 
     def routes(self) -> list[Route]:
         return [
@@ -428,22 +429,22 @@ class MessagesApi:
         ]
 
     async def count_tokens(self, request: Request) -> Response:
-        server = self.server
-        parsed = parse_messages(await server.read_body(request), server.settings, counting=True)
-        return JSONResponse({"input_tokens": await server.count_prompt(parsed)})
+        dispatcher = self.dispatcher
+        parsed = parse_messages(await dispatcher.read_body(request), dispatcher.settings, counting=True)
+        return JSONResponse({"input_tokens": await dispatcher.count_prompt(parsed)})
 
     async def messages(self, request: Request) -> Response:
-        server = self.server
+        dispatcher = self.dispatcher
         arrival = time.monotonic()
-        body = await server.read_body(request)
-        parsed = parse_messages(body, server.settings, server.defaults_for(body.get("model")))
+        body = await dispatcher.read_body(request)
+        parsed = parse_messages(body, dispatcher.settings, dispatcher.defaults_for(body.get("model")))
         parsed.keep_alive = keep_alive_seconds(body.get("keep_alive"))  # an extension, as on chat completions
         # every refusal (queue full, prompt too long, unknown model) is an HTTP status from here
-        start = await server.launch(request, parsed, arrival)
+        start = await dispatcher.launch(request, parsed, arrival)
         message_id = f"msg_{uuid.uuid4().hex}"
         if parsed.stream:
-            return await stream(server, start, _Events(message_id))
-        started, finished = await whole(server, request, start)
+            return await stream(dispatcher, start, _Events(message_id))
+        started, finished = await whole(dispatcher, request, start)
         end = finished[0]
         return JSONResponse(message_body(message_id, started.served.id, responses.Choice(end, end.text, end.tool_calls)))
 

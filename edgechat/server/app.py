@@ -44,19 +44,19 @@ from edgechat.server.settings import ServerSettings
 log = logging.getLogger("edgechat.server")
 
 
-async def _health(server: Dispatcher, request: Request) -> Response:
+async def _health(dispatcher: Dispatcher, request: Request) -> Response:
     # an engine given to the server loaded cannot be loaded again: once its thread died, every
     # request would fail, and a supervisor reading /health should restart the process
-    dead = [m.name for m in server.pool.resident() if m.pinned and m.engine is not None and m.engine.stopped]
+    dead = [m.name for m in dispatcher.pool.resident() if m.pinned and m.engine is not None and m.engine.stopped]
     if dead:
-        return JSONResponse({"status": "error", "model": server.primary.id, "stopped": dead}, status_code=503)
+        return JSONResponse({"status": "error", "model": dispatcher.primary.id, "stopped": dead}, status_code=503)
     memory = sysmem.read()
-    return JSONResponse({"status": "ok", "model": server.primary.id, **server.stats(), "degraded": server.degrade.active,
+    return JSONResponse({"status": "ok", "model": dispatcher.primary.id, **dispatcher.stats(), "degraded": dispatcher.degrade.active,
                          "memory": dataclasses.asdict(memory)})
 
 
-async def _metrics(server: Dispatcher, request: Request) -> Response:
-    body = server.metrics.render(server.stats(), server.degrade.active, server.gate.snapshot() if server.gate else {}, server.pool.resident(),
+async def _metrics(dispatcher: Dispatcher, request: Request) -> Response:
+    body = dispatcher.metrics.render(dispatcher.stats(), dispatcher.degrade.active, dispatcher.gate.snapshot() if dispatcher.gate else {}, dispatcher.pool.resident(),
                                  sysmem.read())
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -99,17 +99,17 @@ def create_app(settings: ServerSettings, engine=None, fallback=None, pool: Model
 
     It owns neither: the caller closes the engines and the pool.
     """
-    server = Dispatcher(settings, engine, fallback, pool, speech)
+    dispatcher = Dispatcher(settings, engine, fallback, pool, speech)
     routes = [
-        Route("/health", functools.partial(_health, server), methods=["GET"]),
-        Route("/metrics", functools.partial(_metrics, server), methods=["GET"]),
-        *openai_chat_api.ChatApi(server).routes(),
-        *ollama_api.OllamaApi(server).routes(),
-        *llamacpp_api.LlamaCppApi(server).routes(),
-        *anthropic_api.MessagesApi(server).routes(),
-        *openai_responses_api.ResponsesApi(server).routes(),
-        *embeddings_api.EmbeddingsApi(server).routes(),
-        *audio_api.AudioApi(server).routes(),
+        Route("/health", functools.partial(_health, dispatcher), methods=["GET"]),
+        Route("/metrics", functools.partial(_metrics, dispatcher), methods=["GET"]),
+        *openai_chat_api.ChatApi(dispatcher).routes(),
+        *ollama_api.OllamaApi(dispatcher).routes(),
+        *llamacpp_api.LlamaCppApi(dispatcher).routes(),
+        *anthropic_api.MessagesApi(dispatcher).routes(),
+        *openai_responses_api.ResponsesApi(dispatcher).routes(),
+        *embeddings_api.EmbeddingsApi(dispatcher).routes(),
+        *audio_api.AudioApi(dispatcher).routes(),
     ]
     # CORS outside the key check: a browser's preflight carries no key
     cors = [Middleware(Cors, origins=settings.cors_origins, render=error_response)] if settings.cors_origins else []
@@ -120,6 +120,6 @@ def create_app(settings: ServerSettings, engine=None, fallback=None, pool: Model
         exception_handlers={ApiError: _api_error, InvalidFieldError: _field_error, HTTPException: _http_error,  # type: ignore[dict-item]
                             Exception: _server_error},
     )
-    app.state.server = server
+    app.state.dispatcher = dispatcher
     return app
 

@@ -25,6 +25,7 @@ from edgechat.engine.speech.encode import FORMATS, MEDIA_TYPES, Encoder
 from edgechat.engine.speech.models import SpeechModelMissingError, SpeechModels
 from edgechat.engine.speech.transcriber import Segment, Transcript
 from edgechat.errors import ModelFormatError
+from edgechat.server.dispatch import Api
 from edgechat.server.errors import ApiError, bad_request
 
 TRANSCRIPT_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
@@ -84,10 +85,10 @@ def transcript_body(t: Transcript, segments: list[Segment], fmt: str, task: str,
     return JSONResponse(body)
 
 
-class AudioApi:
-    def __init__(self, server):
-        self.server = server
-        self.speech: SpeechModels = server.speech
+class AudioApi(Api):
+    def __init__(self, dispatcher):
+        super().__init__(dispatcher)
+        self.speech: SpeechModels = dispatcher.speech
 
     def routes(self) -> list[Route]:
         return [

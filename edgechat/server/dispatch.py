@@ -1,12 +1,14 @@
 """The dispatcher: the models a server offers and every request's way to one of them, whatever
 API it came in on. A request names a model (`find_model`, routed to the fallback while degraded);
 it takes a lease on that model's engine (loading it first if need be: waiting for the load, a 503
-when no room can be made), is built and fitted (`admit`), waits for its priority class's share
-(`prepare`, `submit`), becomes one engine.submit() per choice, followed on the event loop through a
-bridge.Generation, and moves to the fallback model when no first token comes in time (`start`).
-Its lease goes back when its last answer ends. It knows no wire format: each API's module
-renders (server/streaming.py carries the answer to it), and every refusal here is an ApiError
-that the API called answers in its own shape.
+when no room can be made), gets what every API shares, for that model and on a copy of its own
+(server/rules.py: the family's tool grammar, the reasoning split, max_tokens fitted: `admit`),
+waits for its priority class's share (`prepare`, `submit`), becomes one engine.submit() per
+choice, followed on the event loop through a bridge.Generation, and moves to the fallback model
+when no first token comes in time (`start`), fitted afresh there. Its lease goes back when its
+last answer ends. It knows no wire format: each API's module renders (server/streaming.py
+carries the answer to it), and every refusal here is an ApiError that the API called answers in
+its own shape.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
+from starlette.routing import Route
 
 from edgechat.config import get_paths
-from edgechat.engine.output.tools import tool_grammar
 from edgechat.engine.pool import ModelPool, ModelState, PoolModel
 from edgechat.engine.prompt.prompt import Prepared
 from edgechat.engine.speech.models import SpeechModels
@@ -39,6 +41,7 @@ from edgechat.server.fields import ParsedRequest, decode_body
 from edgechat.server.memoryguard import MemoryGuard
 from edgechat.server.metrics import ServerMetrics
 from edgechat.server.priority import ClassFull, PriorityGate
+from edgechat.server.rules import fit_max_tokens, for_model
 from edgechat.server.settings import ServerSettings
 
 log = logging.getLogger("edgechat.server")
@@ -82,15 +85,6 @@ class Served:
     def tool_family(self):
         """The tool-call syntax its template writes (the generic one where it takes no tools)."""
         return self.engine.format.tool_family
-
-    def request(self, parsed: ParsedRequest) -> ChatRequest:
-        """The request for this model: with tools and a template that takes them, the grammar is
-        its syntax (the engine's prompt builder renders tools, calls and results through that
-        template, message by message)."""
-        req, family = parsed.request, self.tool_family
-        if parsed.tools is None or not family.native:
-            return req
-        return dataclasses.replace(req, grammar=tool_grammar(parsed.tools, family))
 
 
 class Dispatcher:
@@ -271,7 +265,7 @@ class Dispatcher:
         try:
             # templating and tokenizing: off the event loop
             async with self.using(served) as engine:
-                return await run_in_threadpool(lambda: engine.count_tokens(served.request(parsed)))
+                return await run_in_threadpool(lambda: engine.count_tokens(self.request_for(served, parsed)))
         except EdgechatError as exc:
             raise from_engine_error(exc, self.retry_after()) from None
 
@@ -398,30 +392,21 @@ class Dispatcher:
         finally:
             fallback_lease.drop()
 
+    def request_for(self, served: Served, parsed: ParsedRequest) -> ChatRequest:
+        """The translated request as `served` runs it (server/rules.py), a copy of its own."""
+        return for_model(parsed.request, served.tool_family, self.settings)
+
     async def admit(self, served: Served, parsed: ParsedRequest):
         """Build the request for the model and its prompt once, enforce --max-input-tokens and
-        fit max_tokens to the room the prompt leaves; returns the request and the built prompt
-        for submit().
-
-        The engine keeps going past a full context by shifting it, so an unbounded or huge
-        max_tokens (10**9) must be cut to what the context holds, or the answer never ends.
-        """
-        engine = served.engine
-        n_ctx, limit = engine.n_ctx, self.settings.max_input_tokens
+        fit max_tokens to the room the prompt leaves (and the degrade switch's cap); returns the
+        request and the built prompt for submit()."""
+        limit = self.settings.max_input_tokens
         # templating and tokenizing: keep them off the event loop
-        req, prepared = await run_in_threadpool(_build, served, parsed)
+        req, prepared = await run_in_threadpool(lambda: _build(served, self.request_for(served, parsed), parsed.client_grammar))
         n = len(prepared.tokens)
         if limit is not None and n > limit:
             raise self.reject(prompt_too_long(n, limit, "the server's --max-input-tokens"))
-        room = n_ctx - n
-        if req.max_tokens is not None and req.max_tokens > room >= 1:
-            req.max_tokens = room
-        elif req.max_tokens is None and room >= n_ctx // 4:
-            # with no max_tokens the engine keeps a quarter of the context for the answer
-            # and refuses longer prompts itself (in submit)
-            req.max_tokens = room
-        req.max_tokens = self.degrade.cap(req.max_tokens)
-        return req, prepared
+        return dataclasses.replace(req, max_tokens=self.degrade.cap(fit_max_tokens(req.max_tokens, n, served.engine.n_ctx))), prepared
 
     async def launch(self, request: Request, parsed: ParsedRequest, arrival: float) -> asyncio.Future[Started]:
         """Route, admit and start a request, whatever API it came in on: the task that gives its
@@ -455,6 +440,17 @@ class Dispatcher:
         return started
 
 
+
+class Api:
+    """One API's routes on the app's dispatcher: each API module's class is one (server/app.py
+    gathers their routes)."""
+
+    def __init__(self, dispatcher: Dispatcher):
+        self.dispatcher = dispatcher
+
+    def routes(self) -> list[Route]:
+        raise NotImplementedError
+
 async def done_within(task: asyncio.Future, timeout: float | None) -> bool:
     """Whether `task` (or a future) is done within `timeout` seconds (None: once it is); it runs
     on if not, and is cancelled with the caller."""
@@ -466,9 +462,8 @@ async def done_within(task: asyncio.Future, timeout: float | None) -> bool:
     return bool(done)
 
 
-def _build(served: Served, parsed: ParsedRequest) -> tuple[ChatRequest, Prepared]:
-    req = served.request(parsed)
-    if parsed.client_grammar and not served.engine.grammar_parses(req.grammar):
+def _build(served: Served, req: ChatRequest, client_grammar: bool) -> tuple[ChatRequest, Prepared]:
+    if client_grammar and not served.engine.grammar_parses(req.grammar):
         raise bad_request("'grammar' is not a GBNF grammar llama.cpp can parse (a 'root' rule, every rule it names defined); fix it",
                           param="grammar", code="invalid_grammar")
     return req, served.engine.prepare(req)

@@ -19,28 +19,29 @@ from starlette.routing import Route
 from edgechat.engine.embeddings import EmbeddingInputError, EmbeddingJob
 from edgechat.errors import EdgechatError
 from edgechat.server import fields
+from edgechat.server.dispatch import Api
 from edgechat.server.errors import ApiError, bad_request, from_engine_error
 
 #: how often a waiting request checks that its client is still there
 DISCONNECT_POLL_S = 0.5
 
 
-async def embed(server, request: Request, served, inputs: list, field: str, truncate: bool = False) -> tuple[list[np.ndarray], int, float]:
+async def embed(dispatcher, request: Request, served, inputs: list, field: str, truncate: bool = False) -> tuple[list[np.ndarray], int, float]:
     """The vectors of `inputs` on `served`'s engine, their token count and the seconds taken;
     a bad input is a 400 naming `field`, a client that leaves cancels the work."""
     started = time.monotonic()
-    async with server.using(served) as engine:
-        return await _run(server, request, lambda finished: engine.embed(inputs, truncate, finished), field, started)
+    async with dispatcher.using(served) as engine:
+        return await _run(dispatcher, request, lambda finished: engine.embed(inputs, truncate, finished), field, started)
 
 
-async def rerank(server, request: Request, served, query: str, documents: list[str]) -> tuple[list[np.ndarray], int, float]:
+async def rerank(dispatcher, request: Request, served, query: str, documents: list[str]) -> tuple[list[np.ndarray], int, float]:
     """`embed` for a reranker: each document's scores for `query`."""
     started = time.monotonic()
-    async with server.using(served) as engine:
-        return await _run(server, request, lambda finished: engine.rerank(query, documents, False, finished), "documents", started)
+    async with dispatcher.using(served) as engine:
+        return await _run(dispatcher, request, lambda finished: engine.rerank(query, documents, False, finished), "documents", started)
 
 
-async def _run(server, request: Request, submit: Callable[[Callable], EmbeddingJob], field: str, started: float):
+async def _run(dispatcher, request: Request, submit: Callable[[Callable], EmbeddingJob], field: str, started: float):
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
 
@@ -57,13 +58,13 @@ async def _run(server, request: Request, submit: Callable[[Callable], EmbeddingJ
     except EmbeddingInputError as exc:
         raise bad_request(f"'{field}': {exc}", param=field, code="invalid_value") from None
     except EdgechatError as exc:
-        raise from_engine_error(exc, server.retry_after()) from None
-    deadline = started + server.settings.request_timeout
+        raise from_engine_error(exc, dispatcher.retry_after()) from None
+    deadline = started + dispatcher.settings.request_timeout
     try:
         while not done.done():
             if time.monotonic() > deadline:
                 job.cancel()
-                raise ApiError(504, f"the embeddings were not computed within {server.settings.request_timeout:g} s", type="timeout", code="timeout")
+                raise ApiError(504, f"the embeddings were not computed within {dispatcher.settings.request_timeout:g} s", type="timeout", code="timeout")
             await asyncio.wait({done}, timeout=DISCONNECT_POLL_S)
             if not done.done() and await request.is_disconnected():
                 job.cancel()
@@ -74,7 +75,7 @@ async def _run(server, request: Request, submit: Callable[[Callable], EmbeddingJ
     if isinstance(job.error, EmbeddingInputError):
         raise bad_request(f"'{field}': {job.error}", param=field, code="invalid_value")
     if isinstance(job.error, EdgechatError):
-        raise from_engine_error(job.error, server.retry_after())
+        raise from_engine_error(job.error, dispatcher.retry_after())
     if job.error is not None:
         raise ApiError(500, str(job.error), type="server_error", code="embedding_failed")
     return job.vectors, job.n_tokens, time.monotonic() - started
@@ -114,11 +115,8 @@ def _is_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class EmbeddingsApi:
+class EmbeddingsApi(Api):
     """The /v1/embeddings route on one app's Dispatcher."""
-
-    def __init__(self, server):
-        self.server = server
 
     def routes(self) -> list[Route]:
         return [Route("/v1/embeddings", self.embeddings, methods=["POST"]),
@@ -127,8 +125,8 @@ class EmbeddingsApi:
     async def rerank(self, request: Request) -> Response:
         """llama-server's /rerank (Jina's and Cohere's shape): `query`, `documents`, `top_n` ->
         `results` [{index, relevance_score}], best first; a model that is not a reranker is a 400."""
-        body = await self.server.read_body(request)
-        served = self.server.find_model(fields.model_field(body))
+        body = await self.dispatcher.read_body(request)
+        served = self.dispatcher.find_model(fields.model_field(body))
         query = fields.text("query", body.get("query"))
         documents = body.get("documents")
         if not isinstance(documents, list) or not documents:
@@ -137,20 +135,20 @@ class EmbeddingsApi:
         top_n = body.get("top_n")
         if top_n is not None and (not _is_id(top_n) or top_n < 1):
             raise bad_request("'top_n' must be a positive integer", param="top_n", code="invalid_value")
-        scores, n_tokens, _ = await rerank(self.server, request, served, query, documents)
+        scores, n_tokens, _ = await rerank(self.dispatcher, request, served, query, documents)
         results = sorted(({"index": i, "relevance_score": float(v[0])} for i, v in enumerate(scores)), key=lambda r: -r["relevance_score"])
         return JSONResponse({"model": body.get("model") or served.id, "object": "list",
                              "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}, "results": results[:top_n]})
 
     async def embeddings(self, request: Request) -> Response:
-        body = await self.server.read_body(request)
-        served = self.server.find_model(fields.model_field(body))
+        body = await self.dispatcher.read_body(request)
+        served = self.dispatcher.find_model(fields.model_field(body))
         inputs = parse_input(body.get("input"))
         encoding = body.get("encoding_format", "float")
         if encoding not in ("float", "base64"):
             raise bad_request(f"'encoding_format' must be \"float\" or \"base64\", got {str(encoding)[:40]!r}", param="encoding_format", code="invalid_value")
         check_dimensions(body, served)
-        vectors, n_tokens, _ = await embed(self.server, request, served, inputs, "input")
+        vectors, n_tokens, _ = await embed(self.dispatcher, request, served, inputs, "input")
         data = [{"object": "embedding", "index": i, "embedding": _encoded(v, encoding)} for i, v in enumerate(vectors)]
         return JSONResponse({"object": "list", "data": data, "model": served.id, "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from edgechat.errors import (
     EdgechatError,
@@ -93,3 +94,25 @@ def from_engine_error(exc: EdgechatError, retry_after: int) -> ApiError:
         # a 503 with Retry-After (a model given to the server loaded stays stopped: see /health)
         return ApiError(503, str(exc), type="server_error", code="engine_stopped", headers={"Retry-After": "1"})
     return ApiError(500, str(exc), type="server_error", code="engine_error")
+
+
+def answered_as(render: Callable[[ApiError], Response], usage_errors: bool = False):
+    """A route method whose ApiErrors `render` answers (and UsageErrors, as 400s, with
+    `usage_errors`): the shape of the API called, for routes the app's own handler (OpenAI's
+    shape) would otherwise answer."""
+
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def wrapped(self, request) -> Response:
+            try:
+                return await handler(self, request)
+            except ApiError as exc:
+                return render(exc)
+            except UsageError as exc:
+                if not usage_errors:
+                    raise
+                return render(bad_request(str(exc)))
+
+        return wrapped
+
+    return wrap

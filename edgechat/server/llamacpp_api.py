@@ -11,7 +11,6 @@ while it reads the engine, so the pool never unloads it under them.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
 
@@ -23,11 +22,11 @@ from starlette.routing import Route
 from edgechat import __version__
 from edgechat.engine.prompt.fim import DEFAULT_FILENAME
 from edgechat.engine.types.request import ChatRequest, Finished, Infill, TokenLogprob
-from edgechat.errors import UsageError
 from edgechat.params import SamplingParams
 from edgechat.server import fields, responses
 from edgechat.server.bridge import Part, Started
-from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.dispatch import Api
+from edgechat.server.errors import ApiError, answered_as, bad_request
 from edgechat.server.fields import ParsedRequest
 from edgechat.server.images import ImageReader
 from edgechat.server.streaming import Wire, sse, stream, whole
@@ -48,31 +47,20 @@ def error_response(exc: ApiError) -> Response:
     return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
 
 
-def _llamacpp_errors(handler):
-    """Errors raised inside a handler, answered in llama-server's shape."""
-
-    @functools.wraps(handler)
-    async def wrapped(self, request: Request) -> Response:
-        try:
-            return await handler(self, request)
-        except ApiError as exc:
-            return error_response(exc)
-        except UsageError as exc:
-            return error_response(bad_request(str(exc)))
-
-    return wrapped
+#: errors raised inside a handler, answered in llama-server's shape
+_llamacpp_errors = answered_as(error_response, usage_errors=True)
 
 
-def parse_completion(body: dict, server) -> ParsedRequest:
+def parse_completion(body: dict, dispatcher) -> ParsedRequest:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise fields.type_error("prompt", "a string (token prompts are not supported)", prompt)
-    return _generation(body, server, prompt=fields.text("prompt", prompt))
+    return _generation(body, dispatcher, prompt=fields.text("prompt", prompt))
 
 
-def parse_infill(body: dict, server) -> ParsedRequest:
+def parse_infill(body: dict, dispatcher) -> ParsedRequest:
     """/infill: the text before and after the cursor (both required), other files'
     `input_extra` [{filename, text}] and `prompt` (text the answer starts with), laid out by the
     engine as llama-server lays them out (engine/prompt/fim.py); the rest as /completion's."""
@@ -95,10 +83,10 @@ def parse_infill(body: dict, server) -> ParsedRequest:
     prompt = body.get("prompt")
     infill = Infill(fields.text("input_prefix", body["input_prefix"]), fields.text("input_suffix", body["input_suffix"]), tuple(chunks),
                     "" if prompt is None else fields.text("prompt", prompt))
-    return _generation(body, server, infill=infill)
+    return _generation(body, dispatcher, infill=infill)
 
 
-def _generation(body: dict, server, **what) -> ParsedRequest:
+def _generation(body: dict, dispatcher, **what) -> ParsedRequest:
     """The request of a /completion or /infill body, `what` saying what to answer."""
     # what would change the answer and is not served (mirostat, typical_p, ...) is refused, as on
     # every API; n_probs is served here
@@ -112,7 +100,7 @@ def _generation(body: dict, server, **what) -> ParsedRequest:
     n_predict = fields.opt_int(body, "n_predict")
     t_max_predict_ms = fields.opt_int(body, "t_max_predict_ms")
     request = ChatRequest(
-        sampling=fields.sampling(body, server.defaults_for(fields.model_field(body))),
+        sampling=fields.sampling(body, dispatcher.defaults_for(fields.model_field(body))),
         # -1 (llama-server's default): until the end of text
         max_tokens=n_predict if n_predict is not None and n_predict >= 0 else None,
         stop=fields.stop(body),
@@ -193,11 +181,8 @@ def _stop_type(finished: Finished) -> str:
     return "word" if finished.stop_sequence else "eos"
 
 
-class LlamaCppApi:
+class LlamaCppApi(Api):
     """llama-server's native routes on one app's Dispatcher."""
-
-    def __init__(self, server):
-        self.server = server
 
     def routes(self) -> list[Route]:
         return [
@@ -213,8 +198,8 @@ class LlamaCppApi:
     async def model(self, name: str | None):
         """The model named (a 404 listing the models for an unknown name), loaded and leased
         for the block: (its _Served, its engine)."""
-        served = self.server.find_model(name)
-        async with self.server.using(served) as engine:
+        served = self.dispatcher.find_model(name)
+        async with self.dispatcher.using(served) as engine:
             yield served, engine
 
     @_llamacpp_errors
@@ -236,7 +221,7 @@ class LlamaCppApi:
 
     @_llamacpp_errors
     async def tokenize(self, request: Request) -> Response:
-        body = await self.server.read_body(request)
+        body = await self.dispatcher.read_body(request)
         content = fields.text("content", body.get("content"))
         add_bos = fields.opt_bool(body, "add_special")
         parse_special = body.get("parse_special") is None or fields.opt_bool(body, "parse_special")
@@ -254,7 +239,7 @@ class LlamaCppApi:
 
     @_llamacpp_errors
     async def detokenize(self, request: Request) -> Response:
-        body = await self.server.read_body(request)
+        body = await self.dispatcher.read_body(request)
         tokens = body.get("tokens", [])
         if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
             raise fields.type_error("tokens", "a list of token ids", tokens)
@@ -263,12 +248,12 @@ class LlamaCppApi:
 
     @_llamacpp_errors
     async def apply_template(self, request: Request) -> Response:
-        body = await self.server.read_body(request)
-        messages = fields.messages(body, self.server.settings.max_messages, ImageReader(self.server.settings))
+        body = await self.dispatcher.read_body(request)
+        messages = fields.messages(body, self.dispatcher.settings.max_messages, ImageReader(self.dispatcher.settings))
         generation_prompt = body.get("add_generation_prompt") is None or fields.opt_bool(body, "add_generation_prompt")
         # as a chat request's prompt is rendered: its tools, the thinking switch, the client's template variables
         chat = ChatRequest(messages=messages, tools=parse_tools(body), template_kwargs=fields.template_kwargs(body),
-                           reasoning_budget=fields.reasoning_budget(body, self.server.settings.reasoning_budget))
+                           reasoning_budget=fields.reasoning_budget(body, self.dispatcher.settings.reasoning_budget))
         async with self.model(fields.model_field(body)) as (_, engine):
             prompt = await run_in_threadpool(engine.prompts.text, chat, generation_prompt)
         return JSONResponse({"prompt": prompt})
@@ -276,14 +261,14 @@ class LlamaCppApi:
     @_llamacpp_errors
     async def completion(self, request: Request) -> Response:
         arrival = time.monotonic()
-        body = await self.server.read_body(request)
-        return await self.answer(request, body, parse_completion(body, self.server), arrival)
+        body = await self.dispatcher.read_body(request)
+        return await self.answer(request, body, parse_completion(body, self.dispatcher), arrival)
 
     @_llamacpp_errors
     async def infill(self, request: Request) -> Response:
         arrival = time.monotonic()
-        body = await self.server.read_body(request)
-        return await self.answer(request, body, parse_infill(body, self.server), arrival)
+        body = await self.dispatcher.read_body(request)
+        return await self.answer(request, body, parse_infill(body, self.dispatcher), arrival)
 
     async def answer(self, request: Request, body: dict, parsed: ParsedRequest, arrival: float) -> Response:
         """/completion's answer (and /infill's), whole or streamed."""
@@ -295,10 +280,10 @@ class LlamaCppApi:
             # the prompt as llama-server reports a fill's: its tokens' text, markers written out
             async with self.model(parsed.model) as (_, engine):
                 prompt = await run_in_threadpool(lambda: engine.detokenize(engine.prompt_tokens(req), special=True))
-        start = await self.server.launch(request, parsed, arrival)
+        start = await self.dispatcher.launch(request, parsed, arrival)
         if parsed.stream:
-            return await stream(self.server, start, _Chunks(prompt, wanted))
-        started, finished = await whole(self.server, request, start)
+            return await stream(self.dispatcher, start, _Chunks(prompt, wanted))
+        started, finished = await whole(self.dispatcher, request, start)
         end = finished[0]
         answer = _answer(end, end.text, started, prompt, streamed=False, tokens=end.token_ids if return_tokens else [])
         if end.logprobs is not None:

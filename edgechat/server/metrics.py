@@ -77,13 +77,17 @@ class ServerMetrics:
         self.failovers = Counter("edgechat_failovers", "Requests moved to the fallback model after no first token within their failover time.", registry=r)
         self.class_running = Gauge("edgechat_priority_running", "Sequences held by each priority class.", ["priority"], registry=r)
         self.class_queued = Gauge("edgechat_priority_queued", "Requests waiting for their priority class's share.", ["priority"], registry=r)
+        self._model_series(r)
+        self.grammar_requests = Counter("edgechat_grammar_requests", "Requests held to a grammar (response_format or tool calls).", registry=r)
+
+    def _model_series(self, r: CollectorRegistry) -> None:
+        """The models' lifecycle: loads, failures, unloads, what is resident."""
         self.model_loads = Counter("edgechat_model_loads", "Models loaded because a request asked for one.", ["model"], registry=r)
         self.model_load_failures = Counter("edgechat_model_load_failures", "Loads that failed (a corrupt or missing file).", ["model"], registry=r)
         self.model_unloads = Counter("edgechat_model_unloads", "Models unloaded (idle, keep_alive, to make room, at shutdown).", ["model"], registry=r)
         self.model_load_seconds = Histogram("edgechat_model_load_seconds", "Time to load a model.", buckets=_LATENCY_BUCKETS, labelnames=["model"], registry=r)
         self.resident_models = Gauge("edgechat_resident_models", "Models loaded now.", registry=r)
         self.resident_bytes = Gauge("edgechat_resident_model_bytes", "Memory the loaded models take, as the planner counts it (weights, KV cache, compute).", registry=r)
-        self.grammar_requests = Counter("edgechat_grammar_requests", "Requests held to a grammar (response_format or tool calls).", registry=r)
 
     def add_model(self, model: str, classes: list[str]) -> None:
         """Export a served model's latency series from the start (at zero), as the outcomes are."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import functools
 import hashlib
 import json
 import threading
@@ -32,14 +31,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgechat.engine.output.reasoning import reasoning_format
-from edgechat.engine.output.tools import tool_grammar
 from edgechat.engine.types.request import ChatRequest, Finished, ImageInput, Infill, ToolCall, Tools
 from edgechat.errors import EdgechatError, ModelNotFoundError, UsageError
 from edgechat.models import hub
 from edgechat.server import fields
 from edgechat.server.bridge import Part, Started
+from edgechat.server.dispatch import Api
 from edgechat.server.embeddings_api import check_dimensions, embed
-from edgechat.server.errors import ApiError, bad_request
+from edgechat.server.errors import ApiError, answered_as, bad_request
 from edgechat.server.fields import ParsedRequest
 from edgechat.server.images import ImageReader
 from edgechat.server.images import content as content_of
@@ -72,17 +71,8 @@ def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
-def _ollama_errors(handler):
-    """Errors raised inside a handler, answered in Ollama's shape (the app's handlers would use OpenAI's)."""
-
-    @functools.wraps(handler)
-    async def wrapped(self, request: Request) -> Response:
-        try:
-            return await handler(self, request)
-        except ApiError as exc:
-            return error_response(exc)
-
-    return wrapped
+#: errors raised inside a handler, answered in Ollama's shape (the app's handlers would use OpenAI's)
+_ollama_errors = answered_as(error_response)
 
 
 def _refuse(body: dict, name: str, why: str) -> None:
@@ -123,20 +113,18 @@ def _reasoning_budget(body: dict, default: int | None) -> int | None:
     raise bad_request("'think' must be true, false, \"low\", \"medium\" or \"high\"", param="think", code="invalid_value")
 
 
-def _request(body: dict, options: dict, server, **what) -> ChatRequest:
+def _request(body: dict, options: dict, dispatcher, **what) -> ChatRequest:
     """The ChatRequest of a chat or generate body, `what` saying what to answer."""
     num_predict = fields.opt_int(options, "num_predict")
-    request = ChatRequest(
-        sampling=fields.sampling(options, server.defaults_for(_model(body))),
+    return ChatRequest(
+        sampling=fields.sampling(options, dispatcher.defaults_for(_model(body))),
         # -1: until the end of text, -2: until the context is full (both: no cap of our own)
         max_tokens=num_predict if num_predict is not None and num_predict > 0 else None,
         stop=fields.stop(options),
-        reasoning_budget=_reasoning_budget(body, server.settings.reasoning_budget),
+        reasoning_budget=_reasoning_budget(body, dispatcher.settings.reasoning_budget),
         grammar=_format_grammar(body.get("format")),
         **what,
     )
-    request.split_reasoning = server.settings.reasoning_format != "none"
-    return request
 
 
 def _expires(unload_at: float | None) -> str:
@@ -225,13 +213,13 @@ def _tools(body: dict) -> Tools | None:
     return tools if tools is not None and tools.active else None
 
 
-def parse_chat(body: dict, server) -> ParsedRequest:
+def parse_chat(body: dict, dispatcher) -> ParsedRequest:
     _refuse(body, "logprobs", "log probabilities are served on /v1/chat/completions")
     tools = _tools(body)
     if tools is not None and body.get("format"):
         raise bad_request("'format' cannot be combined with 'tools' here; leave one of them out", param="format", code="invalid_value")
-    images = ImageReader(server.settings)
-    checked = fields.messages({"messages": _chat_messages(body.get("messages"))}, server.settings.max_messages, images)
+    images = ImageReader(dispatcher.settings)
+    checked = fields.messages({"messages": _chat_messages(body.get("messages"))}, dispatcher.settings.max_messages, images)
     for i, (m, out) in enumerate(zip(body["messages"], checked, strict=True)):
         pictures = _images(m, f"messages[{i}].images", images)
         if pictures and out["role"] != "user":
@@ -239,18 +227,16 @@ def parse_chat(body: dict, server) -> ParsedRequest:
         if pictures:
             # before the text, where Ollama puts a message's images
             out["content"] = content_of([*pictures, *(out["content"] if isinstance(out["content"], list) else [out["content"]])])
-    request = _request(body, _options(body), server, messages=checked, tools=tools)
-    if tools is not None:
-        request.grammar = tool_grammar(tools)
+    request = _request(body, _options(body), dispatcher, messages=checked, tools=tools)
     return ParsedRequest(request, _model(body), _stream(body), False, tools=tools, messages=checked)
 
 
-def parse_generate(body: dict, server) -> ParsedRequest:
+def parse_generate(body: dict, dispatcher) -> ParsedRequest:
     _refuse(body, "template", "the model's own chat template is used")
     _refuse(body, "context", "send the conversation as messages to /api/chat")
     _refuse(body, "logprobs", "log probabilities are served on /v1/completions")
     prompt = fields.text("prompt", body.get("prompt", ""))
-    pictures = _images(body, "images", ImageReader(server.settings))
+    pictures = _images(body, "images", ImageReader(dispatcher.settings))
     suffix = fields.text("suffix", body["suffix"]) if body.get("suffix") is not None else ""
     what: dict[str, str | list[dict] | Infill]
     if suffix:
@@ -267,7 +253,7 @@ def parse_generate(body: dict, server) -> ParsedRequest:
         messages = ([{"role": "system", "content": fields.text("system", system)}] if system else []) + [
             {"role": "user", "content": content_of([*pictures, prompt])}]
         what = {"messages": messages}
-    return ParsedRequest(_request(body, _options(body), server, **what), _model(body), _stream(body), False)
+    return ParsedRequest(_request(body, _options(body), dispatcher, **what), _model(body), _stream(body), False)
 
 
 def _capabilities(served) -> list[str]:
@@ -286,11 +272,8 @@ def _untagged(name: str | None) -> str | None:
     return name[: -len(DEFAULT_TAG)] if name and name.endswith(DEFAULT_TAG) else name
 
 
-class OllamaApi:
+class OllamaApi(Api):
     """The /api/ routes on one app's Dispatcher."""
-
-    def __init__(self, server):
-        self.server = server
 
     def routes(self) -> list[Route]:
         return [
@@ -310,9 +293,9 @@ class OllamaApi:
     def find(self, name: str | None):
         """The served model a name means: as Ollama lists it (name:latest) or as the OpenAI routes do."""
         try:
-            return self.server.find_model(name)
+            return self.dispatcher.find_model(name)
         except ApiError:
-            return self.server.find_model(_untagged(name))
+            return self.dispatcher.find_model(_untagged(name))
 
     def entry(self, served, name: str | None = None) -> dict:
         info = served.model.info
@@ -342,12 +325,12 @@ class OllamaApi:
     @_ollama_errors
     async def tags(self, request: Request) -> Response:
         # each alias is listed as a model of its own, as /v1/models lists them
-        return JSONResponse({"models": [self.entry(m, name) for m in self.server.served() for name in (m.id, *m.aliases)]})
+        return JSONResponse({"models": [self.entry(m, name) for m in self.dispatcher.served() for name in (m.id, *m.aliases)]})
 
     @_ollama_errors
     async def ps(self, request: Request) -> Response:
         models = []
-        for served in self.server.served():
+        for served in self.dispatcher.served():
             engine, m = served.engine, served.model
             if engine is None:  # Ollama lists the loaded models only
                 continue
@@ -363,7 +346,7 @@ class OllamaApi:
 
     @_ollama_errors
     async def show(self, request: Request) -> Response:
-        body = await self.server.read_body(request)
+        body = await self.dispatcher.read_body(request)
         served = self.find(_model(body))
         # what the file says, loaded or not (a loaded engine's template may be config.toml's)
         engine, info = served.engine, served.model.info
@@ -407,7 +390,7 @@ class OllamaApi:
         """`input` (a string or a list of them) -> `embeddings`; `truncate` (default true) cuts
         an input the context does not hold instead of refusing it. Nothing to embed answers an
         empty list, as Ollama does when a client preloads a model."""
-        body = await self.server.read_body(request)
+        body = await self.dispatcher.read_body(request)
         served = self.find(_model(body))
         value = body.get("input")
         if value is None or value == "" or value == []:
@@ -421,7 +404,7 @@ class OllamaApi:
         truncate = body.get("truncate") is None or fields.opt_bool(body, "truncate")
         _options(body)  # accepted: none of them changes a vector
         check_dimensions(body, served)
-        vectors, n_tokens, seconds = await embed(self.server, request, served, inputs, "input", truncate)
+        vectors, n_tokens, seconds = await embed(self.dispatcher, request, served, inputs, "input", truncate)
         return JSONResponse({
             "model": _tagged(served.id),
             "embeddings": [v.tolist() for v in vectors],
@@ -433,13 +416,13 @@ class OllamaApi:
     @_ollama_errors
     async def embeddings(self, request: Request) -> Response:
         """The older route: one `prompt` -> one `embedding` (unit length here too)."""
-        body = await self.server.read_body(request)
+        body = await self.dispatcher.read_body(request)
         served = self.find(_model(body))
         prompt = fields.text("prompt", body.get("prompt", ""))
         if not prompt:
             raise bad_request("'prompt' is empty: there is nothing to embed", param="prompt", code="invalid_value")
         _options(body)
-        vectors, _, _ = await embed(self.server, request, served, [prompt], "prompt", truncate=True)
+        vectors, _, _ = await embed(self.dispatcher, request, served, [prompt], "prompt", truncate=True)
         return JSONResponse({"embedding": vectors[0].tolist()})
 
     @_ollama_errors
@@ -447,7 +430,7 @@ class OllamaApi:
         """edgechat's own pull into this machine's model cache (a catalog name or a Hub reference,
         as `edgechat pull` takes them), told in Ollama's status lines. The model is downloaded,
         not served: this server goes on serving the models it started with."""
-        body = await self.server.read_body(request)
+        body = await self.dispatcher.read_body(request)
         name = fields.text("model", body.get("model", body.get("name", "")))
         if not name:
             raise bad_request("'model' is required: a catalog name or a Hub reference (see: edgechat models --catalog)",
@@ -456,7 +439,7 @@ class OllamaApi:
             ref = hub.pull_ref(name)
         except EdgechatError as exc:
             raise bad_request(str(exc), param="model") from None
-        download = _Download(self.server.paths, ref)
+        download = _Download(self.dispatcher.paths, ref)
         if _stream(body):
             return StreamingResponse(download.lines(), media_type="application/x-ndjson")
         try:
@@ -478,26 +461,26 @@ class OllamaApi:
     async def answer(self, request: Request, parse, field: str) -> Response:
         """`field`: "message" (chat) or "response" (generate), where each shape puts the text."""
         arrival = time.monotonic()
-        body = await self.server.read_body(request)
+        body = await self.dispatcher.read_body(request)
         served = self.find(_model(body))
         keep_alive = keep_alive_seconds(body.get("keep_alive"))
         if not body.get("prompt" if field == "response" else "messages"):
             # an empty prompt or conversation is how Ollama clients load a model before using it,
             # and, with keep_alive 0, unload it
             if keep_alive == 0:
-                await run_in_threadpool(self.server.pool.unload, served.model.name)
+                await run_in_threadpool(self.dispatcher.pool.unload, served.model.name)
                 reason = "unload"
             else:
-                await self.server.lease(served, keep_alive, arrival + self.server.settings.request_timeout)
-                self.server.pool.release(served.model.name, keep_alive)
+                await self.dispatcher.lease(served, keep_alive, arrival + self.dispatcher.settings.request_timeout)
+                self.dispatcher.pool.release(served.model.name, keep_alive)
                 reason = "load"
             return JSONResponse({**_Shape(_tagged(served.id), field).part("", ""), "done": True, "done_reason": reason})
-        parsed = parse(body, self.server)
+        parsed = parse(body, self.dispatcher)
         parsed.model, parsed.keep_alive = served.id, keep_alive
-        start = await self.server.launch(request, parsed, arrival)
+        start = await self.dispatcher.launch(request, parsed, arrival)
         if parsed.stream:
-            return await stream(self.server, start, _Lines(field))
-        started, finished = await whole(self.server, request, start)
+            return await stream(self.dispatcher, start, _Lines(field))
+        started, finished = await whole(self.dispatcher, request, start)
         end = finished[0]
         return JSONResponse(_Shape(_tagged(started.served.id), field).end(end, end.text, end.reasoning, _calls(0, end.tool_calls)))
 

@@ -13,13 +13,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from edgechat.engine.output.tools import tool_grammar
 from edgechat.engine.speech.models import speech_cards
 from edgechat.engine.types.request import ChatRequest, Finished, Infill
 from edgechat.params import SamplingParams
 from edgechat.server import fields, responses
 from edgechat.server.bridge import Part, Started
-from edgechat.server.dispatch import Dispatcher, Served
+from edgechat.server.dispatch import Api, Served
 from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.fields import ParsedRequest
 from edgechat.server.images import ImageReader
@@ -75,33 +74,32 @@ def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages, samp
     server's settings; default ones if not given)."""
     model, stream, include_usage, n = _common(body)
     tools = parse_tools(body)
+    active = tools if tools is not None and tools.active else None
     grammar = response_format_grammar(body.get("response_format"))
     extension = fields.extension_grammar(body)
     if extension is not None:
         field = "grammar" if body.get("grammar") else "json_schema"
         if grammar is not None:
             raise bad_request(f"'{field}' cannot be combined with response_format; give one of them", param=field, code="invalid_value")
-        if tools is not None and tools.active:
+        if active is not None:
             raise bad_request(f"'{field}' cannot be combined with tools; set tool_choice to 'none' or leave '{field}' out",
                               param=field, code="invalid_value")
         grammar = extension
-    if tools is not None and tools.active:
-        if grammar is not None:
-            raise bad_request(
-                "'response_format' cannot be combined with tools here; set tool_choice to 'none' or leave response_format out",
-                param="response_format",
-                code="unsupported_parameter",
-            )
-        grammar = tool_grammar(tools)
+    if active is not None and grammar is not None:
+        raise bad_request(
+            "'response_format' cannot be combined with tools here; set tool_choice to 'none' or leave response_format out",
+            param="response_format",
+            code="unsupported_parameter",
+        )
     ignore_eos = fields.opt_bool(body, "ignore_eos")
-    if ignore_eos and grammar is not None:
+    if ignore_eos and (grammar is not None or active is not None):
         # a finished grammar allows only the end of text: ignoring it would repeat that to max_tokens
         raise bad_request("'ignore_eos' cannot be combined with response_format, grammar, json_schema or tools", param="ignore_eos",
                           code="invalid_value")
     messages = fields.messages(body, max_messages, images or ImageReader(ServerSettings()))
     request = ChatRequest(
         messages=messages,
-        tools=tools if tools is not None and tools.active else None,
+        tools=active,
         sampling=fields.sampling(body, sampling),
         max_tokens=_max_tokens(body, None),
         stop=fields.stop(body),
@@ -113,8 +111,7 @@ def parse_chat(body: dict, max_messages: int = ServerSettings.max_messages, samp
         grammar=grammar,
         logprobs=_chat_logprobs(body),
     )
-    return ParsedRequest(request, model, stream, include_usage, n, tools if tools is not None and tools.active else None, messages,
-                         client_grammar=bool(body.get("grammar")))
+    return ParsedRequest(request, model, stream, include_usage, n, active, messages, client_grammar=bool(body.get("grammar")))
 
 
 def parse_completion(body: dict, sampling: SamplingParams | None = None) -> ParsedRequest:
@@ -238,11 +235,8 @@ class _Chunks(Wire):
         return [sse(exc.body())]
 
 
-class ChatApi:
+class ChatApi(Api):
     """The OpenAI routes on one app's Dispatcher."""
-
-    def __init__(self, server: Dispatcher):
-        self.server = server
 
     def routes(self) -> list[Route]:
         return [
@@ -259,44 +253,42 @@ class ChatApi:
         ]
 
     async def list_models(self, request: Request) -> Response:
-        server = self.server
-        cards = [model_card(m, server.created, name) for m in server.served() for name in (m.id, *m.aliases)]
-        return JSONResponse({"object": "list", "data": [*cards, *speech_cards(server.speech, server.created)]})
+        dispatcher = self.dispatcher
+        cards = [model_card(m, dispatcher.created, name) for m in dispatcher.served() for name in (m.id, *m.aliases)]
+        return JSONResponse({"object": "list", "data": [*cards, *speech_cards(dispatcher.speech, dispatcher.created)]})
 
     async def get_model(self, request: Request) -> Response:
-        return JSONResponse(model_card(self.server.find_model(request.path_params["model"]), self.server.created))
+        return JSONResponse(model_card(self.dispatcher.find_model(request.path_params["model"]), self.dispatcher.created))
 
     def _parse_chat(self, body: dict) -> ParsedRequest:
         """A chat body as the server answers it (and counts it: the same prompt either way)."""
-        settings = self.server.settings
-        parsed = parse_chat(body, settings.max_messages, self.server.defaults_for(body.get("model")), settings.reasoning_budget,
-                            ImageReader(settings))
-        parsed.request.split_reasoning = settings.reasoning_format != "none"
-        return parsed
+        settings = self.dispatcher.settings
+        return parse_chat(body, settings.max_messages, self.dispatcher.defaults_for(body.get("model")), settings.reasoning_budget,
+                          ImageReader(settings))
 
     async def chat(self, request: Request) -> Response:
-        server, arrival = self.server, time.monotonic()
-        body = await server.read_body(request)
+        dispatcher, arrival = self.dispatcher, time.monotonic()
+        body = await dispatcher.read_body(request)
         parsed = self._parse_chat(body)
         parsed.keep_alive = keep_alive_seconds(body.get("keep_alive"))
         return await self.answer(request, parsed, "chat", arrival)
 
     async def input_tokens(self, request: Request) -> Response:
         """llama-server's count of a chat body's prompt tokens (its tools and template included)."""
-        parsed = self._parse_chat(await self.server.read_body(request))
-        return JSONResponse({"input_tokens": await self.server.count_prompt(parsed)})
+        parsed = self._parse_chat(await self.dispatcher.read_body(request))
+        return JSONResponse({"input_tokens": await self.dispatcher.count_prompt(parsed)})
 
     async def completions(self, request: Request) -> Response:
-        server, arrival = self.server, time.monotonic()
-        body = await server.read_body(request)
-        parsed = parse_completion(body, server.defaults_for(body.get("model")))
+        dispatcher, arrival = self.dispatcher, time.monotonic()
+        body = await dispatcher.read_body(request)
+        parsed = parse_completion(body, dispatcher.defaults_for(body.get("model")))
         parsed.keep_alive = keep_alive_seconds(body.get("keep_alive"))
         return await self.answer(request, parsed, "text", arrival)
 
     async def answer(self, request: Request, parsed: ParsedRequest, kind: str, arrival: float) -> Response:
-        start = await self.server.launch(request, parsed, arrival)
+        start = await self.dispatcher.launch(request, parsed, arrival)
         if parsed.stream:
-            return await stream(self.server, start, _Chunks(parsed, kind))
-        started, finished = await whole(self.server, request, start)
+            return await stream(self.dispatcher, start, _Chunks(parsed, kind))
+        started, finished = await whole(self.dispatcher, request, start)
         choices = [responses.Choice(f, f.text, f.tool_calls) for f in finished]
         return JSONResponse(responses.completion_body(choices, kind, ResponseIds.new(kind, started.served.id)))

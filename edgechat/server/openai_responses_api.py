@@ -31,11 +31,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from edgechat.engine.output.tools import check_function, tool_grammar
+from edgechat.engine.output.tools import check_function
 from edgechat.engine.types.request import ChatRequest, Finished, ToolCall, Tools
 from edgechat.errors import StoreError
 from edgechat.server import fields, responses
 from edgechat.server.bridge import Part, Started
+from edgechat.server.dispatch import Api
 from edgechat.server.errors import ApiError, bad_request
 from edgechat.server.fields import ParsedRequest
 from edgechat.server.images import DATA_URL_HINT, ImageReader
@@ -202,26 +203,29 @@ def _custom_function(where: str, tool: dict, functions: list[dict]) -> dict:
     return check_function(where, {"name": tool.get("name"), "description": description, "parameters": schema}, functions)
 
 
+def _tool_choice(choice: object) -> tuple[str, str | None]:
+    """`tool_choice` as (kind, the function it names or None)."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return str(choice or "auto"), None
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
+        return "function", choice.get("name")
+    if isinstance(choice, dict) and isinstance(choice.get("type"), str):
+        return "auto", None  # a hosted tool or an allowed_tools list: every offered tool stays allowed
+    raise bad_request("'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}",
+                      param="tool_choice", code="invalid_value")
+
+
 def _tools(body: dict) -> tuple[Tools | None, dict[str, dict]]:
     """`tools` (function tools in Responses' flat shape, the functions of `namespace` tools,
     `custom` freeform tools as functions of one string), `tool_choice` (auto, none, required,
     {type: function|custom, name}) and `parallel_tool_calls` as tools.Tools; and for each tool
     name that is no plain function, what its call item carries (its namespace, or that it is
     custom). Hosted tools (web_search, file_search, ...) run on OpenAI's side: left out, logged."""
-    raw, choice = body.get("tools"), body.get("tool_choice")
+    raw = body.get("tools")
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise fields.type_error("parallel_tool_calls", "a boolean", parallel)
-    named = None
-    if choice is None or choice in ("auto", "none", "required"):
-        kind = choice or "auto"
-    elif isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
-        kind, named = "function", choice.get("name")
-    elif isinstance(choice, dict) and isinstance(choice.get("type"), str):
-        kind = "auto"  # a hosted tool or an allowed_tools list: every offered tool stays allowed
-    else:
-        raise bad_request("'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}",
-                          param="tool_choice", code="invalid_value")
+    kind, named = _tool_choice(body.get("tool_choice"))
     if raw is None or raw == []:
         if kind not in ("auto", "none"):
             raise bad_request("'tool_choice' needs 'tools'", param="tool_choice", code="invalid_value")
@@ -351,8 +355,7 @@ def parse_responses(body: dict, settings: ServerSettings, sampling=None, history
         sampling=fields.sampling({k: body[k] for k in ("temperature", "top_p") if k in body}, sampling),
         max_tokens=fields.opt_int(body, "max_output_tokens", lo=1),
         reasoning_budget=budget,
-        split_reasoning=settings.reasoning_format != "none",
-        grammar=tool_grammar(active) if active is not None else grammar,
+        grammar=grammar,
     )
     parsed = ParsedRequest(request, model, fields.opt_bool(body, "stream"), False, 1, active, messages)
     echo = {
@@ -545,13 +548,13 @@ def _held_whitespace(text: str) -> tuple[str, str]:
     return body, text[len(body):]
 
 
-class ResponsesApi:
+class ResponsesApi(Api):
     """The endpoints on one app's Dispatcher (its admission, queue and models)."""
 
-    def __init__(self, server):
-        self.server = server
+    def __init__(self, dispatcher):
+        super().__init__(dispatcher)
         #: in the data directory the server's engine was given (`serve --data-dir`)
-        self.store = ResponseStore(server.paths)
+        self.store = ResponseStore(dispatcher.paths)
 
     def routes(self) -> list[Route]:
         return [
@@ -601,23 +604,23 @@ class ResponsesApi:
 
     async def input_tokens(self, request: Request) -> Response:
         """The prompt tokens a Responses body (with the context it continues) would decode."""
-        server = self.server
-        body = await server.read_body(request)
-        r = parse_responses(body, server.settings, None, await self._history(body))
-        return JSONResponse({"object": "response.input_tokens", "input_tokens": await server.count_prompt(r.parsed)})
+        dispatcher = self.dispatcher
+        body = await dispatcher.read_body(request)
+        r = parse_responses(body, dispatcher.settings, None, await self._history(body))
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": await dispatcher.count_prompt(r.parsed)})
 
     async def create(self, request: Request) -> Response:
-        server = self.server
+        dispatcher = self.dispatcher
         arrival = time.monotonic()
-        body = await server.read_body(request)
-        r = parse_responses(body, server.settings, server.defaults_for(body.get("model")), await self._history(body))
+        body = await dispatcher.read_body(request)
+        r = parse_responses(body, dispatcher.settings, dispatcher.defaults_for(body.get("model")), await self._history(body))
         r.parsed.keep_alive = keep_alive_seconds(body.get("keep_alive"))  # an extension, as on chat completions
         # every refusal (queue full, prompt too long, unknown model) is an HTTP status from here
-        start = await server.launch(request, r.parsed, arrival)
+        start = await dispatcher.launch(request, r.parsed, arrival)
         response_id, created = _new_id("resp"), int(time.time())
         if r.parsed.stream:
-            return await stream(server, start, _Stream(r, response_id, created, self._keep))
-        started, finished = await whole(server, request, start)
+            return await stream(dispatcher, start, _Stream(r, response_id, created, self._keep))
+        started, finished = await whole(dispatcher, request, start)
         choice = responses.Choice(finished[0], finished[0].text, finished[0].tool_calls)
         out = response_body(r, response_id, created, started.served.id, _status(choice.finished), output_items(choice, r.kinds), _usage(choice.finished))
         await self._keep(r, out)

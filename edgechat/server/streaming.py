@@ -78,21 +78,21 @@ class Wire:
         raise NotImplementedError
 
 
-async def stream(server: Dispatcher, start: asyncio.Future[Started], wire: Wire) -> Response:
+async def stream(dispatcher: Dispatcher, start: asyncio.Future[Started], wire: Wire) -> Response:
     """The streamed answer of `start` (the dispatcher's launch). A refusal that comes within a
     keep-alive's time (or before the request is under way, where the wire has no keep-alive) is
     the HTTP status; a later one comes in the stream."""
-    keepalive = server.settings.keepalive_s if wire.keepalive is not None else None
+    keepalive = dispatcher.settings.keepalive_s if wire.keepalive is not None else None
     try:
         if await done_within(start, keepalive):
             start.result()  # raises the refusal
     except BaseException:
         abandon(start)
         raise
-    return StreamingResponse(_chunks(server, start, wire, keepalive), media_type=wire.media_type, headers=wire.headers)
+    return StreamingResponse(_chunks(dispatcher, start, wire, keepalive), media_type=wire.media_type, headers=wire.headers)
 
 
-async def _chunks(server: Dispatcher, start: asyncio.Future[Started], wire: Wire, keepalive: float | None) -> AsyncIterator[str]:
+async def _chunks(dispatcher: Dispatcher, start: asyncio.Future[Started], wire: Wire, keepalive: float | None) -> AsyncIterator[str]:
     try:
         while wire.keepalive is not None and not await done_within(start, keepalive):
             # its class's share, or the failover's first token, is still to come
@@ -106,7 +106,7 @@ async def _chunks(server: Dispatcher, start: asyncio.Future[Started], wire: Wire
         for out in wire.error(exc):
             yield out
         return
-    server.opened(started.request)
+    dispatcher.opened(started.request)
     gens = started.gens
     ends: dict[int, Finished] = {}
     try:
@@ -125,7 +125,7 @@ async def _chunks(server: Dispatcher, start: asyncio.Future[Started], wire: Wire
                     yield out
                 return
             for part in batch.parts:
-                server.metrics.tool_calls.inc(len(part.calls))
+                dispatcher.metrics.tool_calls.inc(len(part.calls))
                 for out in wire.part(part):
                     yield out
                 if part.finished is None:
@@ -144,7 +144,7 @@ async def _chunks(server: Dispatcher, start: asyncio.Future[Started], wire: Wire
         _cancel(gens)
 
 
-async def whole(server: Dispatcher, request: Request, start: asyncio.Future[Started]) -> tuple[Started, list[Finished]]:
+async def whole(dispatcher: Dispatcher, request: Request, start: asyncio.Future[Started]) -> tuple[Started, list[Finished]]:
     """The launched request and every choice's end. A client that leaves first cancels it (a
     499 nobody reads); a failed choice is a 500, the deadline a 504."""
     left: asyncio.Future = asyncio.ensure_future(_disconnected(request))
@@ -158,14 +158,14 @@ async def whole(server: Dispatcher, request: Request, start: asyncio.Future[Star
             abandon(start)
             raise _client_left()
         started = start.result()
-        server.opened(started.request)
-        finished = await _wait(started.gens, left, server.settings.request_timeout)
+        dispatcher.opened(started.request)
+        finished = await _wait(started.gens, left, dispatcher.settings.request_timeout)
     finally:
         left.cancel()
     for f in finished:
         if (failed := failure(f)) is not None:
             raise failed
-        server.metrics.tool_calls.inc(len(f.tool_calls))
+        dispatcher.metrics.tool_calls.inc(len(f.tool_calls))
     return started, finished
 
 

@@ -103,18 +103,23 @@ class LocalClient:
     """The in-process engine. Construction loads the model (or, from `models`, takes it already
     loaded): call it from a worker thread."""
 
-    def __init__(self, model: str | None, paths: Paths, n_ctx: int | None = None, kv_type: KVType = KVType.F16,
+    def __init__(self, model: str | None, paths: Paths, n_ctx: int | None = None, kv_type: KVType | None = None,
                  on_progress: Callable[[float], None] | None = None, engine_options: dict | None = None,
                  models: LocalModels | None = None):
+        """`engine_options`: EngineConfig fields from the command line's engine options (the
+        CLI's one builder of them, cli/engine_options.py); `n_ctx` and `kv_type`, where given,
+        over them."""
         # Imported here: loading llama.cpp's shared library is not needed to draw the first frame.
         from edgechat.engine import EngineConfig, open_engine
         from edgechat.models import DEFAULT_MODEL
         from edgechat.models.settings import with_model_settings
 
+        fields = dict(engine_options or {})
+        fields.update({name: value for name, value in (("n_ctx", n_ctx), ("kv_type", kv_type)) if value is not None})
         # One extra sequence keeps the previous conversation hot, so switching back is instant;
         # the model's own settings in config.toml (gpu_layers, chat_template) where none is given
-        config = with_model_settings(EngineConfig(model=model or DEFAULT_MODEL, n_ctx=n_ctx, kv_type=kv_type, hot_sessions=1,
-                                                  paths=paths, on_load_progress=on_progress, **(engine_options or {})))
+        config = with_model_settings(EngineConfig(model=model or DEFAULT_MODEL, hot_sessions=1, paths=paths, on_load_progress=on_progress,
+                                                  **fields))
         self._models = models
         if models is None:
             self.engine = open_engine(config)
