@@ -12,7 +12,9 @@ import os
 import struct
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from edgechat.fsutil import atomic_write
@@ -67,10 +69,16 @@ def snapshot_path(root: Path, session: str) -> Path:
 class SnapshotStore:
     """Sequence snapshots on disk, one file per session, tagged with what they depend on."""
 
-    def __init__(self, root: Path, tags: dict, budget_bytes: int):
+    def __init__(self, root: Path, tags: dict | Callable[[], dict], budget_bytes: int):
         self.root = root
-        self.tags = tags  # model hash, context size, KV type, llama.cpp state version
+        # model hash, context size, KV type, llama.cpp state version; or what computes them on
+        # first use (an engine's hashes the model, which a chat that never snapshots never waits for)
+        self._tags = tags
         self.budget = budget_bytes
+
+    @cached_property
+    def tags(self) -> dict:
+        return self._tags() if callable(self._tags) else self._tags
 
     def path_for(self, session: str) -> Path:
         return snapshot_path(self.root, session)
