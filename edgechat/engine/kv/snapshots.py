@@ -92,6 +92,7 @@ class SnapshotStore:
 
     def _read(self, session: str, with_data: bool) -> Snapshot | None:
         """The session's snapshot if its file is whole and its tags match; None for anything else."""
+        tags = self.tags  # computed here first, on the caller's thread (prompt building), not the engine's
         try:
             with open(self.path_for(session), "rb") as fh:
                 if fh.read(8) != SNAPSHOT_MAGIC:
@@ -99,7 +100,7 @@ class SnapshotStore:
                 (n,) = struct.unpack("<Q", fh.read(8))
                 header = json.loads(fh.read(n))
                 data = fh.read() if with_data else b""
-            if header.get("session") != session or header.get("tags") != self.tags:
+            if header.get("session") != session or header.get("tags") != tags:
                 return None
             if with_data and not data:
                 return None
