@@ -89,11 +89,15 @@ class SummaryNeeded:
     and what the model writes of them stays pinned in their place. The engine runs `request()`
     as any request and gives its text to `PromptBuilder.summarized`, which finishes the prompt."""
 
-    previous: str | None  # the summary of what left before
     leaving: list[dict]  # the messages leaving now, as a summary reads them
     evicted: int
     check_limit: bool
     chat: _Chat
+
+    @property
+    def previous(self) -> str | None:
+        """The summary of what left before, kept where the model writes none."""
+        return self.chat.summary
 
     def request(self, n_ctx: int) -> ChatRequest:
         lines = [f"Earlier summary: {self.previous}"] if self.previous else []
@@ -349,7 +353,7 @@ class PromptBuilder:
         if fitted.evicted > already and policy is ContextPolicy.SUMMARIZE:
             # the model condenses what leaves the context; the summary stays pinned in its place
             leaving = [self._as_text(m) for m in msgs[keep_msgs + already : keep_msgs + fitted.evicted]]
-            return SummaryNeeded(chat.summary, leaving, fitted.evicted, check_limit, chat)
+            return SummaryNeeded(leaving, fitted.evicted, check_limit, chat)
         return self._assemble(chat, fitted, chat.summary)
 
     def _assemble(self, chat: _Chat, fitted: _Fitted, summary: str | None) -> Prepared:
