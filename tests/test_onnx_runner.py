@@ -13,6 +13,7 @@ import pytest
 from edgechat.engine import ChatRequest, EngineConfig, SamplingParams, open_engine
 from edgechat.engine.kv.kvcache import KVManager
 from edgechat.engine.kv.promptcache import PromptCache
+from edgechat.engine.kv.sessions import Conversations, ConversationStates
 from edgechat.engine.kv.snapshots import SnapshotStore
 from edgechat.engine.runners.onnxrt import OnnxRunner
 from edgechat.models.planner import default_threads
@@ -277,7 +278,7 @@ def test_kv_manager_on_the_onnx_runner(runners, tmp_path):
     runner = runners("smollm2-135m-instruct")
     store = SnapshotStore(tmp_path / "snaps", {"model": "smollm2-onnx"}, 1 << 30)
     cache = PromptCache(1 << 28, lambda: store.tags)
-    kv = KVManager(runner, 3, lambda: store, lambda session: {}, lambda session, state: None, cache)
+    kv = KVManager(runner, 3, prompt_cache=cache, conversations=Conversations(ConversationStates(), store))
     base = prompt_tokens(runner, TEXTS[2])
     cold = {}
 
@@ -393,7 +394,6 @@ def test_the_scheduler_runs_on_the_onnx_runner(model, runners):
     different prompts decode together (one run per step once their prompts are in) with each
     one's greedy tokens alone, n-gram speculation verified against the model keeps the text of
     an answer its prompt predicts (accepting drafts), and the KV manager's check is clean after."""
-    from edgechat.engine.kv.sessions import ConversationStates
     from edgechat.engine.schedule.scheduler import Scheduler
     from edgechat.engine.types.request import ContextPolicy
     from tests.test_scheduler_plans import drive, finished, submit
@@ -406,10 +406,7 @@ def test_the_scheduler_runs_on_the_onnx_runner(model, runners):
         runner.seq_rm(0, -1, -1)
 
     def scheduler(mode: SpeculativeMode) -> Scheduler:
-        def no_snapshots():
-            raise AssertionError("no conversation here is snapshotted")
-
-        kv = KVManager(runner, 3, no_snapshots, lambda s: {}, lambda s, st: None, PromptCache(0, dict))
+        kv = KVManager(runner, 3, prompt_cache=PromptCache(0, dict))  # no conversation here is snapshotted
         return Scheduler(runner, kv, ConversationStates(), runner.n_ctx, 3, lambda r: ContextPolicy.TRUNCATE, lambda r: mode)
 
     sched = scheduler(SpeculativeMode.OFF)

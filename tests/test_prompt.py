@@ -7,7 +7,7 @@ from itertools import pairwise
 
 import pytest
 
-from edgechat.engine.prompt.prompt import PromptBuilder
+from edgechat.engine.prompt.prompt import SUMMARY_PREFIX, PromptBuilder, SummaryNeeded
 from edgechat.engine.prompt.templates import CHATML_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE, choose_format
 from edgechat.engine.types.request import ChatRequest, ContextPolicy
 from edgechat.errors import PromptTooLongError
@@ -124,6 +124,23 @@ def test_a_long_chat_evicts_old_messages_whatever_the_template(template):
     # the system prompt stays pinned, the oldest messages leave, the newest stays
     text = b._tokenize.decode(prep.tokens).lower()
     assert "you are terse." in text and "message 1 " not in text and text.rstrip().endswith("last question<|im_end|>\n<|im_start|>assistant\n".rstrip() if template == QWEN3_LIKE else "last question\n[assistant]")
+
+
+def test_the_summarize_policy_asks_for_a_summary_and_pins_it():
+    """The builder never runs the model: it says what leaves, and finishes the prompt with the
+    summary it is given."""
+    b = builder(CHATML_TEMPLATE, n_ctx=512)
+    msgs = chat(300)
+    need = b.prepare(ChatRequest(messages=msgs, session="long"), ContextPolicy.SUMMARIZE)
+    assert isinstance(need, SummaryNeeded) and need.previous is None
+    assert len(need.leaving) == need.evicted > 250 and need.leaving[0] == msgs[1]
+    ask = need.request(b.n_ctx)
+    assert ask.session is None and ask.max_tokens == 64 and need.leaving[-1]["content"] in ask.messages[0]["content"]
+    prep = b.summarized(need, "They counted messages.")
+    assert prep.summary == "They counted messages." and prep.evicted_total == need.evicted
+    text = b._tokenize.decode(prep.tokens)
+    assert text.index("You are terse.") < text.index(SUMMARY_PREFIX + "They counted messages.")
+    assert len(prep.tokens) <= b.limit(ChatRequest(messages=msgs)) and prep.keep >= len(b._tokenize(SUMMARY_PREFIX))
 
 
 def test_spans_cover_each_evictable_message():

@@ -21,10 +21,7 @@ from tests.fake_runner import EOS, FakeRunner, cycle, text_of, tokens_of
 def make(n_parallel=1, speculative=SpeculativeMode.OFF, script=cycle, n_ctx=4096):
     runner = FakeRunner(n_parallel, script=script)
 
-    def no_snapshots():
-        raise AssertionError("no conversation here is snapshotted")
-
-    kv = KVManager(runner, n_parallel, no_snapshots, lambda s: {}, lambda s, st: None, PromptCache(0, dict))
+    kv = KVManager(runner, n_parallel, prompt_cache=PromptCache(0, dict))  # no conversation here is snapshotted
     sched = Scheduler(runner, kv, ConversationStates(), n_ctx, n_parallel,
                       lambda r: ContextPolicy(r.context_policy), lambda r: speculative)
     return sched, runner

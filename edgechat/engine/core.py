@@ -10,27 +10,30 @@ Finished event, every command an answer within a bound, and a dead thread refuse
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from edgechat.config import Paths, get_paths, make_data_dir
+from edgechat.engine.commands import Check, Command, Continue, Forget, Parts, Positions, Release, ShedCache, TopLogits
 from edgechat.engine.embeddings import Embedder, EmbeddingJob
 from edgechat.engine.kv.kvcache import KVManager, Slot
 from edgechat.engine.kv.promptcache import PromptCache
-from edgechat.engine.kv.sessions import ConversationStates
+from edgechat.engine.kv.sessions import Conversations, ConversationStates
 from edgechat.engine.kv.snapshots import PromptStore, SnapshotStore, model_fingerprint
+from edgechat.engine.loop import COMMAND_TIMEOUT_S, EngineLoop
 from edgechat.engine.prompt.fim import InfillBuilder
-from edgechat.engine.prompt.prompt import Prepared, PromptBuilder, PromptQueries
+from edgechat.engine.prompt.prompt import Prepared, PromptBuilder, SummaryNeeded
 from edgechat.engine.prompt.templates import choose_format
 from edgechat.engine.runners import devices
 from edgechat.engine.runners.llama import LlamaBackend, state_version
 from edgechat.engine.runners.media import Projector
+from edgechat.engine.runners.runner import ModelRunner
 from edgechat.engine.runners.sampling import grammar_parses
 from edgechat.engine.schedule.draft import DraftModel, DraftVocabError
 from edgechat.engine.schedule.scheduler import Running, Scheduler
@@ -44,20 +47,6 @@ if TYPE_CHECKING:
     from edgechat.engine.runners.onnxrt import OnnxPlacement
 
 log = logging.getLogger("edgechat.engine")
-
-#: an idle engine writes changed conversations' snapshots after this many seconds
-IDLE_SNAPSHOT_S = 30.0
-#: with the prompt cache on disk, a sequence idle this long has its state written there
-PROMPT_IDLE_S = 1.0
-#: after idling, wait this long for requests sent together, so they are prefilled together
-BATCH_WINDOW_S = 0.003
-#: how long a caller waits for the engine thread to answer a command (a snapshot write included)
-COMMAND_TIMEOUT_S = 60.0
-
-
-#: longest sleep of an engine thread whose requests all wait for image encodes (each encode's end
-#: wakes it at once; this bounds a lost wake-up)
-ENCODE_POLL_S = 0.5
 
 
 @dataclass
@@ -123,19 +112,39 @@ class EngineConfig:
             setattr(self, name, choice(CHOICES[name], getattr(self, name), name))
 
 
-@dataclass
-class _Command:
-    """Work for the engine thread that answers its caller (a snapshot, a check, closing)."""
+class RequestRules:
+    """What this engine makes of a request's own settings: its context policy where the cache
+    cannot shift, its speculative mode where the engine is deterministic."""
 
-    name: str
-    arg: Any = None
-    done: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
-    error: BaseException | None = None
+    def __init__(self, runner: ModelRunner, speculative_default: SpeculativeMode, deterministic: bool):
+        self.runner = runner
+        self.speculative_default = speculative_default
+        self.deterministic = deterministic
+        self._shift_warned = False
+
+    def policy(self, req: ChatRequest) -> ContextPolicy:
+        policy = ContextPolicy(req.context_policy)
+        if policy is ContextPolicy.SHIFT and not self.runner.can_shift:
+            if not self._shift_warned:
+                log.warning("this model's KV cache cannot shift positions; falling back to 'truncate'")
+                self._shift_warned = True
+            return ContextPolicy.TRUNCATE
+        return policy
+
+    def speculative(self, req: ChatRequest) -> SpeculativeMode:
+        if req.speculative is None or self.deterministic:
+            return self.speculative_default
+        return SpeculativeMode(req.speculative)
 
 
-class Engine(PromptQueries):
-    """See edgechat/engine/__init__.py for the public contract."""
+class Engine:
+    """See edgechat/engine/__init__.py for the public contract.
+
+    Built from parts, each handed what it needs by name: the model's runner; the conversations
+    (their states and snapshots); the prompt cache; the KV manager over the runner, the prompt
+    cache and the conversations; the prompt builder over the chat format, the tokenizer and the
+    conversations; the scheduler over the runner, the KV manager and the request rules; the
+    engine thread (engine/loop.py) over all of them."""
 
     def __init__(self, config: EngineConfig | None = None):
         self.config = cfg = config or EngineConfig()
@@ -167,56 +176,66 @@ class Engine(PromptQueries):
             be.meta("general.architecture") or info.architecture,
             be.token_text(be.bos) if be.bos >= 0 else "",
             be.token_text(be.eos) if be.eos >= 0 else "",
-            self._is_special_token,
+            functools.partial(_is_special_token, be),
         )
         self.template_mode = self.format.mode
         self.template_warning = self.format.warning
-        self._shift_warned = False
-        self._lock = threading.Lock()
-        self.states = ConversationStates()
-        self._snapshots: SnapshotStore | None = None
-        # a restored state's cells were computed in other batches than a fresh prefill's
-        budget = 0 if cfg.deterministic else cfg.prompt_cache_budget
-        self.prompt_cache = PromptCache(budget, lambda: self._snapshot_store().tags)
-        self._kept_idle: dict[int, float] = {}  # seq -> the idle spell (last_used) whose state was kept
-        self.kv = KVManager(
-            be, self.n_slots, self._snapshot_store, self._saved_state, self._restored_state, self.prompt_cache,
-            mrope=self.projector is not None and self.projector.mrope,
-        )
-        if self.prompt_cache.enabled and cfg.prompt_cache_disk > 0:
-            try:
-                self.prompt_cache.attach(self._prompt_store())
-            except OSError as exc:  # a read-only or full disk: the cache serves from RAM alone
-                log.warning("the prompt cache stays in RAM: cannot use %s (%s)", self.paths.snapshots / "prompts", exc)
+        self.rules = RequestRules(be, self.speculative_default, cfg.deterministic)
+        self._cache_parts()
         if self.onnx:
             self.draft, self.draft_warning, self.embedder = None, None, None
         else:
             self.draft, self.draft_warning = self._load_draft()
             self.embedder = self._load_embedder()
+        self.prompts = self._prompt_builder()
+        inbox: queue.Queue = queue.Queue()
         self.scheduler = Scheduler(
-            be, self.kv, self.states, self.n_ctx, 1 if cfg.deterministic else cfg.n_parallel, self._policy, self._speculative,
-            self.draft, deterministic=cfg.deterministic, reasoning=self.format.reasoning,
-            projector=self.projector, wake=lambda: self._inbox.put(None), tool_family=self.format.tool_family,
+            runner=be, kv=self.kv, states=self.conversations.states, n_ctx=self.n_ctx,
+            n_parallel=1 if cfg.deterministic else cfg.n_parallel, policy=self.rules.policy,
+            speculative=self.rules.speculative, draft=self.draft, deterministic=cfg.deterministic,
+            reasoning=self.format.reasoning, projector=self.projector, wake=lambda: inbox.put(None),
+            tool_family=self.format.tool_family,
         )
-        self.prompts = PromptBuilder(
-            self.format,
-            lambda text: be.tokenize(text, add_bos=False, special=True),
-            be.bos if be.add_bos else None,
-            self.n_ctx,
-            self._session_state,
-            self._summarize,
-            self.projector,
-            self.model_name,
-            InfillBuilder(be.fim_tokens(), lambda text: be.tokenize(text, add_bos=False, special=False),
-                          lambda text: be.tokenize(text, add_bos=False, special=True),
-                          be.bos if be.add_bos else None, be.n_batch, self.model_name),
-            be.n_vocab,
-        )
-        self._inbox: queue.Queue = queue.Queue()
         self._closed = False
-        self._stopped: str | None = None  # why the thread ended, once it has
-        self._thread = threading.Thread(target=self._run, name="edgechat-engine", daemon=True)
-        self._thread.start()
+        self.loop = EngineLoop(Parts(kv=self.kv, conversations=self.conversations, prompt_cache=self.prompt_cache,
+                                     scheduler=self.scheduler, draft=self.draft, embedder=self.embedder,
+                                     prompt_disk=cfg.prompt_cache_disk > 0), inbox)
+
+    def _prompt_builder(self) -> PromptBuilder:
+        be = self.backend
+        bos = be.bos if be.add_bos else None
+
+        def special(text: str) -> list[int]:
+            return be.tokenize(text, add_bos=False, special=True)
+
+        def plain(text: str) -> list[int]:
+            return be.tokenize(text, add_bos=False, special=False)
+
+        infill = InfillBuilder(be.fim_tokens(), tokenize=plain, tokenize_special=special, bos=bos, n_batch=be.n_batch,
+                               model_name=self.model_name)
+        return PromptBuilder(self.format, special, bos=bos, n_ctx=self.n_ctx, conversations=self.conversations,
+                             projector=self.projector, model_name=self.model_name, infill=infill, n_vocab=be.n_vocab)
+
+    def _cache_parts(self) -> None:
+        """The conversations (their states and snapshots), the prompt cache, and the KV manager
+        over both."""
+        cfg = self.config
+        tags = functools.partial(_snapshot_tags, self.paths, self.model_path, self.n_ctx, cfg.kv_type, self.plan.swa_full)
+        self.conversations = Conversations(ConversationStates(), SnapshotStore(self.paths.snapshots, tags, cfg.snapshot_budget))
+        snapshots = self.conversations.snapshots
+        # a restored state's cells were computed in other batches than a fresh prefill's
+        self.prompt_cache = PromptCache(0 if cfg.deterministic else cfg.prompt_cache_budget, lambda: snapshots.tags)
+        self.kv = KVManager(self.backend, self.n_slots, prompt_cache=self.prompt_cache, conversations=self.conversations,
+                            mrope=self.projector is not None and self.projector.mrope)
+        if self.prompt_cache.enabled and cfg.prompt_cache_disk > 0:
+            self._attach_prompt_store()
+
+    def _attach_prompt_store(self) -> None:
+        folder = self.paths.snapshots / "prompts"
+        try:
+            self.prompt_cache.attach(PromptStore(folder, self.conversations.snapshots.tags, self.config.prompt_cache_disk))
+        except OSError as exc:  # a read-only or full disk: the cache serves from RAM alone
+            log.warning("the prompt cache stays in RAM: cannot use %s (%s)", folder, exc)
 
     def _open_gguf(self) -> None:
         """A GGUF file through llama.cpp: the memory plan, the GPU split and the context."""
@@ -287,18 +306,35 @@ class Engine(PromptQueries):
         self._check_draft(request.speculative)
         clock = RequestClock()
         if prepared is None:
-            prep = self.prompts.prepare(request, self._policy(request))
+            prep = self._build(request)
         else:
             prep = prepared
             self.prompts.check(request, prep)
         clock.tokenize = time.perf_counter() - clock.submitted
         handle = RequestHandle(request, on_event)
-        with self._lock:
-            # checked again under the lock the dying thread takes: nothing is queued into nothing
-            self._check_running()
+        with self.loop.accepting() as inbox:
             self.scheduler.reserve(self.config.max_queue)
-            self._inbox.put(Running(handle, request, prep, clock))
+            inbox.put(Running(handle, request, prep, clock))
         return handle
+
+    def prepare(self, request: ChatRequest) -> Prepared:
+        """The prompt submit() would build for this request (template, tokens, eviction), without
+        the limit check; front ends that look at it first hand it to submit()."""
+        return self._build(request, check_limit=False)
+
+    def prompt_tokens(self, request: ChatRequest) -> list[int]:
+        """The exact tokens the model would be given for this request (template applied)."""
+        return list(self.prepare(request).tokens)
+
+    def count_tokens(self, request: ChatRequest) -> int:
+        return len(self.prompt_tokens(request))
+
+    def prompt_text_tokens(self, text: str, add_bos: bool = True) -> list[int]:
+        """`text`'s tokens as a raw prompt's (special tokens parsed) and, with `add_bos`, the BOS
+        the model wants first: what llama-server's /tokenize gives by default."""
+        if add_bos:
+            return list(self.prompts.tokens_for([text])[0])
+        return self.backend.tokenize(text, add_bos=False, special=True)
 
     def embed(self, inputs: list[str | list[int]], truncate: bool = False, on_done=None) -> EmbeddingJob:
         """Queue texts or token arrays for embedding (engine/embeddings.py); bad inputs raise
@@ -307,9 +343,8 @@ class Engine(PromptQueries):
         if self.embedder is None:
             raise UsageError("embeddings need a GGUF model; ONNX folders do not compute them")
         job = EmbeddingJob(self.embedder.prepare(inputs, truncate), on_done)
-        with self._lock:
-            self._check_running()
-            self._inbox.put(job)
+        with self.loop.accepting() as inbox:
+            inbox.put(job)
         return job
 
     def rerank(self, query: str, documents: list[str], truncate: bool = False, on_done=None) -> EmbeddingJob:
@@ -319,9 +354,8 @@ class Engine(PromptQueries):
         if self.embedder is None:
             raise UsageError("reranking needs a GGUF model; ONNX folders do not compute it")
         job = EmbeddingJob(self.embedder.prepare_rerank(query, documents, truncate), on_done)
-        with self._lock:
-            self._check_running()
-            self._inbox.put(job)
+        with self.loop.accepting() as inbox:
+            inbox.put(job)
         return job
 
     def tokenize(self, text: str) -> list[int]:
@@ -356,33 +390,33 @@ class Engine(PromptQueries):
 
     def release_session(self, session: str, wait: bool = True) -> None:
         """The conversation went idle: snapshot its sequence to disk (it stays hot while room allows)."""
-        self._call("release", session, wait)
+        self._command(Release(session), wait)
 
     def forget_session(self, session: str) -> None:
         """The conversation was deleted: drop its sequence and snapshot."""
-        self._call("forget", session)
+        self._command(Forget(session))
 
     def seq_positions(self, session: str) -> tuple[int, int, int] | None:
         """(pos_min, pos_max, mirrored length) of a session's sequence, for consistency checks."""
-        return self._call("positions", session)
+        return self._command(Positions(session))
 
     def shed_prompt_cache(self) -> int:
         """Memory is short: the prompt cache lets go of its states in RAM (those on disk stay
         and are read back when asked). The bytes let go."""
-        return self._call("shed_cache")
+        return self._command(ShedCache())
 
     def kv_problems(self) -> list[str]:
         """Every way the KV mirrors disagree with llama.cpp's cells (empty when consistent)."""
-        return self._call("check")
+        return self._command(Check())
 
     def greedy_continuation(self, n: int, session: str | None = None, tokens: list[int] | None = None) -> list[int]:
         """For consistency checks: the n tokens greedy decoding appends to a session's cached
         sequence (which is left as it was), or to `tokens` prefilled cold in an idle slot."""
-        return self._call("continue", (n, session, tokens))
+        return self._command(Continue(n, session, tokens))
 
     def top_logits(self, tokens: list[int], n: int = 2) -> list[tuple[int, float]]:
         """For checking near-ties: the n highest (token, logit) after `tokens`, prefilled cold."""
-        return self._call("top_logits", (tokens, n))
+        return self._command(TopLogits(tokens, n))
 
     @property
     def stopped(self) -> str | None:
@@ -390,16 +424,13 @@ class Engine(PromptQueries):
         while it runs."""
         if self._closed:
             return None
-        return self._stopped or (None if self._thread.is_alive() else "its thread ended")
+        return self.loop.stopped or (None if self.loop.alive else "its thread ended")
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._thread.is_alive():
-            self._inbox.put(_Command("close"))
-            self._thread.join(timeout=COMMAND_TIMEOUT_S)
-        if self._thread.is_alive():
+        if not self.loop.close():
             # the thread is inside llama.cpp: freeing the model under it would crash the process
             log.warning("the engine thread did not stop; leaving its model loaded")
             return
@@ -423,57 +454,30 @@ class Engine(PromptQueries):
     def _check_running(self) -> None:
         if self._closed:
             raise EngineStoppedError("the engine is closed; load the model again")
-        if self._stopped is not None or not self._thread.is_alive():
-            raise EngineStoppedError(f"the engine stopped ({self._stopped or 'its thread ended'}); restart edgechat")
+        self.loop.check_running()
 
-    def _call(self, name: str, arg=None, wait: bool = True):
-        """Run a command on the engine thread; raise rather than wait forever."""
+    def _command(self, command: Command, wait: bool = True):
         self._check_running()
-        cmd = _Command(name, arg)
-        self._inbox.put(cmd)
-        if not wait:
-            return None
-        deadline = time.monotonic() + COMMAND_TIMEOUT_S
-        while not cmd.done.wait(0.1):
-            if not self._thread.is_alive():
-                raise EngineStoppedError(f"the engine stopped ({self._stopped or 'its thread ended'}); restart edgechat")
-            if time.monotonic() > deadline:
-                raise EngineStoppedError(f"the engine did not answer within {COMMAND_TIMEOUT_S:.0f} s; restart edgechat")
-        if cmd.error is not None:
-            raise cmd.error
-        return cmd.result
+        return self.loop.call(command, wait)
 
-    # ---------------------------------------------------------------- prompt preparation support
-    def _is_special_token(self, text: str) -> bool:
-        toks = self.backend.tokenize(text, add_bos=False, special=True)
-        return len(toks) == 1 and self.backend.is_control(toks[0])
+    # ---------------------------------------------------------------- prompts
+    def _build(self, request: ChatRequest, check_limit: bool = True) -> Prepared:
+        """The request's prompt. Where the summarize policy needs the model first, the summary is
+        a request of its own through the engine's loop, and the builder goes on with its text."""
+        built = self.prompts.prepare(request, self.rules.policy(request), check_limit)
+        if isinstance(built, SummaryNeeded):
+            built = self.prompts.summarized(built, self._summary(built))
+        return built
 
-    def _summarize(self, previous: str | None, leaving: list[dict]) -> str | None:
-        lines = [f"Earlier summary: {previous}"] if previous else []
-        lines += [f"{m['role']}: {m['content']}" for m in leaving]
-        transcript = "\n".join(lines)[-self.n_ctx :]  # characters, a safe bound on tokens
-        request = ChatRequest(
-            messages=[{"role": "user", "content": f"Summarize this conversation in two or three sentences, keeping names and facts:\n\n{transcript}"}],
-            sampling=SamplingParams(temperature=0),
-            max_tokens=min(128, self.n_ctx // 8),
-        )
+    def _summary(self, need: SummaryNeeded) -> str | None:
         try:
-            done = self.submit(request).result(timeout=COMMAND_TIMEOUT_S)
+            done = self.submit(need.request(self.n_ctx)).result(timeout=COMMAND_TIMEOUT_S)
         except (EdgechatError, TimeoutError) as exc:
             log.warning("could not summarize evicted messages (%s); they are dropped instead", exc)
-            return previous
-        return done.text.strip() or previous
+            return need.previous
+        return done.text.strip() or need.previous
 
-    def _session_state(self, session: str) -> dict:
-        state = self.states.get(session)
-        if state is not None:
-            return state
-        # a conversation from an earlier run: its eviction state travels in its snapshot
-        return self._snapshot_store().peek_state(session) or {}
-
-    def _saved_state(self, session: str) -> dict:
-        return self.states.get(session) or {}
-
+    # ---------------------------------------------------------------- the parts that load
     def _load_draft(self) -> tuple[DraftModel | None, str | None]:
         """The draft model, if one is configured: a wrong vocabulary is refused (a choice to
         correct), a file that does not load leaves the model serving without it, and says so."""
@@ -516,169 +520,26 @@ class Engine(PromptQueries):
         if mode is SpeculativeMode.DRAFT and self.draft_ref is None and not self.config.deterministic:
             raise UsageError("speculative decoding 'draft' needs a draft model (--draft-model)")
 
-    def _speculative(self, req: ChatRequest) -> SpeculativeMode:
-        if req.speculative is None or self.config.deterministic:
-            return self.speculative_default
-        return SpeculativeMode(req.speculative)
 
-    def _restored_state(self, session: str, state: dict) -> None:
-        self.states.update(session, **state)
+def _is_special_token(runner: ModelRunner, text: str) -> bool:
+    """The text is one control token of the model's (a template's own markers)."""
+    toks = runner.tokenize(text, add_bos=False, special=True)
+    return len(toks) == 1 and runner.is_control(toks[0])
 
-    def _policy(self, req: ChatRequest) -> ContextPolicy:
-        policy = ContextPolicy(req.context_policy)
-        if policy is ContextPolicy.SHIFT and not self.backend.can_shift:
-            if not self._shift_warned:
-                log.warning("this model's KV cache cannot shift positions; falling back to 'truncate'")
-                self._shift_warned = True
-            return ContextPolicy.TRUNCATE
-        return policy
 
-    # ---------------------------------------------------------------- the engine thread
-    def _run(self) -> None:
-        reason = "closed"
-        sched, embedder = self.scheduler, self.embedder
-        stalled = False  # the last step ran nothing: its requests wait for images' encodes
-        try:
-            while True:
-                block = not sched.active and not sched.waiting and not (embedder is not None and embedder.pending)
-                keep_in = self._keep_idle_prompts()
-                try:
-                    if block or stalled:
-                        # an encode's end puts a wake-up in the inbox (Scheduler's `wake`)
-                        wait = IDLE_SNAPSHOT_S if block else ENCODE_POLL_S
-                        item = self._inbox.get(timeout=wait if keep_in is None else min(wait, keep_in))
-                    else:
-                        item = self._inbox.get_nowait()
-                except queue.Empty:
-                    item = None
-                stalled = False
-                try:
-                    if isinstance(item, Running):
-                        sched.waiting.append(item)
-                        if block and sched.n_parallel > 1:
-                            time.sleep(BATCH_WINDOW_S)
-                    elif isinstance(item, EmbeddingJob):
-                        assert embedder is not None  # embed() refuses work without one
-                        embedder.add(item)
-                    elif isinstance(item, _Command):
-                        if self._command(item):
-                            return
-                    elif block and keep_in is None:  # idle for a while: put the conversations that changed on disk
-                        for slot in self.slots:
-                            self.kv.save_snapshot(slot)
-                    else:
-                        sched.admit()
-                        if sched.active:
-                            stalled = not sched.step() and sched.encoding
-                        # one embedding chunk per chat step: a long batch holds the streams up
-                        # for a chunk's decode at a time, never for the whole batch
-                        if embedder is not None and embedder.pending:
-                            embedder.step()
-                except Exception as exc:  # a bug or a llama.cpp failure: fail the running requests, keep serving
-                    log.exception("engine step failed")
-                    sched.fail_running(exc)
-        except BaseException as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            log.exception("the engine thread died")
-            raise
-        finally:
-            self._shut_down(reason)
-
-    def _shut_down(self, reason: str) -> None:
-        """The thread is ending: whatever was asked of it gets an answer, and nothing more comes in."""
-        with self._lock:
-            self._stopped = reason
-        unqueued = []
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, Running):
-                unqueued.append(item)
-            elif isinstance(item, EmbeddingJob) and self.embedder is not None:
-                self.embedder.end(item, EngineStoppedError(f"the engine stopped ({reason}); restart edgechat"))
-            else:
-                item.error = EngineStoppedError(f"the engine stopped ({reason}); restart edgechat")
-                item.done.set()
-        self.scheduler.end_all(unqueued, None if reason == "closed" else f"the engine stopped ({reason})")
-        if self.embedder is not None:
-            self.embedder.fail_all(EngineStoppedError(f"the engine stopped ({reason}); restart edgechat"))
-
-    def _command(self, cmd: _Command) -> bool:
-        """Run one command; True when the engine is to stop. Its caller always gets an answer."""
-        try:
-            if cmd.name == "close":
-                for slot in self.slots:
-                    self.kv.save_snapshot(slot)
-                self._keep_idle_prompts(at_close=True)
-                self.prompt_cache.close()
-                return True
-            found = self.kv.slot_of(cmd.arg) if isinstance(cmd.arg, str) else None
-            if cmd.name == "positions":
-                cmd.result = self.kv.positions(found) if found is not None else None
-            elif cmd.name == "check":
-                cmd.result = self.kv.check() + (self.draft.problems() if self.draft is not None else []) + (self.embedder.problems() if self.embedder is not None else [])
-            elif cmd.name == "continue":
-                cmd.result = self.scheduler.continuation(*cmd.arg)
-            elif cmd.name == "top_logits":
-                cmd.result = self.scheduler.top_logits(*cmd.arg)
-            elif cmd.name == "shed_cache":
-                cmd.result = self.prompt_cache.shed()
-            elif cmd.name == "release":
-                if found is not None and not found.busy:
-                    self.kv.save_snapshot(found)
-            elif cmd.name == "forget":
-                if found is not None and not found.busy:
-                    self.kv.forget(found)
-                self._snapshot_store().delete(cmd.arg)
-                self.states.forget(cmd.arg)
-            else:
-                raise ValueError(f"unknown engine command {cmd.name!r}")
-        except Exception as exc:
-            log.exception("engine command %s failed", cmd.name)
-            cmd.error = exc
-        finally:
-            cmd.done.set()
-        return False
-
-    # ------------------------------------------------------------------ snapshots
-    def _keep_idle_prompts(self, at_close: bool = False) -> float | None:
-        """With the prompt cache on disk: each idle sequence's state joins the prompt cache (which
-        writes it) once the sequence has idled PROMPT_IDLE_S, or at close, so a hot prefix a slot
-        holds outlives the process too. Returns the seconds until the next is due (None: none)."""
-        if not self.prompt_cache.enabled or self.config.prompt_cache_disk <= 0:
-            return None
-        now, due = time.monotonic(), None
-        for slot in self.slots:
-            if slot.busy or slot.session is not None or not slot.tokens or self._kept_idle.get(slot.seq) == slot.last_used:
-                continue
-            wait = slot.last_used + PROMPT_IDLE_S - now
-            if wait <= 0 or at_close:
-                self.kv.stash(slot)
-                self._kept_idle[slot.seq] = slot.last_used
-            else:
-                due = wait if due is None else min(due, wait)
-        return due
-
-    def _prompt_store(self) -> PromptStore:
-        store = self._snapshot_store()
-        return PromptStore(self.paths.snapshots / "prompts", store.tags, self.config.prompt_cache_disk)
-
-    def _snapshot_store(self) -> SnapshotStore:
-        if self._snapshots is None:
-            try:
-                make_data_dir(self.paths)  # private (0700) before the first snapshot lands there
-            except OSError as exc:
-                log.warning("cannot create %s (%s); conversations will not be snapshotted", self.paths.snapshots, exc)
-            tags = {
-                "model_sha256": model_fingerprint(self.model_path, self.paths.cache),
-                "n_ctx": self.n_ctx,
-                "kv_type": self.config.kv_type,
-                # the small sliding-window cache holds only the window's cells: its states and
-                # the full cache's do not fit each other
-                "swa_full": self.plan.swa_full,
-                "state_version": state_version(),
-            }
-            self._snapshots = SnapshotStore(self.paths.snapshots, tags, self.config.snapshot_budget)
-        return self._snapshots
+def _snapshot_tags(paths: Paths, model_path: Path, n_ctx: int, kv_type: KVType, swa_full: bool) -> dict:
+    """What a snapshot's cells depend on; computed when the first snapshot is read or written
+    (it hashes the model), after the data folder is made private."""
+    try:
+        make_data_dir(paths)  # private (0700) before the first snapshot lands there
+    except OSError as exc:
+        log.warning("cannot create %s (%s); conversations will not be snapshotted", paths.snapshots, exc)
+    return {
+        "model_sha256": model_fingerprint(model_path, paths.cache),
+        "n_ctx": n_ctx,
+        "kv_type": kv_type,
+        # the small sliding-window cache holds only the window's cells: its states and the full
+        # cache's do not fit each other
+        "swa_full": swa_full,
+        "state_version": state_version(),
+    }

@@ -27,18 +27,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edgechat.engine.kv.prefix import NextLogits, common_prefix
-from edgechat.engine.kv.snapshots import SnapshotStore
 from edgechat.engine.runners.runner import ModelRunner
 
 if TYPE_CHECKING:
     from edgechat.engine.kv.promptcache import CachedPrompt, PromptCache
+    from edgechat.engine.kv.sessions import Conversations
 
 log = logging.getLogger("edgechat.engine")
 
@@ -50,6 +49,8 @@ MIN_REALIGN = 32
 MIN_FILL_REALIGN = 256
 #: new tokens from which llama.cpp's CPU flash attention takes its tiled path (GGML_FA_TILE_Q)
 ALIGNED_PREFILL_MIN = 64
+#: with the prompt cache on disk, a slot idle this long has its state written there
+PROMPT_IDLE_S = 1.0
 #: prompt tokens a prompt cache entry must add to what the slots hold to be restored. Loading a
 #: state is a copy (SmolLM2, 2 cores: 1.7 ms for 400 tokens) while each token prefilled costs a
 #: share of a model pass (4 tokens: 17 ms), so two tokens already repay it
@@ -176,28 +177,18 @@ class KVInvariantError(AssertionError):
 class KVManager:
     """Slots, their mirrors and sharing, and every operation on the cache (see the module doc).
 
-    `snapshots()` gives the snapshot store (made on first use: it hashes the model);
-    `session_state(session)` the conversation state saved beside a snapshot, and
-    `restored(session, state)` takes it back when a snapshot is loaded; `prompt_cache` keeps
-    the states of idle slots taken over by other prompts.
+    `prompt_cache` keeps the states of idle slots taken over by other prompts; `conversations`
+    are where a conversation's cells and state go when its slot is given up, and come back from
+    (None: no slot ever holds a conversation, as a draft model's).
     """
 
-    def __init__(
-        self,
-        backend: ModelRunner,
-        n_slots: int,
-        snapshots: Callable[[], SnapshotStore],
-        session_state: Callable[[str], dict],
-        restored: Callable[[str, dict], None],
-        prompt_cache: PromptCache,
-        mrope: bool = False,
-    ):
+    def __init__(self, backend: ModelRunner, n_slots: int, *, prompt_cache: PromptCache,
+                 conversations: Conversations | None = None, mrope: bool = False):
         self.backend = backend
         self.prompt_cache = prompt_cache
+        self.conversations = conversations
         self.slots = [Slot(seq=i) for i in range(n_slots)]
-        self._snapshots = snapshots
-        self._session_state = session_state
-        self._restored = restored
+        self._stashed: dict[int, float] = {}  # seq -> the idle spell (last_used) whose state was stashed
         # _shared[a][b]: positions 0.._shared[a][b]-1 of sequences a and b are the same cells
         self._shared = [[0] * n_slots for _ in range(n_slots)]
         #: False once the memory refused to drop part of a sequence (recurrent and hybrid
@@ -432,9 +423,10 @@ class KVManager:
             return False
         if not slot.dirty:
             return True
+        conv = self._conversations()
         try:
             data = self.backend.state_seq_get(slot.seq)
-            self._snapshots().save(slot.session, slot.tokens, self._session_state(slot.session), data)
+            conv.snapshots.save(slot.session, slot.tokens, conv.states.get(slot.session) or {}, data)
         except OSError as exc:
             log.warning("could not save the KV snapshot of %s: %s", slot.session, exc)
             return False
@@ -446,8 +438,9 @@ class KVManager:
         conversation is then rebuilt by prefill)."""
         self.clear(slot)
         slot.session = session
+        conv = self._conversations()
         try:
-            snap = self._snapshots().load(session)
+            snap = conv.snapshots.load(session)
         except OSError as exc:
             log.warning("could not read the KV snapshot of %s: %s", session, exc)
             return False
@@ -457,8 +450,13 @@ class KVManager:
             self.clear(slot)
             return False
         slot.dirty = False
-        self._restored(session, snap.session_state)
+        conv.states.update(session, **snap.session_state)
         return True
+
+    def _conversations(self) -> Conversations:
+        if self.conversations is None:
+            raise AssertionError("this cache keeps no conversations: none of its slots holds one")
+        return self.conversations
 
     # ------------------------------------------------------------------ the prompt cache
     def _prompt_cache_usable(self) -> bool:
@@ -471,6 +469,22 @@ class KVManager:
         """An idle slot is about to lose cells: keep its state in the prompt cache."""
         if (stash := self._state_to_stash(slot)) is not None:
             self.prompt_cache.put(*stash)
+
+    def stash_idle(self, at_close: bool = False) -> float | None:
+        """Each idle slot's state joins the prompt cache (whose disk tier writes it) once the slot
+        has idled PROMPT_IDLE_S, or at close, so a hot prefix a slot holds outlives the process
+        too. Returns the seconds until the next is due (None: none)."""
+        now, due = time.monotonic(), None
+        for slot in self.slots:
+            if slot.busy or slot.session is not None or not slot.tokens or self._stashed.get(slot.seq) == slot.last_used:
+                continue
+            wait = slot.last_used + PROMPT_IDLE_S - now
+            if wait <= 0 or at_close:
+                self.stash(slot)
+                self._stashed[slot.seq] = slot.last_used
+            else:
+                due = wait if due is None else min(due, wait)
+        return due
 
     def _state_to_stash(self, slot: Slot) -> tuple[list[int], bytearray, NextLogits | None] | None:
         """The tokens, state and kept logits of an idle slot for the prompt cache (prompt and

@@ -5,6 +5,9 @@ building), written on the engine thread, saved beside the conversation's KV snap
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
+
+from edgechat.engine.kv.snapshots import SnapshotStore
 
 
 class ConversationStates:
@@ -30,3 +33,25 @@ class ConversationStates:
     def forget(self, session: str) -> None:
         with self._lock:
             self._states.pop(session, None)
+
+
+@dataclass(frozen=True)
+class Conversations:
+    """Where conversations outlive their cells: this run's states and the snapshots on disk,
+    shared by the KV manager (which saves and restores both) and prompt building (which reads)."""
+
+    states: ConversationStates
+    snapshots: SnapshotStore
+
+    def state(self, session: str) -> dict:
+        """The conversation's eviction state: this run's, else the one its snapshot carries from
+        an earlier run, else none."""
+        state = self.states.get(session)
+        if state is not None:
+            return state
+        return self.snapshots.peek_state(session) or {}
+
+    def forget(self, session: str) -> None:
+        """The conversation was deleted: its snapshot and state go."""
+        self.snapshots.delete(session)
+        self.states.forget(session)

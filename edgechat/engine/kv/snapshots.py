@@ -12,7 +12,9 @@ import os
 import struct
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from edgechat.fsutil import atomic_write
@@ -67,10 +69,16 @@ def snapshot_path(root: Path, session: str) -> Path:
 class SnapshotStore:
     """Sequence snapshots on disk, one file per session, tagged with what they depend on."""
 
-    def __init__(self, root: Path, tags: dict, budget_bytes: int):
+    def __init__(self, root: Path, tags: dict | Callable[[], dict], budget_bytes: int):
         self.root = root
-        self.tags = tags  # model hash, context size, KV type, llama.cpp state version
+        # model hash, context size, KV type, llama.cpp state version; or what computes them on
+        # first use (an engine's hashes the model, which a chat that never snapshots never waits for)
+        self._tags = tags
         self.budget = budget_bytes
+
+    @cached_property
+    def tags(self) -> dict:
+        return self._tags() if callable(self._tags) else self._tags
 
     def path_for(self, session: str) -> Path:
         return snapshot_path(self.root, session)
@@ -84,6 +92,7 @@ class SnapshotStore:
 
     def _read(self, session: str, with_data: bool) -> Snapshot | None:
         """The session's snapshot if its file is whole and its tags match; None for anything else."""
+        tags = self.tags  # computed here first, on the caller's thread (prompt building), not the engine's
         try:
             with open(self.path_for(session), "rb") as fh:
                 if fh.read(8) != SNAPSHOT_MAGIC:
@@ -91,7 +100,7 @@ class SnapshotStore:
                 (n,) = struct.unpack("<Q", fh.read(8))
                 header = json.loads(fh.read(n))
                 data = fh.read() if with_data else b""
-            if header.get("session") != session or header.get("tags") != self.tags:
+            if header.get("session") != session or header.get("tags") != tags:
                 return None
             if with_data and not data:
                 return None

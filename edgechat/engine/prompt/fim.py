@@ -36,7 +36,7 @@ class InfillBuilder:
     plain text (a file may contain "<|fim_prefix|>"); `tokenize_special` parses it (the `prompt`,
     as llama-server does); `bos` is prepended where the model wants one."""
 
-    def __init__(self, fim: FimTokens, tokenize: Callable[[str], list[int]], tokenize_special: Callable[[str], list[int]],
+    def __init__(self, fim: FimTokens, *, tokenize: Callable[[str], list[int]], tokenize_special: Callable[[str], list[int]],
                  bos: int | None, n_batch: int, model_name: str = "this model"):
         self.fim = fim
         self._tokenize = tokenize

@@ -11,16 +11,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from edgechat.engine.kv.kvcache import is_sentinel
 from edgechat.engine.output.tools import tool_messages
 from edgechat.engine.prompt.templates import ChatFormat, validate_messages
 from edgechat.engine.types.request import ChatRequest, ContextPolicy, ImageInput
 from edgechat.errors import PromptTooLongError, UsageError
-from edgechat.params import check_sampling
+from edgechat.params import SamplingParams, check_sampling
 
 if TYPE_CHECKING:
+    from edgechat.engine.kv.sessions import Conversations
     from edgechat.engine.prompt.fim import InfillBuilder
     from edgechat.engine.runners.media import MediaChunk, Projector
 
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 ANSWER_RESERVE = 0.25
 #: how a summary of evicted messages is introduced to the model
 SUMMARY_PREFIX = "Summary of the earlier conversation: "
+#: what the model is asked to do with the messages that leave the context
+SUMMARY_REQUEST = "Summarize this conversation in two or three sentences, keeping names and facts:"
 #: rendered messages whose tokens are remembered: a chat, or an agent resending its growing
 #: history, tokenizes only its new messages (llama.cpp takes ~70 us per message on a 2-core CPU)
 TOKEN_CACHE_ENTRIES = 16384
@@ -57,23 +60,73 @@ class Prepared:
     media: Mapping[int, MediaChunk] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class _Chat:
+    """A chat request being fitted: its messages as the template takes them, how many lead pinned,
+    its template variables, and what earlier turns of its conversation evicted and summarized."""
+
+    request: ChatRequest
+    msgs: list[dict]
+    keep_msgs: int
+    variables: dict
+    already: int
+    summary: str | None
+    limit: int
+
+
+class _Fitted(NamedTuple):
+    retained: list[dict]
+    seg_tokens: list[list[int]]
+    pinned: int  # leading messages never evicted (the summary's included)
+    evicted: int
+    tail: str  # the last segment's text
+    media: dict[int, MediaChunk]
+
+
+@dataclass(frozen=True)
+class SummaryNeeded:
+    """A chat prompt that waits for the model (the summarize policy): messages leave the context,
+    and what the model writes of them stays pinned in their place. The engine runs `request()`
+    as any request and gives its text to `PromptBuilder.summarized`, which finishes the prompt."""
+
+    leaving: list[dict]  # the messages leaving now, as a summary reads them
+    evicted: int
+    check_limit: bool
+    chat: _Chat
+
+    @property
+    def previous(self) -> str | None:
+        """The summary of what left before, kept where the model writes none."""
+        return self.chat.summary
+
+    def request(self, n_ctx: int) -> ChatRequest:
+        lines = [f"Earlier summary: {self.previous}"] if self.previous else []
+        lines += [f"{m['role']}: {m['content']}" for m in self.leaving]
+        transcript = "\n".join(lines)[-n_ctx:]  # characters, a safe bound on tokens
+        return ChatRequest(
+            messages=[{"role": "user", "content": f"{SUMMARY_REQUEST}\n\n{transcript}"}],
+            sampling=SamplingParams(temperature=0),
+            max_tokens=min(128, n_ctx // 8),
+        )
+
+
 class PromptBuilder:
     """Renders, tokenizes and fits requests for one model and context size.
 
     `tokenize(text)` parses special tokens and adds no BOS; `bos` is prepended when the model
-    wants one and the template did not write it. `session_state(session)` gives a conversation's
-    eviction state ({"evicted": n, "summary": text}); `summarize(previous, leaving)` condenses
-    messages that leave the context (the summarize policy) and returns the new summary.
+    wants one and the template did not write it. `conversations` give a session's eviction state
+    ({"evicted": n, "summary": text}); `projector` reads a message's pictures; `infill` builds
+    fills. Where the summarize policy needs the model, `prepare` returns a SummaryNeeded.
     """
 
     def __init__(
         self,
         fmt: ChatFormat,
         tokenize: Callable[[str], list[int]],
+        *,
         bos: int | None,
         n_ctx: int,
-        session_state: Callable[[str], dict] = lambda session: {},
-        summarize: Callable[[str | None, list[dict]], str | None] | None = None,
+        conversations: Conversations | None = None,
         projector: Projector | None = None,
         model_name: str = "this model",
         infill: InfillBuilder | None = None,
@@ -88,8 +141,7 @@ class PromptBuilder:
         self._tokenize = tokenize
         self.bos = bos
         self.n_ctx = n_ctx
-        self.session_state = session_state
-        self.summarize = summarize
+        self.conversations = conversations
         self._token_cache: OrderedDict[str, list[int]] = OrderedDict()
         self._cache_lock = threading.Lock()  # submit() runs on any thread
 
@@ -99,7 +151,7 @@ class PromptBuilder:
         reserve = min(request.max_tokens, share) if request.max_tokens else share
         return self.n_ctx - reserve
 
-    def prepare(self, request: ChatRequest, policy: ContextPolicy, check_limit: bool = True) -> Prepared:
+    def prepare(self, request: ChatRequest, policy: ContextPolicy, check_limit: bool = True) -> Prepared | SummaryNeeded:
         check_sampling(request.sampling, self.n_vocab)
         if request.max_tokens is not None and request.max_tokens < 1:
             raise UsageError(f"max_tokens must be at least 1 (got {request.max_tokens})")
@@ -116,7 +168,20 @@ class PromptBuilder:
                 raise UsageError("the prompt is empty; type a message")
             prep = Prepared(self.tokens_for([text])[0], 0, (), 0, 0)
         else:
-            prep = self._prepare_chat(request, policy, limit)
+            chat = self._prepare_chat(request, policy, limit, check_limit)
+            if isinstance(chat, SummaryNeeded):
+                return chat
+            prep = chat
+        return self._checked(request, prep, check_limit)
+
+    def summarized(self, need: SummaryNeeded, summary: str | None) -> Prepared:
+        """The prompt `need` waited for, with `summary` (the model's, or the previous one where it
+        wrote none) pinned in place of every evicted message."""
+        chat = need.chat
+        fitted = self._fit(chat, need.evicted, summary, chat.limit)
+        return self._checked(chat.request, self._assemble(chat, fitted, summary), need.check_limit)
+
+    def _checked(self, request: ChatRequest, prep: Prepared, check_limit: bool) -> Prepared:
         if prep.tokens and is_sentinel(prep.tokens[-1]):
             # the answer's first token is read from the logits after the prompt's last token
             raise UsageError("the prompt ends with an image; write the question after it")
@@ -271,41 +336,48 @@ class PromptBuilder:
             variables.setdefault(fmt.switch, request.reasoning_budget != 0)
         return variables
 
-    def _prepare_chat(self, request: ChatRequest, policy: ContextPolicy, limit: int) -> Prepared:
+    def _prepare_chat(self, request: ChatRequest, policy: ContextPolicy, limit: int,
+                      check_limit: bool) -> Prepared | SummaryNeeded:
         msgs, variables = self._chat_messages(request)
-        fmt = self.format.reasoning
         # the pinned prefix: leading system messages and leading pinned ones
         keep_msgs = 0
         while keep_msgs < len(msgs) - 1 and (msgs[keep_msgs]["role"] == "system" or keep_msgs in request.pinned):
             keep_msgs += 1
-        state = self.session_state(request.session) if request.session else {}
+        state = self.conversations.state(request.session) if request.session and self.conversations else {}
         already = min(state.get("evicted", 0), max(len(msgs) - 1 - keep_msgs, 0))
-        summary = state.get("summary") if already else None
-        fit = functools.partial(self._fit, request.session is not None, msgs, keep_msgs, variables)
-        retained, seg_tokens, pinned, evicted, tail, media = fit(already, summary, limit)
-        if evicted > already and policy is not ContextPolicy.SHIFT:
+        chat = _Chat(request, msgs, keep_msgs, variables, already, state.get("summary") if already else None, limit)
+        fitted = self._fit(chat, already, chat.summary, limit)
+        if fitted.evicted > already and policy is not ContextPolicy.SHIFT:
             # truncate and summarize recompute what follows the cut: cut deeper, so that happens rarely
-            retained, seg_tokens, pinned, evicted, tail, media = fit(already, summary, limit // 2)
-        if evicted > already and policy is ContextPolicy.SUMMARIZE and self.summarize is not None:
+            fitted = self._fit(chat, already, chat.summary, limit // 2)
+        if fitted.evicted > already and policy is ContextPolicy.SUMMARIZE:
             # the model condenses what leaves the context; the summary stays pinned in its place
-            summary = self.summarize(summary, [self._as_text(m) for m in msgs[keep_msgs + already : keep_msgs + evicted]])
-            retained, seg_tokens, pinned, evicted, tail, media = fit(evicted, summary, limit)
+            leaving = [self._as_text(m) for m in msgs[keep_msgs + already : keep_msgs + fitted.evicted]]
+            return SummaryNeeded(leaving, fitted.evicted, check_limit, chat)
+        return self._assemble(chat, fitted, chat.summary)
+
+    def _assemble(self, chat: _Chat, fitted: _Fitted, summary: str | None) -> Prepared:
+        """The prompt from a fit: its tokens, the pinned prefix's length, each evictable message's
+        span, and the thoughts closed or opened as the request asks."""
+        request, fmt = chat.request, self.format.reasoning
         tokens: list[int] = []
         spans: list[tuple[int, int]] = []
         keep = 0
-        segmented = len(seg_tokens) == len(retained) + 1  # one segment per message, then the generation prompt
-        for i, st in enumerate(seg_tokens):
-            if segmented and pinned <= i < len(retained) - 1:
+        retained, tail = fitted.retained, fitted.tail
+        segmented = len(fitted.seg_tokens) == len(retained) + 1  # one segment per message, then the generation prompt
+        for i, st in enumerate(fitted.seg_tokens):
+            if segmented and fitted.pinned <= i < len(retained) - 1:
                 spans.append((len(tokens), len(st)))
             tokens += st
-            if segmented and i < pinned:
+            if segmented and i < fitted.pinned:
                 keep = len(tokens)
         if fmt is not None and request.split_reasoning and request.reasoning_budget == 0 and (skip := fmt.skip(tail)):
             # no switch in the template: the prompt itself closes (or skips) the thoughts
             tokens = tokens + self._segment_tokens(skip)
             tail += skip
         thinking = fmt is not None and request.split_reasoning and fmt.opened_by(tail)
-        return Prepared(tokens, keep, tuple(spans), evicted, evicted - already, summary, thinking, media)
+        evicted = fitted.evicted
+        return Prepared(tokens, keep, tuple(spans), evicted, evicted - chat.already, summary, thinking, fitted.media)
 
     def _as_text(self, message: dict) -> dict:
         """A message as a summary reads it: its pictures as a placeholder."""
@@ -314,12 +386,10 @@ class PromptBuilder:
         text = message["content"].replace(self.projector.marker, IMAGE_PLACEHOLDER)
         return {k: v for k, v in message.items() if k != "images"} | {"content": text}
 
-    def _fit(self, can_evict: bool, msgs: list[dict], keep_msgs: int, variables: dict, evicted: int, summary: str | None,
-             limit: int):
-        """Leave out the oldest unpinned messages (sessions only) until the prompt fits.
-
-        Returns (retained messages, tokens per segment, pinned messages, evicted count, the last
-        segment's text, the retained pictures' chunks by first sentinel)."""
+    def _fit(self, chat: _Chat, evicted: int, summary: str | None, limit: int) -> _Fitted:
+        """Leave out the oldest unpinned messages (sessions only) until the prompt fits."""
+        msgs, keep_msgs = chat.msgs, chat.keep_msgs
+        can_evict = chat.request.session is not None
         extra = [{"role": "system", "content": f"{SUMMARY_PREFIX}{summary}"}] if summary else []
         last = len(msgs) - 1  # the newest message always stays
         if can_evict:
@@ -330,12 +400,12 @@ class PromptBuilder:
             while evicted and keep_msgs + evicted < last and msgs[keep_msgs + evicted]["role"] == "tool":
                 evicted += 1
             retained = msgs[:keep_msgs] + extra + msgs[keep_msgs + evicted :]
-            segments = self.segments(retained, variables)
+            segments = self.segments(retained, chat.variables)
             media: dict[int, MediaChunk] = {}
             seg_tokens = self.tokens_for(segments, [image for m in retained for image in m.get("images", ())], media)
             total = sum(len(t) for t in seg_tokens)
             if total <= limit or not can_evict or keep_msgs + evicted >= last:
-                return retained, seg_tokens, keep_msgs + len(extra), evicted, segments[-1], media
+                return _Fitted(retained, seg_tokens, keep_msgs + len(extra), evicted, segments[-1], media)
             # drop as many of the oldest unpinned messages as cover the excess, in one go; a
             # template that renders the prompt as one piece is measured message by message
             excess, first = total - limit, keep_msgs + len(extra)
@@ -374,29 +444,3 @@ class PromptBuilder:
         if len(segs) != len(probe) + 1:
             return 0
         return max(len(self._tokenize(segs[1])) - len(self._tokenize("x")), 0)
-
-
-class PromptQueries:
-    """What every engine answers about a request's prompt before running it; an engine has
-    `prompts` (a PromptBuilder) and `_policy(request)`."""
-
-    prompts: PromptBuilder
-    _policy: Callable[[ChatRequest], ContextPolicy]
-
-    def prepare(self, request: ChatRequest) -> Prepared:
-        """The prompt submit() would build for this request (template, tokens, eviction), without
-        the limit check; front ends that look at it first hand it to submit()."""
-        return self.prompts.prepare(request, self._policy(request), check_limit=False)
-
-    def prompt_tokens(self, request: ChatRequest) -> list[int]:
-        """The exact tokens the model would be given for this request (template applied)."""
-        return list(self.prepare(request).tokens)
-
-    def count_tokens(self, request: ChatRequest) -> int:
-        return len(self.prompt_tokens(request))
-
-    def prompt_text_tokens(self, text: str, add_bos: bool = True) -> list[int]:
-        """`text`'s tokens as a raw prompt's (special tokens parsed) and, with `add_bos`, the BOS
-        the model wants first: what llama-server's /tokenize gives by default."""
-        return list(self.prompts.tokens_for([text])[0] if add_bos else self.prompts._tokenize(text))
-

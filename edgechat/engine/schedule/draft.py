@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import NoReturn
 
 import numpy as np
 
@@ -66,12 +65,6 @@ def check_vocab(target: LlamaBackend, draft: LlamaBackend) -> None:
             )
 
 
-def _no_sessions(*_args) -> NoReturn:
-    # the draft's slots never hold a conversation (nothing assigns one), so its KV manager never
-    # saves, restores or describes a snapshot
-    raise AssertionError("the draft model's cache keeps no snapshots")
-
-
 class DraftModel:
     def __init__(self, path: Path, target: LlamaBackend, n_ctx: int, n_threads: int, flash_attn: str = "auto"):
         self.backend = LlamaBackend(
@@ -89,10 +82,7 @@ class DraftModel:
             raise
         self.path = Path(path)
         #: the owner of the draft's cache: one slot per target slot, never shared, no snapshots
-        self.kv = KVManager(
-            self.backend, target.n_seq_max, snapshots=_no_sessions, session_state=_no_sessions, restored=_no_sessions,
-            prompt_cache=PromptCache(0, dict),
-        )
+        self.kv = KVManager(self.backend, target.n_seq_max, prompt_cache=PromptCache(0, dict))
         #: what the draft's own decodes cost: a guess is a one-token step, catching up a batch
         self.cost = StepCost()
         self._batch = self.backend.new_batch(512)
