@@ -24,12 +24,12 @@ import numpy as np
 from edgechat.engine.kv.kvcache import MIN_FILL_REALIGN, KVManager, Slot, is_sentinel
 from edgechat.engine.kv.sessions import ConversationStates
 from edgechat.engine.output.jsonvalue import JsonPrefix, step_texts
+from edgechat.engine.output.logprobs import token_logprobs
 from edgechat.engine.output.reasoning import ChannelFormat, ReasoningFormat, Thinking
 from edgechat.engine.output.stream import OutputProcessor
 from edgechat.engine.output.toolfamilies import GENERIC, ToolFamily
 from edgechat.engine.output.tools import ToolCallParser, answered_calls
 from edgechat.engine.prompt.prompt import Prepared
-from edgechat.engine.runners.llama import token_logprobs
 from edgechat.engine.runners.runner import ModelRunner, TokenBatch
 from edgechat.engine.runners.sampling import SamplerChain
 from edgechat.engine.schedule.draft import DraftModel
