@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgechat.config import Paths, get_paths, make_data_dir
+from edgechat.engine import probe
 from edgechat.engine.embeddings import Embedder, EmbeddingJob
 from edgechat.engine.kv.kvcache import KVManager, Slot
 from edgechat.engine.kv.promptcache import PromptCache
@@ -33,7 +34,8 @@ from edgechat.engine.runners.llama import LlamaBackend, state_version
 from edgechat.engine.runners.media import Projector
 from edgechat.engine.runners.sampling import grammar_parses
 from edgechat.engine.schedule.draft import DraftModel, DraftVocabError
-from edgechat.engine.schedule.scheduler import Running, Scheduler
+from edgechat.engine.schedule.running import Running
+from edgechat.engine.schedule.scheduler import Scheduler
 from edgechat.engine.types.metrics import RequestClock
 from edgechat.engine.types.request import ChatRequest, ContextPolicy, RequestHandle
 from edgechat.errors import EdgechatError, EngineStoppedError, UsageError
@@ -620,9 +622,9 @@ class Engine(PromptQueries):
             elif cmd.name == "check":
                 cmd.result = self.kv.check() + (self.draft.problems() if self.draft is not None else []) + (self.embedder.problems() if self.embedder is not None else [])
             elif cmd.name == "continue":
-                cmd.result = self.scheduler.continuation(*cmd.arg)
+                cmd.result = probe.continuation(self.scheduler, *cmd.arg)
             elif cmd.name == "top_logits":
-                cmd.result = self.scheduler.top_logits(*cmd.arg)
+                cmd.result = probe.top_logits(self.scheduler, *cmd.arg)
             elif cmd.name == "shed_cache":
                 cmd.result = self.prompt_cache.shed()
             elif cmd.name == "release":
