@@ -1,14 +1,17 @@
 """The package's shape, read from the code: edgechat's import graph (every import, those inside
 functions and TYPE_CHECKING blocks too) has no circle; the engine's sub-packages never import its
 top level (the `Engine` front: core, pool, embeddings, the package itself); models/ (the catalog
-and the memory planner) imports nothing of the engine."""
+and the memory planner) imports nothing of the engine; the step loop's functions and classes
+stay short enough to read whole."""
 
 from __future__ import annotations
 
 import ast
+from dataclasses import fields
 from pathlib import Path
 
 import edgechat
+from edgechat.engine.schedule.running import Running
 
 PACKAGE = Path(edgechat.__file__).parent
 ENGINE = "edgechat.engine"
@@ -99,3 +102,27 @@ def test_models_imports_nothing_of_the_engine():
     upward = sorted(f"{module} -> {target}" for module, targets in graph.items() if module.startswith("edgechat.models")
                     for target in targets if target == ENGINE or target.startswith(ENGINE + "."))
     assert upward == []
+
+
+#: the step loop's modules, kept to parts a newcomer can read whole: the scheduler and what it
+#: hands work to (engine/schedule), and a request's answer (engine/output/answer.py)
+STEP_LOOP = sorted((PACKAGE / "engine" / "schedule").glob("*.py")) + [PACKAGE / "engine" / "output" / "answer.py"]
+MAX_FUNCTION_LINES = 60
+MAX_CLASS_LINES = 400
+MAX_RUNNING_FIELDS = 14
+
+
+def test_the_step_loop_has_no_long_function_or_class():
+    long = []
+    for path in STEP_LOOP:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+                assert node.end_lineno is not None
+                if node.end_lineno - node.lineno + 1 > limit:
+                    long.append(f"{_name(path)}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert long == []
+
+
+def test_a_running_request_holds_few_fields():
+    assert len(fields(Running)) <= MAX_RUNNING_FIELDS
