@@ -1,9 +1,9 @@
 """Speculative decoding: guess the next tokens of a sequence cheaply, verify them in one pass.
 
-A drafter proposes up to k tokens for a sequence; the scheduler puts them into the step's
-llama_decode after the sequence's next token, samples at each position with the sequence's own
-sampler chain, and keeps the drafted tokens while they equal what was sampled. What the model
-says is unchanged (greedy or sampled); only the number of passes drops.
+A drafter proposes up to k tokens for a sequence; the speculator (speculator.py) puts them into
+the step's llama_decode after the sequence's next token, the scheduler samples at each position
+with the sequence's own sampler chain, and keeps the drafted tokens while they equal what was
+sampled. What the model says is unchanged (greedy or sampled); only the number of passes drops.
 
 Verification is not free on a CPU: a batch of 1 + k tokens costs more than one token. `StepCost`
 measures that cost on this machine as the engine runs, and `DraftPolicy` drafts only as many
