@@ -105,7 +105,7 @@ def compare_modes(engine: Engine, label: str, modes: list[str], rounds: int, max
             # what llama-server is given and should write, for the same text on both sides
             "prompt_ids": prompt_ids,
             "off_ids": outputs["off"],
-            "lookup_bound": lookup_bound(prompt_ids, outputs["off"], engine.scheduler.cost),
+            "lookup_bound": lookup_bound(prompt_ids, outputs["off"], engine.scheduler.speculator.cost),
             **{f"{mode}_tps": best[mode] for mode in modes},
             **{f"{mode}_ratio": best[mode] / best["off"] for mode in modes if mode != "off"},
             **{f"{mode}_accept": rates[mode] for mode in modes if mode != "off"},

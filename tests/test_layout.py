@@ -2,14 +2,17 @@
 functions and TYPE_CHECKING blocks too) has no circle; the engine's sub-packages never import its
 top level (the `Engine` front: core, pool, embeddings, the package itself); models/ (the catalog
 and the memory planner) imports nothing of the engine; the server's translators only translate
-(what every API shares is set in server/rules.py)."""
+(what every API shares is set in server/rules.py); the step loop's functions and classes stay
+short enough to read whole."""
 
 from __future__ import annotations
 
 import ast
+from dataclasses import fields
 from pathlib import Path
 
 import edgechat
+from edgechat.engine.schedule.running import Running
 
 PACKAGE = Path(edgechat.__file__).parent
 ENGINE = "edgechat.engine"
@@ -114,3 +117,27 @@ def test_only_the_servers_rules_set_what_every_api_shares():
                     isinstance(node, ast.Attribute) and node.attr == "split_reasoning":
                 setters.add(f"{path.stem} sets split_reasoning")
     assert setters == {"rules imports tool_grammar", "rules sets split_reasoning"}
+
+
+#: the step loop's packages, kept to parts a newcomer can read whole: the scheduler and what it
+#: hands work to (engine/schedule), and what turns tokens into a request's answer (engine/output)
+STEP_LOOP = sorted((PACKAGE / "engine" / "schedule").glob("*.py")) + sorted((PACKAGE / "engine" / "output").glob("*.py"))
+MAX_FUNCTION_LINES = 60
+MAX_CLASS_LINES = 400
+MAX_RUNNING_FIELDS = 14
+
+
+def test_the_step_loop_has_no_long_function_or_class():
+    long = []
+    for path in STEP_LOOP:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+                assert node.end_lineno is not None
+                if node.end_lineno - node.lineno + 1 > limit:
+                    long.append(f"{_name(path)}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert long == []
+
+
+def test_a_running_request_holds_few_fields():
+    assert len(fields(Running)) <= MAX_RUNNING_FIELDS

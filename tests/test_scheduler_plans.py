@@ -11,7 +11,8 @@ from edgechat.engine.kv.kvcache import KVManager
 from edgechat.engine.kv.promptcache import PromptCache
 from edgechat.engine.kv.sessions import ConversationStates
 from edgechat.engine.prompt.prompt import Prepared
-from edgechat.engine.schedule.scheduler import PREFILL_CHUNK_BUSY, Phase, Running, Scheduler
+from edgechat.engine.schedule.running import Phase, Running
+from edgechat.engine.schedule.scheduler import PREFILL_CHUNK_BUSY, Scheduler
 from edgechat.engine.types.metrics import RequestClock
 from edgechat.engine.types.request import ChatRequest, ContextPolicy, Finished, RequestHandle, TextDelta
 from edgechat.params import SamplingParams, SpeculativeMode

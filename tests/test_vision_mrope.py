@@ -19,7 +19,8 @@ from tiny_mmproj import CHECKS, GRADIENT
 from tiny_qwen2vl import tokens_per_side, write_tiny_qwen2vl, write_tiny_qwen2vl_mmproj
 
 from edgechat.engine import ChatRequest, ContextPolicy, Engine, EngineConfig, Evicted, ImageInput
-from edgechat.engine.runners.llama import LlamaBackend, token_logprobs
+from edgechat.engine.output.logprobs import token_logprobs
+from edgechat.engine.runners.llama import LlamaBackend
 from edgechat.engine.runners.media import Projector
 from edgechat.models.planner import default_threads
 

@@ -10,6 +10,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from edgechat.engine import probe
+
 if TYPE_CHECKING:
     from edgechat.engine.embeddings import Embedder
     from edgechat.engine.kv.kvcache import KVManager, Slot
@@ -92,7 +94,7 @@ class Continue(Command):
     tokens: list[int] | None
 
     def run(self, parts: Parts) -> list[int]:
-        return parts.scheduler.continuation(self.n, self.session, self.tokens)
+        return probe.continuation(parts.scheduler, self.n, self.session, self.tokens)
 
 
 @dataclass(eq=False)
@@ -103,7 +105,7 @@ class TopLogits(Command):
     n: int
 
     def run(self, parts: Parts) -> list[tuple[int, float]]:
-        return parts.scheduler.top_logits(self.tokens, self.n)
+        return probe.top_logits(parts.scheduler, self.tokens, self.n)
 
 
 class ShedCache(Command):

@@ -36,7 +36,8 @@ from edgechat.engine.runners.media import Projector
 from edgechat.engine.runners.runner import ModelRunner
 from edgechat.engine.runners.sampling import grammar_parses
 from edgechat.engine.schedule.draft import DraftModel, DraftVocabError
-from edgechat.engine.schedule.scheduler import Running, Scheduler
+from edgechat.engine.schedule.running import Running
+from edgechat.engine.schedule.scheduler import Scheduler
 from edgechat.engine.types.metrics import RequestClock
 from edgechat.engine.types.request import ChatRequest, ContextPolicy, RequestHandle
 from edgechat.errors import EdgechatError, EngineStoppedError, UsageError

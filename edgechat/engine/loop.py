@@ -15,7 +15,7 @@ from typing import Any
 
 from edgechat.engine.commands import Close, Command, Parts
 from edgechat.engine.embeddings import EmbeddingJob
-from edgechat.engine.schedule.scheduler import Running
+from edgechat.engine.schedule.running import Running
 from edgechat.errors import EngineStoppedError
 
 log = logging.getLogger("edgechat.engine")

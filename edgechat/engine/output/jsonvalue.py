@@ -333,6 +333,40 @@ class JsonPrefix:
         """The shortest text that, written after what was fed, ends the value validly."""
         if not self.valid or self.end is not None:
             return ""
+        if not self._scalar and not self.started:
+            return shortest(self.root, self.root)
+        out, closed_key = self._close_scalar()
+        for depth in range(len(self._stack) - 1, -1, -1):
+            frame = self._stack[depth]
+            # a frame below the top, or the top with a scalar open, has just received its child value
+            child = depth < len(self._stack) - 1 or bool(self._scalar)
+            state = "next" if child else frame.state
+            if frame.kind == "object":
+                props = _properties(frame.schema, self.root)
+                keys = frame.keys + ([closed_key] if closed_key is not None and depth == len(self._stack) - 1 else [])
+                if state == "colon":
+                    out += ": " + shortest(props.get(frame.key, {}), self.root)
+                elif state == "value":
+                    out += shortest(props.get(frame.key, {}), self.root)
+                missing = [k for k in _required(frame.schema, self.root) if k not in keys]
+                if state == "key":  # after a comma a key must follow
+                    key = missing.pop(0) if missing else next((k for k in props if k not in keys), "_")
+                    out += f"{json.dumps(key)}: {shortest(props.get(key, {}), self.root)}"
+                    keys.append(key)
+                fields = [f"{json.dumps(k)}: {shortest(props.get(k, {}), self.root)}" for k in missing]
+                out += (", " if keys and fields else "") + ", ".join(fields) + "}"
+            else:
+                items = frame.schema.get("items", {})
+                item = shortest(items if isinstance(items, dict) else {}, self.root)
+                n = frame.items + (child or state == "value")
+                if state == "value":
+                    out += item
+                out += "".join(", " + item if n + i else item for i in range(max(0, frame.schema.get("minItems", 0) - n))) + "]"
+        return out
+
+    def _close_scalar(self) -> tuple[str, str | None]:
+        """The end of the scalar open at the end of the text (none open: ""), and the key it
+        closed, if a key."""
         out, closed_key = "", None
         if self._scalar in ("string", "key"):
             if self._escape == "\\":
@@ -362,32 +396,4 @@ class JsonPrefix:
             out += "0" if self._buf[-1] in "+-.eE" else ""
         elif self._scalar == "literal":
             out += next(w for w in _LITERALS if w.startswith(self._buf))[len(self._buf):]
-        elif not self.started:
-            return shortest(self.root, self.root)
-        for depth in range(len(self._stack) - 1, -1, -1):
-            frame = self._stack[depth]
-            # a frame below the top, or the top with a scalar open, has just received its child value
-            child = depth < len(self._stack) - 1 or bool(self._scalar)
-            state = "next" if child else frame.state
-            if frame.kind == "object":
-                props = _properties(frame.schema, self.root)
-                keys = frame.keys + ([closed_key] if closed_key is not None and depth == len(self._stack) - 1 else [])
-                if state == "colon":
-                    out += ": " + shortest(props.get(frame.key, {}), self.root)
-                elif state == "value":
-                    out += shortest(props.get(frame.key, {}), self.root)
-                missing = [k for k in _required(frame.schema, self.root) if k not in keys]
-                if state == "key":  # after a comma a key must follow
-                    key = missing.pop(0) if missing else next((k for k in props if k not in keys), "_")
-                    out += f"{json.dumps(key)}: {shortest(props.get(key, {}), self.root)}"
-                    keys.append(key)
-                fields = [f"{json.dumps(k)}: {shortest(props.get(k, {}), self.root)}" for k in missing]
-                out += (", " if keys and fields else "") + ", ".join(fields) + "}"
-            else:
-                items = frame.schema.get("items", {})
-                item = shortest(items if isinstance(items, dict) else {}, self.root)
-                n = frame.items + (child or state == "value")
-                if state == "value":
-                    out += item
-                out += "".join(", " + item if n + i else item for i in range(max(0, frame.schema.get("minItems", 0) - n))) + "]"
-        return out
+        return out, closed_key

@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import re
+from collections.abc import Callable
 
 from llama_cpp.llama_grammar import SchemaConverter
 
@@ -56,6 +57,37 @@ def _invalid(param: str, message: str) -> InvalidFieldError:
     return InvalidFieldError(f"{param}{message}", param=param, code="invalid_schema")
 
 
+def _drop_unenforced(out: dict, where: str, skip: Callable[[str, str], None]) -> None:
+    """Take out of a node's copy the values of its enforced keywords that the grammar cannot
+    hold (each told to `skip`)."""
+    for key in _COUNTS:
+        # the converter writes a bound as that many nested optional items: a large one is a
+        # grammar of megabytes, whose parsing overflows llama.cpp's stack
+        if isinstance(out.get(key), int) and out[key] > MAX_COUNT:
+            skip(where, f"'{key}' above {MAX_COUNT}")
+            del out[key]
+    if "format" in out and out["format"] not in _FORMATS:
+        skip(where, f"the format {out['format']!r}")
+        del out["format"]
+    if "items" in out and "prefixItems" in out:
+        skip(where, "'prefixItems' together with 'items'")
+        del out["prefixItems"]
+    if "pattern" in out:
+        p = out["pattern"]
+        if not isinstance(p, str) or not (p.startswith("^") and p.endswith("$")) or "(?" in p:
+            skip(where, "a 'pattern' that is not anchored with ^...$ or uses (?...) groups")
+            del out["pattern"]
+    ref = out.get("$ref")
+    if ref is not None and (not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/"))):
+        skip(where, f"the $ref {ref!r} (only references inside the schema, #...)")
+        del out["$ref"]
+    if isinstance(out.get("allOf"), list):
+        for i, part in enumerate(out["allOf"]):
+            # the converter merges only the properties of each part
+            if not isinstance(part, dict) or set(part) - {"properties", "required", "type", "$ref", "anyOf", *_HARMLESS}:
+                skip(f"{where}/allOf/{i}", "an allOf part with more than properties")
+
+
 def _walk(schema: object, param: str, strict: bool) -> tuple[dict, list[str]]:
     """A checked copy of `schema` the converter can take, and what of it is not enforced.
 
@@ -92,32 +124,7 @@ def _walk(schema: object, param: str, strict: bool) -> tuple[dict, list[str]]:
         for t in kind if isinstance(kind, list) else [kind]:
             if t is not None and t not in _TYPES:
                 raise _invalid(param, f": unknown type {t!r} at {where}")
-        for key in _COUNTS:
-            # the converter writes a bound as that many nested optional items: a large one is a
-            # grammar of megabytes, whose parsing overflows llama.cpp's stack
-            if isinstance(out.get(key), int) and out[key] > MAX_COUNT:
-                skip(where, f"'{key}' above {MAX_COUNT}")
-                del out[key]
-        if "format" in out and out["format"] not in _FORMATS:
-            skip(where, f"the format {out['format']!r}")
-            del out["format"]
-        if "items" in out and "prefixItems" in out:
-            skip(where, "'prefixItems' together with 'items'")
-            del out["prefixItems"]
-        if "pattern" in out:
-            p = out["pattern"]
-            if not isinstance(p, str) or not (p.startswith("^") and p.endswith("$")) or "(?" in p:
-                skip(where, "a 'pattern' that is not anchored with ^...$ or uses (?...) groups")
-                del out["pattern"]
-        ref = out.get("$ref")
-        if ref is not None and (not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/"))):
-            skip(where, f"the $ref {ref!r} (only references inside the schema, #...)")
-            del out["$ref"]
-        if isinstance(out.get("allOf"), list):
-            for i, part in enumerate(out["allOf"]):
-                # the converter merges only the properties of each part
-                if not isinstance(part, dict) or set(part) - {"properties", "required", "type", "$ref", "anyOf", *_HARMLESS}:
-                    skip(f"{where}/allOf/{i}", "an allOf part with more than properties")
+        _drop_unenforced(out, where, skip)
         for key in ("properties", "$defs", "definitions"):
             sub = out.get(key)
             if sub is not None:

@@ -1,9 +1,9 @@
 """Speculative decoding: guess the next tokens of a sequence cheaply, verify them in one pass.
 
-A drafter proposes up to k tokens for a sequence; the scheduler puts them into the step's
-llama_decode after the sequence's next token, samples at each position with the sequence's own
-sampler chain, and keeps the drafted tokens while they equal what was sampled. What the model
-says is unchanged (greedy or sampled); only the number of passes drops.
+A drafter proposes up to k tokens for a sequence; the speculator (speculator.py) puts them into
+the step's llama_decode after the sequence's next token, the scheduler samples at each position
+with the sequence's own sampler chain, and keeps the drafted tokens while they equal what was
+sampled. What the model says is unchanged (greedy or sampled); only the number of passes drops.
 
 Verification is not free on a CPU: a batch of 1 + k tokens costs more than one token. `StepCost`
 measures that cost on this machine as the engine runs, and `DraftPolicy` drafts only as many
@@ -228,3 +228,34 @@ class DraftPolicy:
             self._backoff = min(self._backoff * 2, 32)
         else:
             self._backoff = 1
+
+
+class Guesses:
+    """One sequence's speculation: its n-gram drafter and policy (`lookup`), the draft model's
+    policy (`model`), and this step's draft, from whom, with the batch indices of the logits
+    that verify it (the sequence's next token's first)."""
+
+    def __init__(self, lookup: NgramDrafter | None, lookup_policy: DraftPolicy | None, model: DraftPolicy | None):
+        self.drafter = lookup
+        self.lookup = lookup_policy
+        self.model = model
+        self.by: DraftPolicy | None = None
+        self.draft: list[int] = []
+        self.indices: list[int] = []
+
+    def extend(self, tokens: list[int]) -> None:
+        """Tokens went into the sequence: the lookup reads them."""
+        if self.drafter is not None:
+            self.drafter.extend(tokens)
+
+    def settle(self, accepted: int) -> None:
+        """This step's draft was verified: its policy learns how it fared."""
+        assert self.by is not None
+        self.by.update(len(self.draft), accepted)
+        self.draft, self.indices, self.by = [], [], None
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        """Tokens drafted and accepted over the answer, by both drafters."""
+        policies = [p for p in (self.lookup, self.model) if p is not None]
+        return sum(p.drafted for p in policies), sum(p.accepted for p in policies)
