@@ -99,3 +99,37 @@ def test_models_imports_nothing_of_the_engine():
     upward = sorted(f"{module} -> {target}" for module, targets in graph.items() if module.startswith("edgechat.models")
                     for target in targets if target == ENGINE or target.startswith(ENGINE + "."))
     assert upward == []
+
+
+RUNNERS = f"{ENGINE}.runners"
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every module a file imports, by its full name (inside functions too)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+    return names
+
+
+def test_llama_cpps_runner_modules_each_hold_one_job_and_import_downward():
+    # the library (init, log), then the vocabulary, then the runner over a context; pooling
+    # and libmtmd build on the runner, never the other way round
+    graph = import_graph()
+    below = {
+        "llamacpp": set(),
+        "vocab": {"llamacpp"},
+        "llama": {"llamacpp", "vocab", "runner"},
+        "pooling": {"llamacpp", "llama"},
+        "mtmd": {"llamacpp", "llama"},
+    }
+    for module, allowed in below.items():
+        runners = {t.rpartition(".")[2] for t in graph[f"{RUNNERS}.{module}"] if t.startswith(RUNNERS + ".")}
+        assert runners <= allowed, f"runners/{module}.py imports {sorted(runners - allowed)}"
+    # libmtmd's bindings load its shared library: one module asks for them
+    users = sorted(path.name for path in (PACKAGE / "engine" / "runners").glob("*.py")
+                   if "llama_cpp.mtmd_cpp" in _imported_names(path))
+    assert users == ["mtmd.py"]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgechat.engine.runners.llama import Vocabulary
+from edgechat.engine.runners.vocab import Vocabulary
 from edgechat.engine.runners.runner import ListBatch, TokenBatch
 from edgechat.errors import ModelFormatError, UsageError
 
