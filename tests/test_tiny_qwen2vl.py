@@ -20,8 +20,8 @@ from tiny_qwen2vl import tokens_per_side, write_tiny_qwen2vl, write_tiny_qwen2vl
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, ImageInput
 from edgechat.engine.runners.llama import DecodeError, LlamaBackend
-from edgechat.engine.runners.vocab import Vocabulary
 from edgechat.engine.runners.media import Projector
+from edgechat.engine.runners.vocab import Vocabulary
 from edgechat.errors import UsageError
 from edgechat.models.planner import default_threads
 
