@@ -133,3 +133,21 @@ def test_llama_cpps_runner_modules_each_hold_one_job_and_import_downward():
     users = sorted(path.name for path in (PACKAGE / "engine" / "runners").glob("*.py")
                    if "llama_cpp.mtmd_cpp" in _imported_names(path))
     assert users == ["mtmd.py"]
+
+
+def test_the_chat_screens_parts_are_objects_that_call_each_other_publicly():
+    # each part is an object the screen holds (not a Screen class the screen inherits), and one
+    # reaches another's members only where they are public: no stubs standing for them
+    chat = PACKAGE / "tui" / "chat"
+    for path in [*sorted(chat.glob("*.py")), PACKAGE / "tui" / "screens" / "chat.py"]:
+        tree = ast.parse(path.read_text(), str(path))
+        for cls in (node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)):
+            if cls.name.endswith("Part"):
+                assert not cls.bases, f"{path.name}: {cls.name} extends {ast.unparse(cls.bases[0])}"
+            stubs = [f.name for block in cls.body if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+                     for f in block.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+            assert stubs == [], f"{path.name}: {cls.name} declares {stubs} for type checking only"
+        reached = sorted(f"{ast.unparse(node)} (line {node.lineno})" for node in ast.walk(tree)
+                         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                         and isinstance(node.value, ast.Attribute) and ast.unparse(node.value).startswith("self."))
+        assert reached == [], f"{path.name} reaches private members of another object: {reached}"
