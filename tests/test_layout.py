@@ -151,3 +151,15 @@ def test_the_chat_screens_parts_are_objects_that_call_each_other_publicly():
                          if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
                          and isinstance(node.value, ast.Attribute) and ast.unparse(node.value).startswith("self."))
         assert reached == [], f"{path.name} reaches private members of another object: {reached}"
+
+
+def test_every_action_is_run_by_one_part_of_the_chat_screen():
+    from edgechat.tui.actions import ACTIONS
+    from edgechat.tui.screens.chat import RUNS, ChatScreen
+
+    routed = [name for names in RUNS.values() for name in names]
+    assert sorted(routed) == sorted(a.name for a in ACTIONS)
+    screen = ChatScreen()
+    missing = [f"{part}.{name}" for part, names in RUNS.items() for name in names
+               if not callable(getattr(getattr(screen, part), name, None))]
+    assert missing == []
