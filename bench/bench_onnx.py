@@ -104,7 +104,7 @@ def main() -> None:
             sizes.insert(1, ("builder (ONNX int4)", size_mb(theirs_dir)))
         print("size: " + ", ".join(f"{name} {mb:.1f} MB" for name, mb in sizes))
 
-        from edgechat.engine.runners.llama import Vocabulary
+        from edgechat.engine.runners.vocab import Vocabulary
 
         vocab = Vocabulary(ours_dir / "tokenizer.gguf")
         prompt = vocab.tokenize(PROMPT, add_bos=vocab.add_bos, special=False)

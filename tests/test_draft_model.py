@@ -121,8 +121,8 @@ def test_the_drafts_own_kv_manager_sees_its_cells_after_rejections_and_a_shift(q
     with Engine(cfg) as engine:
         draft = engine.scheduler.draft
         shifts = []
-        real_add = draft.backend.seq_add
-        monkeypatch.setattr(draft.backend, "seq_add", lambda *a: (shifts.append(a), real_add(*a))[1])
+        real_add = draft.runner.seq_add
+        monkeypatch.setattr(draft.runner, "seq_add", lambda *a: (shifts.append(a), real_add(*a))[1])
         # sampled at temperature 1: the draft's greedy guesses are often rejected (greedy, this
         # Q4 and its Q8 agree on every token the draft is sure of)
         handle = engine.submit(ChatRequest(messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=400,
@@ -137,7 +137,7 @@ def test_the_drafts_own_kv_manager_sees_its_cells_after_rejections_and_a_shift(q
         held = engine.kv.slots[slot.seq].tokens
         # it followed the answer past the shifts: what the model's sequence holds, but for the last few
         assert len(slot.tokens) > len(held) - 8 and slot.tokens == held[: len(slot.tokens)]
-        draft.backend.seq_rm(slot.seq, 100, 101)  # a hole the mirror does not know of
+        draft.runner.seq_rm(slot.seq, 100, 101)  # a hole the mirror does not know of
         problems = engine.kv_problems()
         assert problems and all(p.startswith(f"draft seq {slot.seq}:") for p in problems), problems
 
@@ -163,8 +163,8 @@ def test_the_draft_follows_rejections_and_shifts_through_its_kv_manager(smollm2_
         # a cut past what it holds forgets from the cut on; the next guess decodes it again
         draft.drop(0, 20, len(taken) + 3)
         assert draft.kv.slots[0].tokens == (taken[:5] + taken[15:])[:20] and draft.problems() == []
-        assert draft.kv.slots[1].tokens == [] and draft.backend.seq_pos_range(1) == (-1, -1)
-        draft.backend.seq_add(0, 10, -1, 2)  # moved behind the manager's back
+        assert draft.kv.slots[1].tokens == [] and draft.runner.seq_pos_range(1) == (-1, -1)
+        draft.runner.seq_add(0, 10, -1, 2)  # moved behind the manager's back
         assert draft.problems() and draft.problems()[0].startswith("draft seq 0:")
     finally:
         draft.close()

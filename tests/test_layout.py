@@ -141,3 +141,67 @@ def test_the_step_loop_has_no_long_function_or_class():
 
 def test_a_running_request_holds_few_fields():
     assert len(fields(Running)) <= MAX_RUNNING_FIELDS
+
+
+RUNNERS = f"{ENGINE}.runners"
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every module a file imports, by its full name (inside functions too)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+    return names
+
+
+def test_llama_cpps_runner_modules_each_hold_one_job_and_import_downward():
+    # the library (init, log), then the vocabulary, then the runner over a context; pooling
+    # and libmtmd build on the runner, never the other way round
+    graph = import_graph()
+    below = {
+        "llamacpp": set(),
+        "vocab": {"llamacpp"},
+        "llama": {"llamacpp", "vocab", "runner"},
+        "pooling": {"llamacpp", "llama"},
+        "mtmd": {"llamacpp", "llama"},
+    }
+    for module, allowed in below.items():
+        runners = {t.rpartition(".")[2] for t in graph[f"{RUNNERS}.{module}"] if t.startswith(RUNNERS + ".")}
+        assert runners <= allowed, f"runners/{module}.py imports {sorted(runners - allowed)}"
+    # libmtmd's bindings load its shared library: one module asks for them
+    users = sorted(path.name for path in (PACKAGE / "engine" / "runners").glob("*.py")
+                   if "llama_cpp.mtmd_cpp" in _imported_names(path))
+    assert users == ["mtmd.py"]
+
+
+def test_the_chat_screens_parts_are_objects_that_call_each_other_publicly():
+    # each part is an object the screen holds (not a Screen class the screen inherits), and one
+    # reaches another's members only where they are public: no stubs standing for them
+    chat = PACKAGE / "tui" / "chat"
+    for path in [*sorted(chat.glob("*.py")), PACKAGE / "tui" / "screens" / "chat.py"]:
+        tree = ast.parse(path.read_text(), str(path))
+        for cls in (node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)):
+            if cls.name.endswith("Part"):
+                assert not cls.bases, f"{path.name}: {cls.name} extends {ast.unparse(cls.bases[0])}"
+            stubs = [f.name for block in cls.body if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+                     for f in block.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+            assert stubs == [], f"{path.name}: {cls.name} declares {stubs} for type checking only"
+        reached = sorted(f"{ast.unparse(node)} (line {node.lineno})" for node in ast.walk(tree)
+                         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                         and isinstance(node.value, ast.Attribute) and ast.unparse(node.value).startswith("self."))
+        assert reached == [], f"{path.name} reaches private members of another object: {reached}"
+
+
+def test_every_action_is_run_by_one_part_of_the_chat_screen():
+    from edgechat.tui.actions import ACTIONS
+    from edgechat.tui.screens.chat import RUNS, ChatScreen
+
+    routed = [name for names in RUNS.values() for name in names]
+    assert sorted(routed) == sorted(a.name for a in ACTIONS)
+    screen = ChatScreen()
+    missing = [f"{part}.{name}" for part, names in RUNS.items() for name in names
+               if not callable(getattr(getattr(screen, part), name, None))]
+    assert missing == []

@@ -19,8 +19,9 @@ from tiny_mmproj import GRADIENT, png
 from tiny_qwen2vl import tokens_per_side, write_tiny_qwen2vl, write_tiny_qwen2vl_mmproj
 
 from edgechat.engine import ChatRequest, Engine, EngineConfig, ImageInput
-from edgechat.engine.runners.llama import DecodeError, LlamaBackend, Vocabulary
+from edgechat.engine.runners.llama import DecodeError, LlamaBackend
 from edgechat.engine.runners.media import Projector
+from edgechat.engine.runners.vocab import Vocabulary
 from edgechat.errors import UsageError
 from edgechat.models.planner import default_threads
 

@@ -101,7 +101,7 @@ async def test_attached_file_is_sent_as_a_fenced_block_and_stored_by_name(paths,
         assert str(box.query_one(".body").render()) == "What is the code word?"
         assert screen.attach_bar.chips == []
         # editing the message puts the file back as a chip and the question in the input
-        screen.edit_message(user)
+        screen.turn_part.edit_message(user)
         await counted(pilot, 1)
         assert screen.prompt.text == "What is the code word?"
         assert screen.attach_bar.attachments[0].text.startswith("# Notes")

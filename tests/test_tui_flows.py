@@ -52,7 +52,7 @@ async def send(pilot, text: str) -> None:
     screen.prompt.set_text(text)
     screen.prompt.focus()
     await pilot.press("enter")
-    await until(pilot, lambda: screen.turn is None and screen._waiting is None, what="the answer")
+    await until(pilot, lambda: screen.turn is None and screen.turn_part.waiting is None, what="the answer")
     await pilot.pause(0.05)
 
 
@@ -531,7 +531,7 @@ async def test_usable_while_the_model_loads(paths, client):
         await pilot.pause(0.1)
         assert [m.content for m in app.store.messages(screen.conv.id)] == ["Hello early", ""]
         gate.set()
-        await until(pilot, lambda: app.client is not None and screen.turn is None and screen._waiting is None)
+        await until(pilot, lambda: app.client is not None and screen.turn is None and screen.turn_part.waiting is None)
         await pilot.pause(0.05)
         answer = app.store.messages(screen.conv.id)[-1]
         assert answer.status == "complete" and answer.content.strip()

@@ -236,7 +236,7 @@ async def test_long_conversation_opens_paged(isolated_dirs):
         boxes = screen.chat.boxes()
         assert len(boxes) == 2 * PAGE and boxes[0].text == f"message {3000 - 2 * PAGE}"
         # messages sent since opening do not shift the pages: no duplicates, none skipped
-        await screen.send("one more")
+        await screen.turn_part.send("one more")
         await until(pilot, lambda: screen.turn is None and len(screen.chat.boxes()) == 2 * PAGE + 2)
         screen.query_one("#load-earlier").press()
         await until(pilot, lambda: "2880 earlier" in str(screen.query_one("#load-earlier").label))
@@ -263,7 +263,7 @@ async def test_command_palette_runs_actions(isolated_dirs):
 async def test_theme_is_remembered(isolated_dirs):
     app = make_app(isolated_dirs)
     async with app.run_test(size=(80, 24)) as pilot:
-        await app.chat_screen.send("/theme nord")
+        await app.chat_screen.turn_part.send("/theme nord")
         await pilot.pause()
         assert app.theme == "nord"
     assert 'theme = "nord"' in isolated_dirs.config_file.read_text()
@@ -374,12 +374,12 @@ async def test_titles_names_and_errors_are_shown_literally(isolated_dirs):
         assert user.text == MARKUP and str(user.query_one(".body").render()) == MARKUP
         assert str(answer.query_one(".stats").render()).endswith(" · " + MARKUP)
         assert str(answer.query_one(".status-note").render()) == f"(error: {MARKUP})"
-        await screen.send("/delete")
+        await screen.turn_part.send("/delete")
         await pilot.pause()
         assert str(app.screen.query_one(".dialog-title").render()) == f"Delete “{MARKUP}”?"
         await pilot.press("y")
         await until(pilot, lambda: screen.conv is None)
-        await screen.send("/undo")
+        await screen.turn_part.send("/undo")
         await pilot.pause(0.2)
         toasts = [str(t.render()) for t in app.screen.query(Toast)]
         assert any(f"Deleted “{MARKUP}”" in t for t in toasts)
@@ -574,10 +574,10 @@ async def test_copy_answer_and_code_block(isolated_dirs):
     async with app.run_test(size=(80, 24)) as pilot:
         screen = app.chat_screen
         await screen.open_conversation(app.store.list_conversations()[0].id)
-        await screen.send("/copy")
+        await screen.turn_part.send("/copy")
         assert copied[-1] == ANSWER
         assert (isolated_dirs.data / "clipboard.txt").read_text() == ANSWER
-        await screen.send("/copycode")
+        await screen.turn_part.send("/copycode")
         assert copied[-1] == "print('hello')\n"
         screen.chat.boxes()[0].focus()
         await pilot.press("c")
@@ -619,7 +619,7 @@ async def test_stats_on_demand(isolated_dirs):
     async with app.run_test(size=(100, 30)) as pilot:
         screen = app.chat_screen
         await until(pilot, lambda: app.client is not None)
-        await screen.send("hi")
+        await screen.turn_part.send("hi")
         await until(pilot, lambda: screen.turn is None and len(screen.chat.boxes()) == 2)
         stats = screen.chat.boxes()[-1].query_one(".stats")
         assert "TTFT 0.05s" in str(stats.render()) and not stats.display
@@ -646,7 +646,7 @@ async def test_unknown_slash_command_is_not_sent(isolated_dirs):
     app = make_app(isolated_dirs, client)
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: app.client is not None)
-        await app.chat_screen.send("/frobnicate")
+        await app.chat_screen.turn_part.send("/frobnicate")
         await pilot.pause()
         assert client.requests == [] and app.store.list_conversations() == []
         assert any("Unknown command /frobnicate" in n.message for n in app._notifications)
@@ -669,9 +669,9 @@ async def test_waiting_message_comes_back_when_the_model_fails(isolated_dirs):
         screen = app.chat_screen
         await pilot.press(*"hi there", "enter")
         await pilot.pause(0.1)
-        assert screen._waiting is not None
+        assert screen.turn_part.waiting is not None
         gate.set()
-        await until(pilot, lambda: screen._waiting is None)
+        await until(pilot, lambda: screen.turn_part.waiting is None)
         await pilot.pause(0.05)
         assert screen.prompt.text == "hi there" and app.store.messages(screen.conv.id) == []
         assert screen.status.state == "no model"

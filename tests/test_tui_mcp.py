@@ -154,7 +154,7 @@ def _asking(app) -> bool:
 
 def _settled(app) -> bool:
     s = app.chat_screen
-    return s.turn is None and s._waiting is None and s._tool_run is None and app.screen is s
+    return s.turn is None and s.turn_part.waiting is None and s.tools.running is None and app.screen is s
 
 
 async def _command(pilot, text: str) -> None:
@@ -195,7 +195,7 @@ async def test_a_forced_call_is_asked_run_and_answered_and_always_skips_the_ques
         assert call["result"] == str(args["a"] + args["b"])
         # the call syntax is never the answer's text; the answer came after the result
         assert "<tool_call>" not in called.content and answer.role == "assistant" and answer.content.strip()
-        [block] = screen._box(called.id).tool_blocks()
+        [block] = screen.box(called.id).tool_blocks()
         assert block.call["outcome"] == "ok" and not block.expanded
         # the model was given the call and its result
         from edgechat.store.history import model_messages

@@ -100,7 +100,7 @@ async def test_image_shows_a_chip_is_answered_stored_and_its_cells_reused(paths,
         assert client.engine.kv_problems() == []
 
         # editing the first message puts the picture back as a chip
-        screen.edit_message(app.store.get_message(user.id))
+        screen.turn_part.edit_message(app.store.get_message(user.id))
         await until(pilot, lambda: len(screen.attach_bar.chips) == 1, what="the chip")
         assert screen.attach_bar.images[0].data == GRADIENT and screen.prompt.text == QUESTION
 

@@ -252,11 +252,11 @@ def doctor_cmd(expect, rpc, data_dir):
     from edgechat import __version__
     from edgechat.android import on_android
     from edgechat.android import report as android_report
-    from edgechat.engine.runners import devices, llama
+    from edgechat.engine.runners import devices, llamacpp
     from quantize import cpuprobe
 
     paths = get_paths(data_dir)
-    features = llama.system_info()
+    features = llamacpp.system_info()
     if rpc:
         devices.add_rpc_servers(rpc)
     click.echo(f"edgechat {__version__} on {platform.system()} {platform.release()} ({platform.machine()}), Python {platform.python_version()}")
@@ -271,8 +271,8 @@ def doctor_cmd(expect, rpc, data_dir):
     click.echo(f"RAM: {format_size(planner.total_memory())} total, {format_size(planner.available_memory())} available"
                f"; plans use {planner.headroom():.0%} of what is available")
     built = devices.backends()
-    gpu = "yes" if llama.supports_gpu_offload() else "no (CPU build; see packaging/GPU.md for CUDA, Metal, Vulkan)"
-    click.echo(f"llama.cpp: llama-cpp-python {llama.llama_version()}; backends: {', '.join(built)}; GPU offload: {gpu}")
+    gpu = "yes" if llamacpp.supports_gpu_offload() else "no (CPU build; see packaging/GPU.md for CUDA, Metal, Vulkan)"
+    click.echo(f"llama.cpp: llama-cpp-python {llamacpp.llama_version()}; backends: {', '.join(built)}; GPU offload: {gpu}")
     for dev in devices.devices():
         if dev.kind != "cpu":
             click.echo(f"  device {dev.name} ({dev.kind}, {dev.description}): {format_size(dev.free)} free of {format_size(dev.total)}")

@@ -287,8 +287,10 @@ class Engine:
         self.model_info = info = read_onnx_info(self.model_path)
         self.plan = planner.choose_context(info, cfg.n_ctx, self.n_slots, label=self.model_name, cap=cfg.ctx_cap)
         self.n_ctx = self.plan.n_ctx
-        self.backend = OnnxRunner(self.model_path, self.n_ctx, self.n_slots, self.n_threads, cfg.ep)
-        self.gpu = OnnxPlacement(self.backend.session.get_providers())
+        runner = OnnxRunner(self.model_path, self.n_ctx, self.n_slots, self.n_threads, cfg.ep)
+        self.gpu = OnnxPlacement(runner.session.get_providers())
+        # typed as a GGUF engine's: its LlamaBackend-only paths (draft, projector, embeddings) are closed to ONNX
+        self.backend = runner  # type: ignore[assignment]
 
     @property
     def modalities(self) -> tuple[str, ...]:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgechat.engine.runners.llama import Batch, EmbeddingContext, LlamaBackend, Pooling
+from edgechat.engine.runners.llama import Batch, LlamaBackend
+from edgechat.engine.runners.pooling import EmbeddingContext, Pooling
 from edgechat.engine.schedule.scheduler import PREFILL_CHUNK_BUSY
 from edgechat.errors import UsageError
 
@@ -100,7 +101,7 @@ class Embedder:
         self.n_batch = n_batch
         # llama.cpp sizes its outputs for at least one per sequence, within a batch's outputs
         self.n_seqs = min(MAX_SEQS, n_batch)
-        self.n_embd = backend.n_cls_out if self.rank else backend.n_embd_out
+        self.n_embd = backend.pooled_width(self.rank)
         #: whether an input may span decodes: not for a bidirectional encoder (BERT), which
         #: has no cache and sees all its tokens at once (checked again on the context itself)
         self.splittable = backend.meta(f"{backend.meta('general.architecture')}.attention.causal") != "false"
@@ -123,7 +124,7 @@ class Embedder:
         return self._checked(inputs, truncate, lambda item: self.backend.tokenize(item, add_bos=True, special=False))
 
     def prepare_rerank(self, query: str, documents: list[str], truncate: bool = False) -> list[list[int]]:
-        """Each document's input with the query (engine/runners/llama.py's `rerank_pair`), checked as
+        """Each document's input with the query (engine/runners/vocab.py's `rerank_pair`), checked as
         `prepare` checks inputs; a model that is not a reranker is refused in one line."""
         if not self.rank:
             raise UsageError(f"{self.backend.path.name} is not a reranker (its GGUF's pooling is not rank); "

@@ -399,12 +399,12 @@ def _prepare_process() -> None:
     (ggml's fp16 and activation tables, 0.5 MiB) serve every model, llama.cpp's and the ONNX
     engine's alike (whose tokenizer and sampler are llama.cpp's), and outlive them all.
     """
-    from edgechat.engine.runners.llama import _ensure_backend
+    from edgechat.engine.runners.llamacpp import ensure_backend
 
     libc = _glibc()
     if libc is not None:
         libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-    _ensure_backend()
+    ensure_backend()
 
 
 def _trim_heap() -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from edgechat import __version__
-from edgechat.engine.runners.llama import llama_version
+from edgechat.engine.runners.llamacpp import llama_version
 from edgechat.engine.types.request import Finished, RequestMetrics, TokenLogprob, ToolCall
 
 #: OpenAI's `system_fingerprint`, what answers are computed with (llama.cpp's build and ours), in

@@ -182,9 +182,9 @@ class KVManager:
     (None: no slot ever holds a conversation, as a draft model's).
     """
 
-    def __init__(self, backend: ModelRunner, n_slots: int, *, prompt_cache: PromptCache,
+    def __init__(self, runner: ModelRunner, n_slots: int, *, prompt_cache: PromptCache,
                  conversations: Conversations | None = None, mrope: bool = False):
-        self.backend = backend
+        self.runner = runner
         self.prompt_cache = prompt_cache
         self.conversations = conversations
         self.slots = [Slot(seq=i) for i in range(n_slots)]
@@ -200,7 +200,7 @@ class KVManager:
 
     @property
     def can_shift(self) -> bool:
-        return self.backend.can_shift
+        return self.runner.can_shift
 
     # ------------------------------------------------------------------ queries
     def slot_of(self, session: str | None) -> Slot | None:
@@ -210,7 +210,7 @@ class KVManager:
 
     def positions(self, slot: Slot) -> tuple[int, int, int]:
         """(pos_min, pos_max) as llama.cpp reports them, and the mirror's length."""
-        lo, hi = self.backend.seq_pos_range(slot.seq)
+        lo, hi = self.runner.seq_pos_range(slot.seq)
         return lo, hi, len(slot.tokens)
 
     def check(self) -> list[str]:
@@ -223,9 +223,9 @@ class KVManager:
         for slot in self.slots:
             n = len(slot.tokens)
             last = slot.position(n - 1) if n else -1
-            lo, hi = self.backend.seq_pos_range(slot.seq)
+            lo, hi = self.runner.seq_pos_range(slot.seq)
             want = (0, last) if n else (-1, -1)
-            window = self.backend.swa_window
+            window = self.runner.swa_window
             if window and n and hi == last and 0 <= lo <= max(n - window, 0):
                 # a sliding-window model reports its sliding layers' oldest cell, which moves on
                 # past the window in a small cache or a restored state; the full-attention
@@ -237,7 +237,7 @@ class KVManager:
                 problems.append(f"seq {slot.seq}: llama.cpp holds positions {lo}..{hi}, the mirror {n} tokens")
                 continue
             if n:
-                cells = self.backend.seq_cell_positions(slot.seq)
+                cells = self.runner.seq_cell_positions(slot.seq)
                 if cells != slot.cell_positions():
                     extra = len(cells) - n
                     problems.append(f"seq {slot.seq}: {len(cells)} cells ({extra:+d}) do not sit at positions 0..{last}")
@@ -268,14 +268,14 @@ class KVManager:
             # it would need its embeddings again, and a non-causal image's cells saw each other
             n -= 1
         # an M-RoPE image's cells all sit at its position: a cut there drops it whole
-        if not self.backend.seq_rm(slot.seq, slot.position(n) if n else -1, -1):
-            if not self.backend.seq_rm(slot.seq, -1, -1):
+        if not self.runner.seq_rm(slot.seq, slot.position(n) if n else -1, -1):
+            if not self.runner.seq_rm(slot.seq, -1, -1):
                 raise KVInvariantError(f"llama.cpp refused to clear sequence {slot.seq}")
             n = 0
             # sliding layers refuse only rewinds deeper than the window they still hold
             # (llama.py); a draft's rollback stays inside the batch just decoded, whose window
             # llama.cpp never overwrites, so speculation goes on
-            if not self.backend.swa_window:
+            if not self.runner.swa_window:
                 self.can_rewind = False
         del slot.tokens[n:]
         slot.runs = slot.runs_before(n)
@@ -292,11 +292,11 @@ class KVManager:
         memory cannot share cells copies them, and nothing is shared after)."""
         self.clear(dst)
         n = next((start for start, k, _ in src.runs if start < n < start + k), n)  # never part of an image
-        self.backend.seq_cp(src.seq, dst.seq, 0, src.position(n))
+        self.runner.seq_cp(src.seq, dst.seq, 0, src.position(n))
         dst.tokens, dst.runs = src.tokens[:n], src.runs_before(n)
         if src.next_logits is not None and src.next_logits.n <= n:
             dst.next_logits = src.next_logits
-        if not self.backend.shares_cells:
+        if not self.runner.shares_cells:
             return
         for other in self.slots:
             if other is not dst:
@@ -313,10 +313,10 @@ class KVManager:
             return False
         for other in sharers:
             self._give_up(other, b)
-        if not self.backend.seq_rm(slot.seq, a, b):
+        if not self.runner.seq_rm(slot.seq, a, b):
             return False
         if b < len(slot.tokens):
-            self.backend.seq_add(slot.seq, b, -1, -(b - a))
+            self.runner.seq_add(slot.seq, b, -1, -(b - a))
         slot.tokens[a:b] = []
         if slot.next_logits is not None and slot.next_logits.n > a:
             slot.next_logits = None
@@ -425,7 +425,7 @@ class KVManager:
             return True
         conv = self._conversations()
         try:
-            data = self.backend.state_seq_get(slot.seq)
+            data = self.runner.state_seq_get(slot.seq)
             conv.snapshots.save(slot.session, slot.tokens, conv.states.get(slot.session) or {}, data)
         except OSError as exc:
             log.warning("could not save the KV snapshot of %s: %s", slot.session, exc)
@@ -446,7 +446,7 @@ class KVManager:
             return False
         if snap is None or len(snap.tokens) > n_ctx:
             return False
-        if not self.backend.state_seq_set(slot.seq, snap.data) or not self._restored_mirror(slot, snap.tokens):
+        if not self.runner.state_seq_set(slot.seq, snap.data) or not self._restored_mirror(slot, snap.tokens):
             self.clear(slot)
             return False
         slot.dirty = False
@@ -463,7 +463,7 @@ class KVManager:
         # a restored state is cut back to the prefix a prompt shares with it: memory that cannot
         # drop part of a sequence, or a small SWA cache past its window, could only recompute
         pc = self.prompt_cache
-        return pc.enabled and self.can_rewind and not self.backend.small_swa
+        return pc.enabled and self.can_rewind and not self.runner.small_swa
 
     def stash(self, slot: Slot) -> None:
         """An idle slot is about to lose cells: keep its state in the prompt cache."""
@@ -491,7 +491,7 @@ class KVManager:
         answer: a follow-up request starts with both), unless an entry already holds them."""
         if slot.busy or not slot.tokens or not self._prompt_cache_usable() or self.prompt_cache.covers(slot.tokens):
             return None
-        return list(slot.tokens), self.backend.state_seq_get(slot.seq), slot.next_logits
+        return list(slot.tokens), self.runner.state_seq_get(slot.seq), slot.next_logits
 
     def restore_prompt(self, slot: Slot, entry: CachedPrompt) -> bool:
         """Load a prompt cache entry into the slot; False leaves the slot empty and drops the
@@ -501,7 +501,7 @@ class KVManager:
         (their oldest cell is then past 0)."""
         self.clear(slot)
         n = len(entry.tokens)
-        if not self.backend.state_seq_set(slot.seq, entry.data) or not self._restored_mirror(slot, entry.tokens, check=True):
+        if not self.runner.state_seq_set(slot.seq, entry.data) or not self._restored_mirror(slot, entry.tokens, check=True):
             log.info("a prompt cache entry of %d tokens could not be used; it is dropped", n)
             self.clear(slot)
             self.prompt_cache.drop(entry)
@@ -514,13 +514,13 @@ class KVManager:
         """A state was loaded into the slot: take its mirror, and for M-RoPE images their runs from
         the cells. False where the cells do not fit (`check`: their range is tested for any model)."""
         if self.mrope and any(is_sentinel(t) for t in tokens):
-            cells = self.backend.seq_cell_positions(slot.seq)
+            cells = self.runner.seq_cell_positions(slot.seq)
             runs = image_runs(tokens, cells)
             if runs is None or Slot(slot.seq, list(tokens), runs=runs).cell_positions() != cells:
                 return False
             slot.tokens, slot.runs = list(tokens), runs
             return True
-        if check and self.backend.seq_pos_range(slot.seq) != (0, len(tokens) - 1):
+        if check and self.runner.seq_pos_range(slot.seq) != (0, len(tokens) - 1):
             return False
         slot.tokens, slot.runs = list(tokens), []
         return True

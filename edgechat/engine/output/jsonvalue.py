@@ -322,13 +322,6 @@ class JsonPrefix:
         return _resolve(items if isinstance(items, dict) else {}, self.root)
 
     # -- the closing
-    def finish_number(self) -> None:
-        """The text has ended: a number still open ends here (it has no end mark of its own)."""
-        if self._scalar == "number" and self.valid:
-            self._end_scalar()
-            if self.end is not None:
-                self.end = self._n
-
     def closing(self) -> str:
         """The shortest text that, written after what was fed, ends the value validly."""
         if not self.valid or self.end is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from edgechat.engine.runners.llama import FimTokens
+from edgechat.engine.runners.vocab import FimTokens
 from edgechat.engine.types.request import Infill
 from edgechat.errors import UsageError
 

@@ -1,5 +1,5 @@
 """Images (and sounds) in a prompt: a model's projector (an mmproj GGUF, through llama.cpp's
-libmtmd in engine/runners/llama.py), the pictures it reads, and a prompt cut into text and media chunks.
+libmtmd in engine/runners/mtmd.py), the pictures it reads, and a prompt cut into text and media chunks.
 
 A media chunk is a run of embeddings, not token ids: the projector encodes it (`Projector.encode`,
 which needs no text-model context), then the embeddings are decoded at the sequence's next
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgechat.engine.runners.llama import LlamaBackend, MediaChunk, MediaContext
+from edgechat.engine.runners.llama import LlamaBackend
+from edgechat.engine.runners.mtmd import MediaChunk, MediaContext
 from edgechat.errors import UsageError
 
 __all__ = ["Image", "MediaChunk", "Projector", "no_vision", "sentinels"]
@@ -56,16 +57,16 @@ class Image:
 
 
 class Projector:
-    """A model's projector on a LlamaBackend (its `model`); close it before the backend.
+    """A model's projector on a LlamaBackend (its `model`); close it before the runner.
     Pictures are read and cut into chunks on the submitting threads (one at a time), encoded
     on the engine's encoder thread, decoded on the engine thread: libmtmd's preprocessing and
     its encoder use separate parts of its context, and decoding uses the text model's."""
 
-    def __init__(self, backend: LlamaBackend, path: Path):
+    def __init__(self, runner: LlamaBackend, path: Path):
         self.path = Path(path)
         if not self.path.is_file():
             raise UsageError(f"no projector file at {self.path}; give the model's mmproj GGUF")
-        self._media = MediaContext(backend, self.path)
+        self._media = MediaContext(runner, self.path)
         #: image encodes run so far (each eval of a media chunk is one): what prefix reuse saves
         self.encodes = 0
         self._prep_lock = threading.Lock()

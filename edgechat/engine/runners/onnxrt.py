@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgechat.engine.runners.llama import Vocabulary
 from edgechat.engine.runners.runner import ListBatch, TokenBatch
+from edgechat.engine.runners.vocab import Vocabulary
 from edgechat.errors import ModelFormatError, UsageError
 
 #: rows one onnxruntime run takes at most (n_batch): bounds attention's scratch memory

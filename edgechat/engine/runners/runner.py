@@ -3,8 +3,9 @@
 The scheduler plans a step as a `TokenBatch` (token, position, sequence, whether its logits are
 wanted, per row), a runner runs it and answers for the rows that wanted logits until its next
 run; the KV manager is the only caller of the memory operations. Two runners implement it:
-`engine.llama.LlamaBackend` (llama.cpp, its batch the native `llama_batch`) and
-`engine.onnxrt.OnnxRunner` (onnxruntime, a `ListBatch`). What a runner's memory cannot do it
+`runners/llama.py`'s `LlamaBackend` (llama.cpp, its batch the native `llama_batch`) and
+`runners/onnxrt.py`'s `OnnxRunner` (onnxruntime, a `ListBatch`); both read text through
+`runners/vocab.py`'s `Vocabulary`. What a runner's memory cannot do it
 says in its capability flags, and the KV manager falls back (recomputing instead of shifting,
 copying instead of sharing).
 """

@@ -1,7 +1,7 @@
 """A draft model: a smaller model of the same vocabulary that guesses the target's next tokens.
 
 It runs in its own llama.cpp context on the engine thread, one sequence per target slot. Its
-cache has an owner of its own kind: a `KVManager` on the draft's backend, whose slots mirror
+cache has an owner of its own kind: a `KVManager` on the draft's runner, whose slots mirror
 what each sequence holds and whose `check` compares them with llama.cpp's cells; it never shares
 cells between sequences, holds no conversation and keeps no snapshot or prompt cache. Each
 sequence follows the target's lazily: before guessing, it keeps the longest prefix it shares
@@ -67,7 +67,7 @@ def check_vocab(target: LlamaBackend, draft: LlamaBackend) -> None:
 
 class DraftModel:
     def __init__(self, path: Path, target: LlamaBackend, n_ctx: int, n_threads: int, flash_attn: str = "auto"):
-        self.backend = LlamaBackend(
+        self.runner = LlamaBackend(
             path,
             n_ctx_total=n_ctx * target.n_seq_max,
             n_seq_max=target.n_seq_max,
@@ -76,16 +76,16 @@ class DraftModel:
             flash_attn=flash_attn,
         )
         try:
-            check_vocab(target, self.backend)
+            check_vocab(target, self.runner)
         except Exception:
-            self.backend.close()
+            self.runner.close()
             raise
         self.path = Path(path)
         #: the owner of the draft's cache: one slot per target slot, never shared, no snapshots
-        self.kv = KVManager(self.backend, target.n_seq_max, prompt_cache=PromptCache(0, dict))
+        self.kv = KVManager(self.runner, target.n_seq_max, prompt_cache=PromptCache(0, dict))
         #: what the draft's own decodes cost: a guess is a one-token step, catching up a batch
         self.cost = StepCost()
-        self._batch = self.backend.new_batch(512)
+        self._batch = self.runner.new_batch(512)
 
     def propose(self, seq: int, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens the draft model expects after `tokens` (the target slot's whole
@@ -93,7 +93,7 @@ class DraftModel:
         index = self.follow(seq, tokens)
         out: list[int] = []
         while True:
-            logits = self.backend.logits(index)
+            logits = self.runner.logits(index)
             best = int(logits.argmax())
             # the probability of the best token: 1 / sum(exp(l - max))
             if 1.0 / np.exp(logits - logits[best]).sum() < MIN_CONFIDENCE:
@@ -130,7 +130,7 @@ class DraftModel:
 
     def close(self) -> None:
         self._batch.close()
-        self.backend.close()
+        self.runner.close()
 
     # ------------------------------------------------------------------ following the target
     def _shared(self, seq: int, tokens: list[int]) -> int:
@@ -139,7 +139,7 @@ class DraftModel:
 
     def _decode(self, slot: Slot, tokens: list[int]) -> int:
         """Decode tokens after the slot's cells, in batches; returns the last one's logits index."""
-        be, batch = self.backend, self._batch
+        be, batch = self.runner, self._batch
         idx = -1
         for i in range(0, len(tokens), batch.capacity):
             batch.clear()

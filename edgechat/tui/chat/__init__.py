@@ -1,4 +1,6 @@
-"""The chat screen's parts, one job each, composed by `screens/chat.py`'s `ChatScreen`.
+"""The chat screen's parts, one job each: objects with their own state that `screens/chat.py`'s
+`ChatScreen` holds and hands its keys, commands and messages to. A part reaches the screen's
+shared state through `ChatBase` and another part only through that part's public methods.
 
 base.py (the state, widgets and helpers every part shares), turn.py (a chat turn: sending,
 streaming an answer into its box, finishing, stopping, undo, regenerate, edit), attachments.py

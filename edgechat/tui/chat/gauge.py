@@ -2,38 +2,48 @@
 
 from __future__ import annotations
 
-from textual import on, work
+from functools import partial
 
+from textual.worker import Worker
+
+from edgechat.engine.types.request import RequestMetrics
 from edgechat.params import ContextPolicy
 from edgechat.store import Conversation
 from edgechat.store.history import model_messages
 from edgechat.tui.chat.base import ChatBase
 from edgechat.tui.config import build_request
-from edgechat.tui.widgets.chatview import ChatView
 
 
-class GaugePart(ChatBase):
-    @work(thread=True, exclusive=True, group="measure", exit_on_error=False)
-    def _measure_context(self, conv: Conversation) -> None:
-        """Fill the context gauge for a conversation just opened (its whole history, template applied)."""
-        count = getattr(self.client, "count_tokens", None)
+class GaugePart:
+    def __init__(self, screen: ChatBase) -> None:
+        self.screen = screen
+
+    def measure(self, conv: Conversation) -> Worker[None]:
+        """Fill the context gauge for a conversation just opened (its whole history, template
+        applied), off the UI thread."""
+        return self.screen.run_worker(partial(self._measure, conv), group="measure", thread=True, exclusive=True,
+                                      exit_on_error=False)
+
+    def _measure(self, conv: Conversation) -> None:
+        count = getattr(self.screen.client, "count_tokens", None)
         if count is None:  # a client that cannot count (remote): the whole history is not worth reading
             return
-        history = model_messages(self.store, conv.id)
+        history = model_messages(self.screen.store, conv.id)
         if not history:
             return
         used = count(build_request({**conv.settings, "context_policy": ContextPolicy.SHIFT.value}, history, session=None))
-        self.app.call_from_thread(self._show_context, conv.id, used)
+        self.screen.app.call_from_thread(self._show_context, conv.id, used)
 
     def _show_context(self, conv_id: str, used: int) -> None:
-        if self.conv is not None and self.conv.id == conv_id and self.turn is None:
-            self.status.context_used = used
+        screen = self.screen
+        if screen.conv is not None and screen.conv.id == conv_id and screen.turn is None:
+            screen.status.context_used = used
 
-    @on(ChatView.AnswerMetrics)
-    def _metrics(self, event: ChatView.AnswerMetrics) -> None:
-        m = event.metrics
-        self.status.context_used = m.context_tokens
-        self.status.context_size = m.context_size or self.status.context_size
-        self.status.ttft = m.ttft
-        self.status.tok_s = m.decode_tps
-        self.status.spec = 100 * m.accepted_tokens / m.drafted_tokens if m.drafted_tokens else None
+    def show(self, m: RequestMetrics) -> None:
+        """An answer's metrics: the context it filled, its speed."""
+        status = self.screen.status
+        status.context_used = m.context_tokens
+        status.context_size = m.context_size or status.context_size
+        status.ttft = m.ttft
+        status.tok_s = m.decode_tps
+        status.spec = 100 * m.accepted_tokens / m.drafted_tokens if m.drafted_tokens else None

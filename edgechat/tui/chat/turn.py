@@ -4,7 +4,9 @@ Esc, undo of an answer that never came, regenerate, edit."""
 
 from __future__ import annotations
 
-from textual import on
+from collections.abc import Awaitable, Callable
+
+from textual.message import Message
 from textual.widgets import Input
 from textual.worker import Worker, WorkerState
 
@@ -15,202 +17,216 @@ from edgechat.store import Message as StoredMessage
 from edgechat.store.answer import StoredAnswer
 from edgechat.store.history import model_messages
 from edgechat.tui.actions import parse_slash, unknown_slash
+from edgechat.tui.chat.attachments import AttachmentsPart
 from edgechat.tui.chat.base import ChatBase
+from edgechat.tui.chat.gauge import GaugePart
+from edgechat.tui.chat.tools import ToolsPart
 from edgechat.tui.config import build_request
-from edgechat.tui.toolrun import TOOL_STEPS, pending_call
+from edgechat.tui.toolrun import pending_call
 from edgechat.tui.widgets.chatview import ChatView, MessageBox
-from edgechat.tui.widgets.prompt import PromptInput
 
 
-class TurnPart(ChatBase):
-    def _with_live_text(self, messages: list[StoredMessage]) -> list[StoredMessage]:
+class TurnPart:
+    def __init__(self, screen: ChatBase, attachments: AttachmentsPart, tools: ToolsPart, gauge: GaugePart,
+                 open_conversation: Callable[[str | None], Awaitable[None]]) -> None:
+        self.screen = screen
+        self.attachments = attachments
+        self.tools = tools
+        self.gauge = gauge
+        #: the screen's own: shows a conversation again after an edit removed its end
+        self._open_conversation = open_conversation
+        #: an answer waiting for the model to finish loading
+        self.waiting: tuple[Conversation, StoredAnswer] | None = None
+        #: the user message being edited (Enter resends from there)
+        self.editing: int | None = None
+
+    def idle(self) -> bool:
+        """Whether nothing is being answered (else says so): no answer streaming, waiting for the
+        model, or running its tool calls."""
+        if self.screen.turn is not None or self.waiting is not None or self.tools.running is not None:
+            self.screen.notify("Still answering: wait, or press Esc to stop.", severity="warning")
+            return False
+        return True
+
+    def with_live_text(self, messages: list[StoredMessage]) -> list[StoredMessage]:
         # The answer streaming now is only saved every SAVE_INTERVAL: show what has arrived.
-        if self.turn is not None:
+        if self.screen.turn is not None:
             for m in messages:
-                if m.id == self.turn.id:
-                    m.content, m.reasoning = self.turn.text, self.turn.reasoning
-                    if self.turn.thought_s is not None:
-                        m.meta = {**m.meta, "thought_s": self.turn.thought_s}
+                if m.id == self.screen.turn.id:
+                    m.content, m.reasoning = self.screen.turn.text, self.screen.turn.reasoning
+                    if self.screen.turn.thought_s is not None:
+                        m.meta = {**m.meta, "thought_s": self.screen.turn.thought_s}
         return messages
-
-    @on(PromptInput.Submitted)
-    async def _submitted(self, event: PromptInput.Submitted) -> None:
-        await self.send(event.text)
 
     async def send(self, text: str) -> None:
         slash = parse_slash(text)
         if slash is not None:
             action, arg = slash
-            self.prompt.clear()
-            await self.run_action(action.name + "(" + repr(arg) + ")")
+            self.screen.prompt.clear()
+            await self.screen.run_action(action.name + "(" + repr(arg) + ")")
             return
         unknown = unknown_slash(text)
         if unknown is not None:
-            self.notify(f"Unknown command {unknown}; /help lists them.", severity="warning")
+            self.screen.notify(f"Unknown command {unknown}; /help lists them.", severity="warning")
             return
-        if not self._idle():
+        if not self.idle():
             return
-        files, images = self.attach_bar.attachments, self.attach_bar.images
-        refusal = self._image_refusal() if images else None
+        files, images = self.screen.attach_bar.attachments, self.screen.attach_bar.images
+        refusal = self.attachments.image_refusal() if images else None
         if refusal is not None:
             # (the model was switched since the picture was attached) nothing is lost: text and chips stay
-            self.notify(refusal, severity="warning", timeout=12)
+            self.screen.notify(refusal, severity="warning", timeout=12)
             return
         content = attachments.compose(text, files)
-        if files and not self._attachments_fit(text, content, images):
+        if files and not self.attachments.fit(text, content, images, self.send):
             return
-        if self._editing is not None and self.conv is not None:
-            self.store.delete_messages_from(self.conv.id, self._editing)
-            self._editing = None
-            await self.open_conversation(self.conv.id)
+        if self.editing is not None and self.screen.conv is not None:
+            self.screen.store.delete_messages_from(self.screen.conv.id, self.editing)
+            self.editing = None
+            await self._open_conversation(self.screen.conv.id)
         try:
-            if self.conv is None:
-                self.conv = self.store.create_conversation(
-                    model=self.client.model_name if self.client else self.app.model_ref,
-                    settings=dict(self.app.config.chat),
+            if self.screen.conv is None:
+                self.screen.conv = self.screen.store.create_conversation(
+                    model=self.screen.client.model_name if self.screen.client else self.screen.app.model_ref,
+                    settings=dict(self.screen.app.config.chat),
                 )
             meta = {}
             if files:
                 meta["attachments"] = [{"name": c.attachment.name, "tokens": c.tokens}
-                                       for c in self.attach_bar.chips if not c.is_image]
+                                       for c in self.screen.attach_bar.chips if not c.is_image]
             if images:
                 # their names and sizes for the chips; the bytes are the store's (message_images)
                 meta["images"] = [{"name": i.name, "bytes": len(i.data)} for i in images]
-            untitled = self.conv.title == DEFAULT_TITLE
-            user = self.store.add_message(self.conv.id, "user", content, meta=meta or None, images=images)
+            untitled = self.screen.conv.title == DEFAULT_TITLE
+            user = self.screen.store.add_message(self.screen.conv.id, "user", content, meta=meta or None, images=images)
             if (files or images) and untitled and text.strip():
                 # titled from the question, not from the first file's header
-                self.store.update_conversation(self.conv.id, title=title_from(text))
+                self.screen.store.update_conversation(self.screen.conv.id, title=title_from(text))
         except StoreError as exc:
             # Nothing was sent: the text stays in the input for when there is room.
-            self._store_failed(str(exc))
+            self.screen.store_failed(str(exc))
             return
-        self.conv = self.store.get_conversation(self.conv.id)
-        self.prompt.clear()
-        self.attach_bar.clear()
-        await self.chat.add(user)
-        self._set_title()
-        self.refresh_sidebar()
+        self.screen.conv = self.screen.store.get_conversation(self.screen.conv.id)
+        self.screen.prompt.clear()
+        self.screen.attach_bar.clear()
+        await self.screen.chat.add(user)
+        self.screen.set_title()
+        self.screen.refresh_sidebar()
         await self.start_answer(user_id=user.id, prompt=text)
 
     async def start_answer(self, user_id: int | None, prompt: str, tool_step: bool = False) -> None:
         """Answer the conversation; `tool_step`: the next answer after tool calls, not a new question."""
-        assert self.conv is not None
+        assert self.screen.conv is not None
         if not tool_step:
-            self._tool_steps, self._tools_stopped = 0, False
+            self.tools.new_question()
         try:
-            history = model_messages(self.store, self.conv.id)
+            history = model_messages(self.screen.store, self.screen.conv.id)
         except StoreError as exc:  # a picture's file deleted by hand: nothing is sent
-            self.notify(str(exc), severity="error", timeout=12)
+            self.screen.notify(str(exc), severity="error", timeout=12)
             self._restore_prompt(prompt)
             return
-        model = self.client.model_name if self.client else self.app.model_ref
+        model = self.screen.client.model_name if self.screen.client else self.screen.app.model_ref
         try:
-            turn = StoredAnswer(self.store, self.conv.id, user_id, prompt, model, on_error=self._store_failed)
+            turn = StoredAnswer(self.screen.store, self.screen.conv.id, user_id, prompt, model, on_error=self.screen.store_failed)
         except StoreError as exc:
-            self._store_failed(str(exc))
+            self.screen.store_failed(str(exc))
             self._restore_prompt(prompt)
             return
-        box = await self.chat.add(turn.message, streaming=True)
-        if self.client is None:
-            self._waiting = (self.conv, turn)
-            self.status.state = "loading; your message will be answered when the model is ready"
+        box = await self.screen.chat.add(turn.message, streaming=True)
+        if self.screen.client is None:
+            self.waiting = (self.screen.conv, turn)
+            self.screen.status.state = "loading; your message will be answered when the model is ready"
             box.loading = True
             return
-        self._start(self.conv, turn, history, box)
+        self._start(self.screen.conv, turn, history, box)
 
     def _start(self, conv: Conversation, turn: StoredAnswer, history: list[dict], box: MessageBox) -> None:
-        self.turn = turn
-        self.status.state = "generating"
+        self.screen.turn = turn
+        self.screen.status.state = "generating"
         request = build_request(conv.settings, history, session=conv.id)
-        if self.client.model_name != conv.model:
+        if self.screen.client.model_name != conv.model:
             try:
-                self.store.update_conversation(conv.id, model=self.client.model_name)
+                self.screen.store.update_conversation(conv.id, model=self.screen.client.model_name)
             except StoreError as exc:
-                self._store_failed(str(exc))
-        self._offered = None
-        if conv.settings.get("tools") and self._tool_steps < TOOL_STEPS:
-            if self.client.tool_family is not None:
-                self._offer_tools(conv, request, box)
+                self.screen.store_failed(str(exc))
+        self.tools.offered = None
+        if self.tools.wanted(conv):
+            if self.screen.client.tool_family is not None:
+                self.tools.offer(conv, request, box)
                 return
-            self.notify("Tools run with a local model; answering without them.", severity="warning")
-        self.chat.generate(self.client, request, box)
+            self.screen.notify("Tools run with a local model; answering without them.", severity="warning")
+        self.screen.chat.generate(self.screen.client, request, box)
 
-    def model_ready(self) -> None:
-        """The app loaded a model: show it, and answer a message that was waiting for it."""
-        client = self.client
-        self.status.model = client.model_name
-        self.status.backend = client.backend
-        self.status.model_memory = getattr(client, "memory", 0)
-        self.status.context_size = client.n_ctx or 0
-        self.attach_bar.context_size = client.n_ctx or 0
-        self.attach_bar.refresh_summary()
-        self.status.state = "ready"
-        self._welcome(client.model_name)
-        if self.conv is not None:
-            self._measure_context(self.conv)
-        if client.template_warning:
-            self.notify(f"{client.model_name}: {client.template_warning}", severity="warning", timeout=8)
-        if self._waiting is not None:
-            conv, turn = self._waiting
-            self._waiting = None
-            history = model_messages(self.store, conv.id)
-            box = self._box(turn.id)
+    def answer_waiting(self) -> None:
+        """A model is loaded: answer the message that was waiting for it, if one was."""
+        if self.waiting is not None:
+            conv, turn = self.waiting
+            self.waiting = None
+            history = model_messages(self.screen.store, conv.id)
+            box = self.screen.box(turn.id)
             if box is not None:
                 box.loading = False
             self._start(conv, turn, history, box or MessageBox(turn.message))
 
-    async def model_failed(self, error: str) -> None:
-        self.status.state = "ready" if self.client else "no model"
-        self.notify(error, severity="error", timeout=12)
-        if self._waiting is not None and self.client is None:
-            # Nothing can answer the message that waited for this model: take it back into the input.
-            _, turn = self._waiting
-            self._waiting = None
+    async def give_back_waiting(self) -> None:
+        """The model failed to load: with none to answer it, the waiting message goes back into the input."""
+        if self.waiting is not None and self.screen.client is None:
+            _, turn = self.waiting
+            self.waiting = None
             await self._undo_turn(turn)
 
-    @on(ChatView.AnswerDelta)
+    async def answer_event(self, event: Message) -> None:
+        """One of the chat view's messages about the answer streaming (the screen hands them on)."""
+        match event:
+            case ChatView.AnswerDelta():
+                await self._delta(event)
+            case ChatView.AnswerThoughtsEnded():
+                self._thoughts_ended(event)
+            case ChatView.AnswerEvicted():
+                await self._evicted(event)
+            case ChatView.AnswerFinished():
+                await self._finished(event)
+            case ChatView.AnswerFailed():
+                await self._failed(event)
+
     async def _delta(self, event: ChatView.AnswerDelta) -> None:
-        turn = self.turn
+        turn = self.screen.turn
         if turn is None:
             return
         turn.append(event.text, reasoning=event.reasoning)
         # The worker's box, unless the user switched away and back (then the view has a new one).
-        box = event.box if event.box.is_attached else self._box(turn.id)
+        box = event.box if event.box.is_attached else self.screen.box(turn.id)
         if event.reasoning:
-            self.status.state = "thinking…"
+            self.screen.status.state = "thinking…"
             if box is not None:
                 box.append_thoughts(event.text)
         else:
-            self.voice.feed(event.text)
+            self.screen.voice.feed(event.text)
             if box is not None:
                 await box.append(event.text)
 
-    @on(ChatView.AnswerThoughtsEnded)
     def _thoughts_ended(self, event: ChatView.AnswerThoughtsEnded) -> None:
-        turn = self.turn
+        turn = self.screen.turn
         if turn is None:
             return
         turn.thought_s = event.seconds
-        self.status.state = "generating"
-        box = event.box if event.box.is_attached else self._box(turn.id)
+        self.screen.status.state = "generating"
+        box = event.box if event.box.is_attached else self.screen.box(turn.id)
         if box is not None:
             box.thoughts_ended(event.seconds, event.tokens)
 
-    @on(ChatView.AnswerEvicted)
     async def _evicted(self, event: ChatView.AnswerEvicted) -> None:
         note = f"Context full: {event.event.note} (still saved in the conversation)."
-        self.notify(note, timeout=8)
-        box = self._box(self.turn.id) if self.turn else None
+        self.screen.notify(note, timeout=8)
+        box = self.screen.box(self.screen.turn.id) if self.screen.turn else None
         if box is not None:
-            await self.chat.add_note("⚠ " + note, before=box)
+            await self.screen.chat.add_note("⚠ " + note, before=box)
 
-    @on(ChatView.AnswerFinished)
     async def _finished(self, event: ChatView.AnswerFinished) -> None:
         f = event.finished
-        turn = self.turn
-        offered, self._offered = self._offered, None
-        self.status.state = "ready"
+        turn = self.screen.turn
+        offered, self.tools.offered = self.tools.offered, None
+        self.screen.status.state = "ready"
         if turn is None:
             return
         calls: list[dict] = []
@@ -218,121 +234,122 @@ class TurnPart(ChatBase):
             # the engine took the calls out of the text: what is stored and shown is the answer's words
             calls = [pending_call(c, offered.servers.get(c.name)) for c in f.tool_calls]
         if not calls:
-            self.turn = None
+            self.screen.turn = None
         if f.reason != "cancelled":
-            self.voice.finish()
+            self.screen.voice.finish()
         if f.reason == "cancelled" and not f.text.strip() and not (f.reasoning or turn.reasoning).strip():
             # Stopped before anything came back: undo the send, the prompt goes back in the input.
             await self._undo_turn(turn)
             return
         stored = turn.finish(f)
-        box = self._box(turn.id)
+        box = self.screen.box(turn.id)
         if box is not None:
             box.finish(stored)
             await box.replace_text(stored.content)
         if calls:
             # the turn is handed to its calls with no await between: never idle in between
-            self._tool_steps += 1
-            self.turn = None
-            self._tool_run = self._run_calls(turn.conversation_id, turn.id, calls)
-            self.refresh_sidebar()
+            self.screen.turn = None
+            self.tools.run_calls(turn.conversation_id, turn.id, calls, self._answer_calls)
+            self.screen.refresh_sidebar()
             return
         if f.reason == "cancelled":
-            self._restore_attachments(turn)
+            self.attachments.restore(turn)
             self._restore_prompt(turn.prompt)
         elif f.reason == "error":
-            self.notify(f"The answer failed: {f.error}", severity="error", timeout=10)
+            self.screen.notify(f"The answer failed: {f.error}", severity="error", timeout=10)
         elif f.repeating:
-            self.notify("Stopped: the answer was only repeating itself (F4: the loop guard)", timeout=8)
-        self.refresh_sidebar()
+            self.screen.notify("Stopped: the answer was only repeating itself (F4: the loop guard)", timeout=8)
+        self.screen.refresh_sidebar()
 
-    @on(ChatView.AnswerFailed)
     async def _failed(self, event: ChatView.AnswerFailed) -> None:
-        turn, self.turn = self.turn, None
-        self.status.state = "ready"
+        turn, self.screen.turn = self.screen.turn, None
+        self.screen.status.state = "ready"
         if turn is not None:
             await self._undo_turn(turn)
-        self.notify(event.error, severity="error", timeout=12)
+        self.screen.notify(event.error, severity="error", timeout=12)
+
+    async def _answer_calls(self) -> None:
+        """The model answers again with what its tool calls gave back."""
+        await self.start_answer(user_id=None, prompt="", tool_step=True)
 
     async def _undo_turn(self, turn: StoredAnswer) -> None:
-        self._restore_attachments(turn)
+        self.attachments.restore(turn)
         first = turn.undo()
-        if self.conv is not None and self.conv.id == turn.conversation_id:
-            for box in self.chat.boxes():
+        if self.screen.conv is not None and self.screen.conv.id == turn.conversation_id:
+            for box in self.screen.chat.boxes():
                 if box.message.id >= first:
                     await box.remove()
         self._restore_prompt(turn.prompt)
 
     def _restore_prompt(self, text: str) -> None:
-        if text and not self.prompt.text.strip():
-            self.prompt.set_text(text)
-            self.prompt.select_all()
-        self.prompt.focus()
+        if text and not self.screen.prompt.text.strip():
+            self.screen.prompt.set_text(text)
+            self.screen.prompt.select_all()
+        self.screen.prompt.focus()
 
     def shutdown(self) -> None:
-        """Quitting: keep the draft, stop the answer and store what arrived, marked interrupted."""
-        self._save_draft()
-        if self.turn is not None:
-            self.chat.cancel()
-            self.turn.interrupt()
-            self.turn = None
+        """Quitting: stop the answer and store what arrived, marked interrupted."""
+        if self.screen.turn is not None:
+            self.screen.chat.cancel()
+            self.screen.turn.interrupt()
+            self.screen.turn = None
 
-    def action_stop(self, arg: str = "") -> None:
-        self.voice.stop()
-        if self.turn is not None:
-            self._tools_stopped = True
-            self.chat.cancel()
-        elif self._tool_run is not None:
-            self._tools_stopped = True
-            self._tool_run.cancel()
-        elif self._editing is not None:
-            self._editing = None
-            self.prompt.clear()
-            self.notify("Edit cancelled.")
-        elif self.query_one("#search", Input).value:
-            self.query_one("#search", Input).value = ""
-            self.prompt.focus()
+    def stop(self, arg: str = "") -> None:
+        """Esc: silence the voice, stop the answer or its tool calls, else the edit, else the search."""
+        self.screen.voice.stop()
+        if self.screen.turn is not None:
+            self.tools.stopped = True
+            self.screen.chat.cancel()
+        elif self.tools.stop():
+            pass
+        elif self.editing is not None:
+            self.editing = None
+            self.screen.prompt.clear()
+            self.screen.notify("Edit cancelled.")
+        elif self.screen.query_one("#search", Input).value:
+            self.screen.query_one("#search", Input).value = ""
+            self.screen.prompt.focus()
 
-    async def action_regenerate(self, arg: str = "") -> None:
-        if not self._idle() or self.conv is None:
+    async def regenerate(self, arg: str = "") -> None:
+        if not self.idle() or self.screen.conv is None:
             return
-        messages = self.store.messages(self.conv.id)
+        messages = self.screen.store.messages(self.screen.conv.id)
         last_user = next((m for m in reversed(messages) if m.role == "user"), None)
         if last_user is None:
-            self.notify("Nothing to regenerate yet.")
+            self.screen.notify("Nothing to regenerate yet.")
             return
         after = [m for m in messages if m.id > last_user.id]
         if after:
-            self.store.delete_messages_from(self.conv.id, after[0].id)
-            for box in self.chat.boxes():
+            self.screen.store.delete_messages_from(self.screen.conv.id, after[0].id)
+            for box in self.screen.chat.boxes():
                 if box.message.id >= after[0].id:
                     await box.remove()
         await self.start_answer(user_id=None, prompt="")
 
-    async def action_edit_last(self, arg: str = "") -> None:
-        if self.conv is None:
+    async def edit_last(self, arg: str = "") -> None:
+        if self.screen.conv is None:
             return
-        last_user = next((m for m in reversed(self.store.messages(self.conv.id)) if m.role == "user"), None)
+        last_user = next((m for m in reversed(self.screen.store.messages(self.screen.conv.id)) if m.role == "user"), None)
         if last_user is not None:
             self.edit_message(last_user)
 
     def edit_message(self, message: StoredMessage) -> None:
-        if not self._idle():
+        if not self.idle():
             return
-        self._editing = message.id
+        self.editing = message.id
         text = message.content
         if message.meta.get("attachments") or message.images:
-            self.attach_bar.clear()
-            text = self._reattach(message)
-        self.prompt.set_text(text)
-        self.prompt.focus()
-        self.notify("Editing: Enter resends from this message (later ones are replaced); Esc cancels.")
+            self.screen.attach_bar.clear()
+            text = self.attachments.reattach(message)
+        self.screen.prompt.set_text(text)
+        self.screen.prompt.focus()
+        self.screen.notify("Editing: Enter resends from this message (later ones are replaced); Esc cancels.")
 
-    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+    def worker_changed(self, event: Worker.StateChanged) -> None:
         if event.worker.group == "generate" and event.state == WorkerState.ERROR:
             # A bug in the stream (not a user error): keep what arrived, say so.
-            turn, self.turn = self.turn, None
+            turn, self.screen.turn = self.screen.turn, None
             if turn is not None:
                 turn.fail(str(event.worker.error))
-            self.status.state = "ready"
-            self.notify(f"Generation failed: {event.worker.error}", severity="error")
+            self.screen.status.state = "ready"
+            self.screen.notify(f"Generation failed: {event.worker.error}", severity="error")

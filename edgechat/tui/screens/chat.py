@@ -1,50 +1,84 @@
-"""The main screen: sidebar, conversation, input and status bar, composed from the parts in
-`edgechat/tui/chat/` (a chat turn, attachments, tools, the context gauge, the slash commands);
-the screen itself lays them out, keeps the draft and opens conversations."""
+"""The main screen: sidebar, conversation, input and status bar, and the parts in
+`edgechat/tui/chat/` it holds (a chat turn, attachments, tools, the context gauge, the slash
+commands), each an object with its own state; the screen lays out the widgets, keeps the draft,
+opens conversations, and hands each key, command and message to the part that owns it."""
 
 from __future__ import annotations
 
 from textual import on, work
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.timer import Timer
 from textual.widgets import Button, Footer, Label, TextArea
-from textual.worker import get_current_worker
+from textual.worker import Worker, get_current_worker
 
 from edgechat.store import atomic_write_text
 from edgechat.tui.actions import ACTIONS
 from edgechat.tui.chat.attachments import AttachmentsPart
+from edgechat.tui.chat.base import ChatBase
 from edgechat.tui.chat.commands import CommandsPart
 from edgechat.tui.chat.gauge import GaugePart
 from edgechat.tui.chat.tools import ToolsPart
 from edgechat.tui.chat.turn import TurnPart
 from edgechat.tui.welcome import welcome_markdown
-from edgechat.tui.widgets.attachbar import AttachBar
-from edgechat.tui.widgets.chatview import PAGE, ChatView
+from edgechat.tui.widgets.chatview import PAGE, ChatView, MessageBox
 from edgechat.tui.widgets.prompt import PromptInput
 from edgechat.tui.widgets.sidebar import Sidebar
-from edgechat.tui.widgets.statusbar import StatusBar
 
 #: below this width the sidebar becomes a toggle (phones in portrait, split panes)
 NARROW = 70
 
 
-class ChatScreen(TurnPart, AttachmentsPart, ToolsPart, GaugePart, CommandsPart):
+#: the part that runs each action of tui/actions.py's table (keys, slash commands, the palette),
+#: by its method of the action's name
+RUNS = {
+    "turn_part": ("stop", "regenerate", "edit_last"),
+    "attachments": ("attach", "image", "detach"),
+    "tools": ("tools",),
+    "commands": ("new", "branch", "rename", "delete", "undo", "search", "settings", "preset", "system", "model",
+                 "export", "clear", "copy", "copy_code", "toggle_sidebar", "toggle_stats", "toggle_thoughts", "theme",
+                 "speak", "talk", "help", "quit"),
+}
+
+
+class PartAction:
+    """The chat screen's `action_<name>`, where Textual looks for it: the method of that name of
+    the part that runs it."""
+
+    def __init__(self, part: str, name: str) -> None:
+        self.part, self.name = part, name
+
+    def __get__(self, screen: ChatScreen | None, owner: type | None = None):
+        return self if screen is None else getattr(getattr(screen, self.part), self.name)
+
+
+class ChatScreen(ChatBase):
     # (quit is the app's own binding)
     BINDINGS = [
         Binding(a.key, a.name, a.hint or a.title, show=bool(a.hint)) for a in ACTIONS if a.key and a.name != "quit"
     ]
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._draft_timer: Timer | None = None
+        self.gauge = GaugePart(self)
+        self.attachments = AttachmentsPart(self)
+        self.tools = ToolsPart(self)
+        self.turn_part = TurnPart(self, self.attachments, self.tools, self.gauge, self.open_conversation)
+        self.commands = CommandsPart(self, self.turn_part, self.open_conversation)
+
     def compose(self):
         with Horizontal(id="body"):
-            yield Sidebar(id="sidebar")
+            yield self.sidebar
             with Vertical(id="main"):
                 with Horizontal(id="topbar"):
                     yield Button("☰", id="toggle-sidebar", compact=True)
                     yield Label("New chat", id="conv-title", markup=False)
-                yield ChatView(id="chat")
-                yield AttachBar(id="attachments")
-                yield PromptInput(id="prompt", placeholder="Message (Enter sends, Ctrl+J new line, /help)")
-        yield StatusBar(id="status")
+                yield self.chat
+                yield self.attach_bar
+                yield self.prompt
+        yield self.status
         yield Footer()
 
     def on_mount(self) -> None:
@@ -106,7 +140,7 @@ class ChatScreen(TurnPart, AttachmentsPart, ToolsPart, GaugePart, CommandsPart):
     async def open_conversation(self, conv_id: str | None) -> None:
         """Show a conversation (None: a fresh draft, stored once its first message is sent)."""
         previous = self.conv
-        self._editing = None
+        self.turn_part.editing = None
         if conv_id is None:
             self.conv = None
             await self.chat.show([], 0)
@@ -116,13 +150,13 @@ class ChatScreen(TurnPart, AttachmentsPart, ToolsPart, GaugePart, CommandsPart):
                 return
             self.conv = conv
             total = self.store.count_messages(conv.id)
-            messages = self._with_live_text(self.store.messages(conv.id, limit=PAGE))
+            messages = self.turn_part.with_live_text(self.store.messages(conv.id, limit=PAGE))
             await self.chat.show(messages, total, self.turn.id if self.turn else None)
-        self._set_title()
+        self.set_title()
         self.refresh_sidebar()
         self.status.context_used = 0
         if self.conv is not None and self.client is not None:
-            self._measure_context(self.conv)
+            self.gauge.measure(self.conv)
         if previous is not None and (self.conv is None or previous.id != self.conv.id):
             self._release(previous.id)
         if self.has_class("-narrow"):
@@ -157,7 +191,7 @@ class ChatScreen(TurnPart, AttachmentsPart, ToolsPart, GaugePart, CommandsPart):
 
     @on(Sidebar.NewRequested)
     async def _new_requested(self) -> None:
-        await self.action_new()
+        await self.open_conversation(None)
 
     @on(Sidebar.SearchChanged)
     def _search_changed(self, event: Sidebar.SearchChanged) -> None:
@@ -165,3 +199,71 @@ class ChatScreen(TurnPart, AttachmentsPart, ToolsPart, GaugePart, CommandsPart):
             self.sidebar.show_hits(self.store.search(event.query))
         else:
             self.refresh_sidebar()
+
+    # -- the app's calls --------------------------------------------------
+
+    def model_ready(self) -> None:
+        """The app loaded a model: show it, and answer a message that was waiting for it."""
+        client = self.client
+        self.status.model = client.model_name
+        self.status.backend = client.backend
+        self.status.model_memory = getattr(client, "memory", 0)
+        self.status.context_size = client.n_ctx or 0
+        self.attach_bar.context_size = client.n_ctx or 0
+        self.attach_bar.refresh_summary()
+        self.status.state = "ready"
+        self._welcome(client.model_name)
+        if self.conv is not None:
+            self.gauge.measure(self.conv)
+        if client.template_warning:
+            self.notify(f"{client.model_name}: {client.template_warning}", severity="warning", timeout=8)
+        self.turn_part.answer_waiting()
+
+    async def model_failed(self, error: str) -> None:
+        self.status.state = "ready" if self.client else "no model"
+        self.notify(error, severity="error", timeout=12)
+        await self.turn_part.give_back_waiting()
+
+    def shutdown(self) -> None:
+        """Quitting: keep the draft, stop the answer and store what arrived, marked interrupted."""
+        self._save_draft()
+        self.turn_part.shutdown()
+
+    # -- messages, each to the part that owns it ---------------------------
+
+    @on(PromptInput.Submitted)
+    async def _submitted(self, event: PromptInput.Submitted) -> None:
+        await self.turn_part.send(event.text)
+
+    @on(PromptInput.Pasted)
+    def _pasted(self, event: PromptInput.Pasted) -> None:
+        self.attachments.pasted(event.text)
+
+    @on(ChatView.AnswerDelta)
+    @on(ChatView.AnswerThoughtsEnded)
+    @on(ChatView.AnswerEvicted)
+    @on(ChatView.AnswerFinished)
+    @on(ChatView.AnswerFailed)
+    async def _answer_event(self, event: Message) -> None:
+        await self.turn_part.answer_event(event)
+
+    @on(ChatView.AnswerMetrics)
+    def _metrics(self, event: ChatView.AnswerMetrics) -> None:
+        self.gauge.show(event.metrics)
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        self.turn_part.worker_changed(event)
+
+    @on(Button.Pressed, "#toggle-sidebar")
+    @on(Button.Pressed, "#close-sidebar")
+    def _toggle_pressed(self) -> None:
+        self.commands.toggle_sidebar()
+
+    @on(MessageBox.Action)
+    async def _message_action(self, event: MessageBox.Action) -> None:
+        await self.commands.message_action(event)
+
+
+for _part, _names in RUNS.items():
+    for _name in _names:
+        setattr(ChatScreen, f"action_{_name}", PartAction(_part, _name))
