@@ -101,6 +101,9 @@ def _models_dir(ctx, param, value: str | None) -> list[str]:
          "and at shutdown; least recently used out first). 0 = off.",
 )
 @click.option("--api-key", default=None, envvar="EDGECHAT_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health (env: EDGECHAT_API_KEY).")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=None, metavar="TOKENS",
+              help="Prompt tokens read per step while other answers stream (chunked prefill): smaller keeps their pace "
+                   "steadier while a long prompt arrives, larger reads it sooner (default: one llama.cpp ubatch, 512).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True, help="Requests that may wait for a sequence; more get 429.")
 @click.option("--max-input-tokens", type=click.IntRange(min=1), default=None, help="Longer prompts get 400 (default: what the context holds).")
 @click.option("--max-messages", type=click.IntRange(min=1), default=ServerSettings.max_messages, show_default=True, help="Chat requests with more messages get 400 before any templating.")
@@ -152,6 +155,7 @@ def serve_cmd(
     reasoning_format: str,
     api_key: str | None,
     max_queue: int,
+    prefill_chunk: int | None,
     max_input_tokens: int | None,
     max_messages: int,
     request_timeout: float,
@@ -223,6 +227,7 @@ def serve_cmd(
             prompt_cache_disk=cache_disk << 20,
             embedding_model=embedding_model if first else None,
             max_queue=max_queue,
+            **({"prefill_chunk": prefill_chunk} if prefill_chunk else {}),
         )
 
     pool = ModelPool(memory_budget << 20 if memory_budget is not None else None, held_elsewhere=speech.held_bytes)

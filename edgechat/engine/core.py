@@ -37,7 +37,7 @@ from edgechat.engine.runners.runner import ModelRunner
 from edgechat.engine.runners.sampling import grammar_parses
 from edgechat.engine.schedule.draft import DraftModel, DraftVocabError
 from edgechat.engine.schedule.running import Running
-from edgechat.engine.schedule.scheduler import Scheduler
+from edgechat.engine.schedule.scheduler import PREFILL_CHUNK_BUSY, Scheduler
 from edgechat.engine.types.metrics import RequestClock
 from edgechat.engine.types.request import ChatRequest, ContextPolicy, RequestHandle
 from edgechat.errors import EdgechatError, EngineStoppedError, UsageError
@@ -68,6 +68,9 @@ class EngineConfig:
     #: shifting, so conversations truncate), or "auto" (small only where full does not fit)
     swa_cache: SwaCache = SwaCache.AUTO
     max_queue: int | None = None
+    #: prompt tokens a step prefills while other sequences decode (chunked prefill): smaller keeps
+    #: the streams' token times steadier while a long prompt arrives, larger reads it sooner
+    prefill_chunk: int = PREFILL_CHUNK_BUSY
     #: "auto" (as many layers as the GPUs' free memory holds), "all" or a count; None: "auto"
     #: (front ends put a model's gpu_layers from config.toml here, models/settings.py). No effect
     #: on a CPU-only build.
@@ -195,7 +198,7 @@ class Engine:
             n_parallel=1 if cfg.deterministic else cfg.n_parallel, policy=self.rules.policy,
             speculative=self.rules.speculative, draft=self.draft, deterministic=cfg.deterministic,
             reasoning=self.format.reasoning, projector=self.projector, wake=lambda: inbox.put(None),
-            tool_family=self.format.tool_family,
+            tool_family=self.format.tool_family, prefill_chunk=cfg.prefill_chunk,
         )
         self._closed = False
         self.loop = EngineLoop(Parts(kv=self.kv, conversations=self.conversations, prompt_cache=self.prompt_cache,

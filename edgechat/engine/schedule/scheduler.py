@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("edgechat.engine")
 
-#: prompt tokens prefilled per step while other sequences are decoding (chunked prefill):
-#: one llama.cpp ubatch, so a long prompt never stalls the running streams for more than that
+#: prompt tokens prefilled per step while other sequences are decoding (chunked prefill), by
+#: default: one llama.cpp ubatch, so a long prompt never stalls the running streams for more
+#: than that (EngineConfig.prefill_chunk; bench/bench_traffic.py measures the trade)
 PREFILL_CHUNK_BUSY = 512
 
 
@@ -66,8 +67,10 @@ class Scheduler:
         projector: Projector | None = None,
         wake: Callable[[], None] = lambda: None,
         tool_family: ToolFamily = GENERIC,
+        prefill_chunk: int = PREFILL_CHUNK_BUSY,
     ):
         self.runner = runner
+        self.prefill_chunk = prefill_chunk
         self.kv = kv
         self.states = states
         self.n_ctx = n_ctx
@@ -82,7 +85,7 @@ class Scheduler:
         #: the call syntax the model's template writes: a request with tools reads its calls in it
         self.tool_family = tool_family
         #: drafts and what they cost, for the requests that speculate
-        self.speculator = Speculator(kv, n_ctx, draft, PREFILL_CHUNK_BUSY)
+        self.speculator = Speculator(kv, n_ctx, draft, prefill_chunk)
         self.waiting: deque[Running] = deque()
         self.active: list[Running] = []
         #: requests submitted and not yet started or ended (read by any thread)
@@ -240,7 +243,7 @@ class Scheduler:
             if run.phase is not Phase.PREFILLING or batch.free == 0:
                 continue
             assert run.slot is not None
-            room = min(batch.free, PREFILL_CHUNK_BUSY if plan.decoding else batch.free)
+            room = min(batch.free, self.prefill_chunk if plan.decoding else batch.free)
             if is_sentinel(run.pending[0]):
                 if plan.media is not None or not self._plan_image(run, plan):
                     continue  # one image a step, or its encode is still running
