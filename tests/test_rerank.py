@@ -68,10 +68,11 @@ def test_a_model_that_is_not_a_reranker_is_refused_in_one_line(models_root):
 
 def test_scores_and_order_equal_llama_servers(http, llama_tools, reranker, tmp_path_factory):
     from bench.bench_serve import _free_port, _server
+    from quantize.llm import use_extra_buffers
 
     port = _free_port()
     cmd = [str(llama_tools / "llama-server"), "-m", str(reranker), "--rerank", "-c", "512", "-np", "1", "-t", str(default_threads()),
-           "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
+           "--no-webui", "--host", "127.0.0.1", "--port", str(port), *([] if use_extra_buffers() else ["--no-repack"])]
     body = {"query": QUERY, "documents": DOCUMENTS}
     with _server(cmd, port, "llama-server", tmp_path_factory.mktemp("llama-server-rerank")) as url:
         theirs = httpx.post(url + "/v1/rerank", json=body, timeout=60).json()["results"]

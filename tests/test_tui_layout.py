@@ -84,7 +84,7 @@ class ScriptedClient:
 @pytest.fixture(autouse=True)
 def fixed_memory(monkeypatch):
     # The status bar shows process memory; fix it so screenshots do not change run to run.
-    monkeypatch.setattr("edgechat.tui.widgets.statusbar.process_memory", lambda: 200 * 2**20)
+    monkeypatch.setattr("edgechat.tui.widgets.statusbar.process_rss", lambda: 200 * 2**20)
 
 
 def make_app(paths, client=None) -> EdgechatApp:

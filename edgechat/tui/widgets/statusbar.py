@@ -3,21 +3,11 @@ speculative guesses kept, memory in use; what does not fit the width is left out
 
 from __future__ import annotations
 
-import os
-
 from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-
-def process_memory() -> int | None:
-    """Resident memory of this process in bytes (Linux and Android; None elsewhere)."""
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
+from edgechat.sysmem import process_rss
 
 #: between the parts of the line
 SEP = " │ "
@@ -54,7 +44,7 @@ class StatusBar(Widget):
         self.set_interval(2.0, self._sample_memory)
 
     def _sample_memory(self) -> None:
-        self.memory = process_memory() or 0
+        self.memory = process_rss() or 0
 
     def render(self) -> Text:
         narrow = self.size.width < 70
