@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -50,9 +51,10 @@ def _llama_cmd(model: Path, port: int) -> list[str]:
 
 
 def _edge_cmd(model: Path, port: int, chunk: int | None = None) -> list[str]:
+    # a data folder of its own: no server finds an earlier one's prompts in the disk cache
     return [sys.executable, "-m", "edgechat", "serve", "-m", str(model), "--threads", str(THREADS), "--ctx", str(CTX),
             "--parallel", str(PARALLEL), "--port", str(port), "--degrade-queue-wait", "0", "--speculative", "off",
-            *(["--prefill-chunk", str(chunk)] if chunk else [])]
+            "--data-dir", tempfile.mkdtemp(prefix="bench-traffic-"), *(["--prefill-chunk", str(chunk)] if chunk else [])]
 
 
 def _replay(url: str, entries, seed: int, label: str) -> TraceReport:
