@@ -43,7 +43,7 @@ class DegradeSwitch:
     def memory(self, short: bool, why: str) -> None:
         """The memory guard's signal: under its floor (`short`) or back to normal."""
         if short != self.memory_short:
-            self._switch(lambda: setattr(self, "memory_short", short), f"memory: {why}")
+            self._switch("memory_short", short, f"memory: {why}")
 
     def observe(self, queue_wait: float) -> None:
         """A request left the queue after `queue_wait` seconds (turning off is on_admit's call,
@@ -77,12 +77,12 @@ class DegradeSwitch:
         return self.max_tokens_cap if max_tokens is None else min(max_tokens, self.max_tokens_cap)
 
     def _set(self, active: bool, why: str) -> None:
-        self._switch(lambda: setattr(self, "queue_active", active), why)
+        self._switch("queue_active", active, why)
 
-    def _switch(self, change: Callable[[], None], why: str) -> None:
-        """Apply one signal's `change`; tell and log where the switch as a whole flipped."""
+    def _switch(self, signal: str, on: bool, why: str) -> None:
+        """Set one signal (`queue_active`, `memory_short`); tell and log where the switch as a whole flipped."""
         was = self.active
-        change()
+        setattr(self, signal, on)
         if self.active == was:
             return
         if self._on_switch is not None:

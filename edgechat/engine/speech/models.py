@@ -49,6 +49,9 @@ class SpeechModels:
         self._transcriber: Transcriber | None = None
         self._voice: Voice | None = None
         self._last_used = {"stt": 0.0, "tts": 0.0}
+        # read once: the pool asks under its lock at every load, /v1/models at every listing
+        self._memory = {kind: 0 if path is None else int(_files_bytes(path) * per_byte)
+                        for kind, path, per_byte in (("stt", stt, STT_MEMORY_PER_BYTE), ("tts", tts, TTS_MEMORY_PER_BYTE))}
         self._timer: threading.Timer | None = None
         self._lock = threading.Lock()
 
@@ -96,8 +99,7 @@ class SpeechModels:
     def memory_bytes(self, kind: str) -> int:
         """What the "stt" or "tts" model takes once loaded (its files times what loading and use
         were measured to add); 0 where none is named."""
-        path, per_byte = (self.stt, STT_MEMORY_PER_BYTE) if kind == "stt" else (self.tts, TTS_MEMORY_PER_BYTE)
-        return 0 if path is None else int(_files_bytes(path) * per_byte)
+        return self._memory[kind]
 
     def held_bytes(self) -> int:
         """What the loaded speech models take: the language models' pool counts it in its budget."""
